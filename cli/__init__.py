@@ -1,0 +1,1 @@
+"""The click + rich front end: `mlasandbox bench | sweep | regs | check | grid | repro | info`."""

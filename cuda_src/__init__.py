@@ -1,0 +1,1 @@
+"""CUDA sources of mlasandbox, shipped as package data (one .cu per kernel family)."""

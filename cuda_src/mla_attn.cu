@@ -1,0 +1,315 @@
+// mla_attn.cu: the attention family of mlasandbox. per_head, split and batched<HPB> are all
+// instances of one kernel, mla::attn<HPB, CacheT, QT>.
+//
+// Template parameters
+//   HPB     heads served by one pass over the cache: 1 (per_head, split), 2, 4, 8, 12, 16
+//   CacheT  cache element: __half or __nv_bfloat16
+//   QT      query element: float, or CacheT
+// Fixed geometry (sandbox/registry.py mirrors it: change both together)
+//   kThreads = 256 (8 warps), kTile = 32 cache rows per step,
+//   MLA_KV_LORA = 512 and MLA_ROPE = 64 come from the compile options.
+//
+// Launch: grid = (ceil(H / HPB), S), block = kThreads, dynamic smem = attn_smem_bytes(HPB).
+// Block (g, s) serves heads g*HPB .. g*HPB+HPB-1 (heads >= H are masked, not dropped) over
+// the contiguous slice s of [0, n_ctx): [s*L, min(n_ctx, s*L + L)), L = ceil(n_ctx / S).
+// Contiguous, not strided, so each block's walk stays sequential for the prefetcher.
+// It writes each head's partial in the log2 domain (q is pre-scaled by scale * log2(e)):
+//   m   = max_t s2[t]            l = sum_t 2^(s2[t] - m)
+//   acc = sum_t 2^(s2[t] - m) * cache[t, :512]
+// An empty slice writes m = -inf, l = 0, acc = 0: neutral in the combine, never NaN.
+// The output projection wv_b is NOT applied here: it is a function of the merged latent,
+// so it runs in the combine (mla_combine.cu), after the merge.
+//
+// One tile of kTile rows:
+//   1. cp.async of the NEXT tile into the other buffer once this tile's softmax is done
+//      (double buffer); rows past the slice end are zero-filled, never read, so a NaN-filled
+//      cache past n_ctx cannot leak.
+//   2. scores: warp w owns key columns [72w, 72w+72) (9 chunks of 8 elements); a lane owns
+//      TPT rows x HPT heads, reads its rows with 16-byte loads and q as shared-memory
+//      broadcasts; the 8 column partials of each score go to `red`.
+//   3. softmax: warp w finishes heads w, w+8, ...: sums the partials of its 32 rows, takes
+//      the tile max, writes p = 2^(s2 - m_new) and alpha = 2^(m_old - m_new), updates (m, l).
+//   4. values: thread owns 4 latent columns for all HPB heads over half of each tile's rows,
+//      in registers across the whole slice: acc = acc * alpha + sum_t p[t] * cache[t, cols];
+//      the two row halves are summed once, when the slice is done.
+// Shared memory is O(key_dim * HPB + tile), never O(n_ctx): see attn_smem_bytes().
+#include "mla_common.cuh"
+
+namespace mla {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kTile = 32;
+constexpr int kKvLora = MLA_KV_LORA;
+constexpr int kKeyDim = MLA_KV_LORA + MLA_ROPE;
+constexpr int kChunkElems = 8;                             // 16 bytes of 16-bit elements
+constexpr int kChunksPerRow = kKeyDim / kChunkElems;       // 72
+constexpr int kChunksPerWarp = kChunksPerRow / kWarps;     // 9
+static_assert(kKeyDim % (kChunkElems * kWarps) == 0, "key columns must split evenly over warps");
+static_assert(kChunksPerRow % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
+static_assert(kTile == 32, "the softmax phase maps one tile row to one lane");
+
+__host__ __device__ constexpr int round4(int x) { return (x + 3) / 4 * 4; }
+
+// Shared-memory layout in bytes; registry.attn_smem_bytes() computes the same total.
+// The cross-warp score partials (`red`) live in the spare tile buffer: the next tile is only
+// issued once the softmax has consumed them, so one buffer serves both, and HPB 16 fits two
+// blocks per SM.
+template <int HPB> struct AttnSmem {
+    static constexpr int tile_bytes = kTile * kKeyDim * 2;
+    static constexpr int tiles = 0;                                        // 2 x [kTile][72] x 16 B
+    static constexpr int q = tiles + 2 * tile_bytes;                       // [kKeyDim][HPB] f32
+    static constexpr int p = q + kKeyDim * HPB * 4;                        // [HPB][kTile] f32
+    static constexpr int m = p + HPB * kTile * 4;                          // [HPB] f32 each
+    static constexpr int l = m + round4(HPB) * 4;
+    static constexpr int alpha = l + round4(HPB) * 4;
+    static constexpr int bytes = alpha + round4(HPB) * 4;
+    static constexpr int red_bytes = kWarps * HPB * kTile * 4;             // [kWarps][HPB][kTile]
+    static_assert(red_bytes <= tile_bytes, "the score partials must fit in the spare tile");
+};
+
+// Chunk c of tile row r lives at chunk (c ^ (r & 7)) of that row: the 16-byte reads of the
+// score phase (many rows, one column) and the 4-byte reads of the value phase (one row, many
+// columns) are then both free of bank conflicts without padding the rows.
+__device__ __forceinline__ int swizzled_chunk(int r, int c) { return r * kChunksPerRow + (c ^ (r & 7)); }
+
+// HPT consecutive f32 from shared memory, as wide as alignment allows.
+template <int HPT, int HPB>
+__device__ __forceinline__ void load_heads(const float* src, float (&dst)[HPT]) {
+    if constexpr (HPT % 4 == 0 && HPB % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < HPT; j += 4) {
+            const float4 v = *reinterpret_cast<const float4*>(src + j);
+            dst[j] = v.x; dst[j + 1] = v.y; dst[j + 2] = v.z; dst[j + 3] = v.w;
+        }
+    } else if constexpr (HPT % 2 == 0 && HPB % 2 == 0) {
+#pragma unroll
+        for (int j = 0; j < HPT; j += 2) {
+            const float2 v = *reinterpret_cast<const float2*>(src + j);
+            dst[j] = v.x; dst[j + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < HPT; ++j) dst[j] = src[j];
+    }
+}
+
+template <int HPB, typename CacheT, typename QT>
+__global__ void __launch_bounds__(kThreads, 2)
+attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
+     int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
+     float* __restrict__ part_l) {
+    using Smem = AttnSmem<HPB>;
+    // Score phase: a lane owns TPT rows x HPT heads. Two head groups of 8 at HPB 16 keep a
+    // lane at 2 rows x 8 heads (16 FMAs per 2 q broadcasts and 2 conversions); one below.
+    constexpr int HG = (HPB >= 16) ? 2 : 1;
+    constexpr int HPT = HPB / HG;          // heads per lane
+    constexpr int RG = 32 / HG;            // row groups per warp
+    constexpr int TPT = kTile / RG;        // rows per lane
+    static_assert(HPB % HG == 0, "HPB must split evenly into head groups");
+    // Value phase: a thread owns kCols latent columns for all HPB heads. With 4 columns
+    // (HPB <= 8) the threads also split each tile's rows in two halves, summed once at the
+    // end of the slice; at HPB >= 12, 4 x HPB accumulators would spill, so 2 columns.
+    constexpr int kCols = (HPB >= 12) ? 2 : 4;
+    constexpr int kColGroups = kKvLora / kCols;            // 128 or 256
+    constexpr int kRowHalves = kThreads / kColGroups;      // 2 or 1
+    constexpr int kRowsPerHalf = kTile / kRowHalves;       // 16 or 32
+    constexpr int kGroupsPerChunk = kChunkElems / kCols;   // 2 or 4
+    static_assert(kColGroups * kRowHalves == kThreads && kRowsPerHalf % 4 == 0, "value mapping");
+
+    require_dynamic_smem(Smem::bytes);
+    extern __shared__ __align__(16) unsigned char smem[];
+    uint4* tiles = reinterpret_cast<uint4*>(smem + Smem::tiles);
+    float* q_s = reinterpret_cast<float*>(smem + Smem::q);
+    float* p_s = reinterpret_cast<float*>(smem + Smem::p);
+    float* m_s = reinterpret_cast<float*>(smem + Smem::m);
+    float* l_s = reinterpret_cast<float*>(smem + Smem::l);
+    float* alpha_s = reinterpret_cast<float*>(smem + Smem::alpha);
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int head0 = blockIdx.x * HPB;
+    const int split = blockIdx.y;
+    const int slice_len = (n_ctx + splits - 1) / splits;
+    const int row_start = min(split * slice_len, n_ctx);
+    const int row_end = min(n_ctx, row_start + slice_len);
+    const size_t part_base = static_cast<size_t>(split) * n_head;
+
+    if (row_start >= row_end) {  // empty slice (S > n_ctx): a neutral partial
+        for (int j = 0; j < HPB && head0 + j < n_head; ++j) {
+            float2* dst = reinterpret_cast<float2*>(part_acc + (part_base + head0 + j) * kKvLora);
+            dst[tid] = make_float2(0.f, 0.f);
+            if (tid == 0) { part_m[part_base + head0 + j] = -INFINITY; part_l[part_base + head0 + j] = 0.f; }
+        }
+        return;
+    }
+
+    auto load_tile = [&](int tile_index, int buf) {
+        const int row0 = row_start + tile_index * kTile;
+        uint4* dst = tiles + buf * kTile * kChunksPerRow;
+        for (int idx = tid; idx < kTile * kChunksPerRow; idx += kThreads) {
+            const int r = idx / kChunksPerRow, c = idx - r * kChunksPerRow;
+            const bool valid = row0 + r < row_end;
+            const CacheT* src = cache + static_cast<size_t>(valid ? row0 + r : 0) * kKeyDim + c * kChunkElems;
+            cp_async_16(dst + swizzled_chunk(r, c), src, valid);
+        }
+        cp_async_commit();
+    };
+    load_tile(0, 0);
+
+    // q in f32, pre-scaled into the log2 domain, laid out [key column][head] so that the
+    // score phase reads HPT heads of one column with one broadcast.
+    for (int idx = tid; idx < kKeyDim * HPB; idx += kThreads) {
+        const int j = idx / kKeyDim, k = idx - j * kKeyDim;
+        const int h = head0 + j;
+        q_s[k * HPB + j] = (h < n_head) ? to_f32(q[static_cast<size_t>(h) * kKeyDim + k]) * scale_log2 : 0.f;
+    }
+    for (int j = tid; j < HPB; j += kThreads) { m_s[j] = -INFINITY; l_s[j] = 0.f; }
+
+    float out_acc[HPB][kCols];
+#pragma unroll
+    for (int j = 0; j < HPB; ++j)
+#pragma unroll
+        for (int e = 0; e < kCols; ++e) out_acc[j][e] = 0.f;
+
+    const int n_tiles = (row_end - row_start + kTile - 1) / kTile;
+    const int rg = lane % RG, hg = lane / RG;
+    const int col_group = tid % kColGroups, row_half = tid / kColGroups;
+    const int col_chunk = col_group / kGroupsPerChunk, col_sub = col_group % kGroupsPerChunk;
+
+    for (int it = 0; it < n_tiles; ++it) {
+        const int buf = it & 1;
+        cp_async_wait<0>();
+        // Tile `it` is visible to every thread, and every thread has finished the value
+        // phase of tile it-1, so the spare buffer is free for the score partials.
+        __syncthreads();
+        const uint4* tile = tiles + buf * kTile * kChunksPerRow;
+        float* red = reinterpret_cast<float*>(tiles + (buf ^ 1) * kTile * kChunksPerRow);
+
+        // ---- 2. scores: partial dot products over this warp's key columns ----
+        float sacc[TPT][HPT];
+#pragma unroll
+        for (int i = 0; i < TPT; ++i)
+#pragma unroll
+            for (int j = 0; j < HPT; ++j) sacc[i][j] = 0.f;
+#pragma unroll 3
+        for (int cc = 0; cc < kChunksPerWarp; ++cc) {
+            const int c = warp * kChunksPerWarp + cc;
+            float x[TPT][kChunkElems];
+#pragma unroll
+            for (int i = 0; i < TPT; ++i) {
+                const int r = i * RG + rg;
+                const uint4 raw = tile[swizzled_chunk(r, c)];
+                const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);
+                const float2 d = pair_to_f32<CacheT>(raw.z), e = pair_to_f32<CacheT>(raw.w);
+                x[i][0] = a.x; x[i][1] = a.y; x[i][2] = b.x; x[i][3] = b.y;
+                x[i][4] = d.x; x[i][5] = d.y; x[i][6] = e.x; x[i][7] = e.y;
+            }
+#pragma unroll
+            for (int kk = 0; kk < kChunkElems; ++kk) {
+                float qv[HPT];
+                load_heads<HPT, HPB>(q_s + (c * kChunkElems + kk) * HPB + hg * HPT, qv);
+#pragma unroll
+                for (int i = 0; i < TPT; ++i)
+#pragma unroll
+                    for (int j = 0; j < HPT; ++j) sacc[i][j] = fmaf(x[i][kk], qv[j], sacc[i][j]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < TPT; ++i)
+#pragma unroll
+            for (int j = 0; j < HPT; ++j)
+                red[(warp * HPB + hg * HPT + j) * kTile + i * RG + rg] = sacc[i][j];
+        __syncthreads();
+
+        // ---- 3. online softmax over the tile, one head per warp at a time ----
+        const int row = row_start + it * kTile + lane;
+        for (int j = warp; j < HPB; j += kWarps) {
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < kWarps; ++w) s += red[(w * HPB + j) * kTile + lane];
+            s = (row < row_end) ? s : -INFINITY;
+            const float m_old = m_s[j];
+            const float m_new = fmaxf(m_old, warp_max(s));  // finite: row_start + it*kTile < row_end
+            const float p = exp2f(s - m_new);
+            const float p_sum = warp_sum(p);
+            p_s[j * kTile + lane] = p;
+            if (lane == 0) {
+                const float alpha = exp2f(m_old - m_new);  // m_old = -inf on the first tile: 0
+                alpha_s[j] = alpha;
+                l_s[j] = l_s[j] * alpha + p_sum;
+                m_s[j] = m_new;
+            }
+        }
+        __syncthreads();
+        // The partials are consumed: the spare buffer can take the next tile, which lands
+        // while this tile's value phase runs (and while the SM's other block computes).
+        if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
+
+        // ---- 4. values: acc = acc * alpha + p @ cache[:, cols] over this thread's rows ----
+#pragma unroll
+        for (int j = 0; j < HPB; ++j) {
+            const float a = alpha_s[j];
+#pragma unroll
+            for (int e = 0; e < kCols; ++e) out_acc[j][e] *= a;
+        }
+#pragma unroll 2
+        for (int t4 = row_half * kRowsPerHalf; t4 < (row_half + 1) * kRowsPerHalf; t4 += 4) {
+            float v[4][kCols];
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int chunk = swizzled_chunk(t4 + u, col_chunk);
+                if constexpr (kCols == 4) {
+                    const uint2 raw = reinterpret_cast<const uint2*>(tile)[chunk * 2 + col_sub];
+                    const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);
+                    v[u][0] = a.x; v[u][1] = a.y; v[u][2] = b.x; v[u][3] = b.y;
+                } else {
+                    const unsigned int raw = reinterpret_cast<const unsigned int*>(tile)[chunk * 4 + col_sub];
+                    const float2 a = pair_to_f32<CacheT>(raw);
+                    v[u][0] = a.x; v[u][1] = a.y;
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < HPB; ++j) {
+                const float4 p = *reinterpret_cast<const float4*>(p_s + j * kTile + t4);
+                const float pv[4] = {p.x, p.y, p.z, p.w};
+#pragma unroll
+                for (int u = 0; u < 4; ++u)
+#pragma unroll
+                    for (int e = 0; e < kCols; ++e) out_acc[j][e] = fmaf(pv[u], v[u][e], out_acc[j][e]);
+            }
+        }
+    }
+
+    // Sum the row halves through the (now idle) tile buffers, then write the partial.
+    // The last softmax step's (m, l) are visible since the barrier before the value phase.
+    if constexpr (kRowHalves == 2) {
+        __syncthreads();
+        float* halves = reinterpret_cast<float*>(tiles);  // [HPB][kKvLora]
+        if (row_half == 1) {
+#pragma unroll
+            for (int j = 0; j < HPB; ++j)
+#pragma unroll
+                for (int e = 0; e < kCols; ++e) halves[j * kKvLora + col_group * kCols + e] = out_acc[j][e];
+        }
+        __syncthreads();
+        if (row_half == 1) return;
+#pragma unroll
+        for (int j = 0; j < HPB; ++j)
+#pragma unroll
+            for (int e = 0; e < kCols; ++e) out_acc[j][e] += halves[j * kKvLora + col_group * kCols + e];
+    }
+#pragma unroll
+    for (int j = 0; j < HPB; ++j) {
+        if (head0 + j < n_head) {
+            float* dst = part_acc + (part_base + head0 + j) * kKvLora + col_group * kCols;
+#pragma unroll
+            for (int e = 0; e < kCols; ++e) dst[e] = out_acc[j][e];
+        }
+    }
+    if (tid < HPB && head0 + tid < n_head) {
+        part_m[part_base + head0 + tid] = m_s[tid];
+        part_l[part_base + head0 + tid] = l_s[tid];
+    }
+}
+
+}  // namespace mla

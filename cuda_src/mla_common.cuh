@@ -1,0 +1,74 @@
+// mla_common.cuh: helpers shared by the mlasandbox kernel families.
+//
+// Conversions from the cache element types to f32, 16-byte cp.async with zero fill, and
+// warp reductions. Nothing here depends on the MLA dims.
+#pragma once
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+// NVRTC compiles without the C library headers that define INFINITY.
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+namespace mla {
+
+// ---- element conversions -------------------------------------------------------------
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// Two packed 16-bit elements (one 32-bit word) to two floats.
+template <typename T> __device__ __forceinline__ float2 pair_to_f32(unsigned int w);
+template <> __device__ __forceinline__ float2 pair_to_f32<__half>(unsigned int w) {
+    __half2 h = *reinterpret_cast<__half2*>(&w);
+    return __half22float2(h);
+}
+template <> __device__ __forceinline__ float2 pair_to_f32<__nv_bfloat16>(unsigned int w) {
+    // bf16 is the top half of an f32: two integer ops, no float pipe.
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+// ---- cp.async (sm_80+) -----------------------------------------------------------------
+// Copies 16 bytes, or zero-fills the destination when `valid` is false (src-size 0): rows
+// past the end of a slice become zeros in shared memory and are never read from global,
+// so a NaN-filled cache past n_ctx cannot leak into a product.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
+    unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem_dst));
+    int src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
+                 "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- warp reductions -------------------------------------------------------------------
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// A kernel that needs `need` bytes of dynamic shared memory traps when launched with less,
+// so a launcher whose smem formula drifted from the kernel fails loudly, not wrongly.
+__device__ __forceinline__ void require_dynamic_smem(unsigned int need) {
+    unsigned int have;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(have));
+    if (have < need) __trap();
+}
+
+}  // namespace mla

@@ -1,0 +1,26 @@
+"""mlasandbox: a CuPy kernel sandbox for MLA (multi-head latent attention) decode.
+
+    import mlasandbox as mla
+    res = mla.decode(q, cache, wv_b, variant="batched12")      # CuPy arrays in
+    ref = mla.reference.decode(q_np, cache_np, wv_b_np)          # NumPy float64
+
+Importing the package needs neither a GPU nor CuPy; the CUDA paths import CuPy lazily.
+"""
+from . import dims, registry, splits  # noqa: F401
+from .dims import PRESETS, Dims, preset  # noqa: F401
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # reference, schedule, etc. load on first use so `import mlasandbox` stays light
+    import importlib
+
+    if name in ("reference", "schedule", "occupancy", "compare", "inputs", "bf16", "ptxas",
+                "toolkit", "kernels", "guard", "api", "bench", "sweep", "repro", "timing"):
+        return importlib.import_module(f".{name}", __name__)
+    if name in ("decode", "DecodeStep", "DecodeResult", "q_absorb"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'mlasandbox' has no attribute {name!r}")

@@ -1,0 +1,230 @@
+"""The Python API: one decode step on CuPy arrays, by any registered variant.
+
+    import mlasandbox as mla
+    res = mla.decode(q, cache, wv_b, n_ctx=None, variant="split", splits=None,
+                     heads_per_block=None, scale=None)
+    res.out, res.latent, res.lse            # CuPy f32 arrays
+
+`DecodeStep` is the same step prepared once and run by phase (q_absorb, attn, combine): the
+bench times phases through it, and the tests poke at its plan and scratch.
+"""
+from __future__ import annotations
+
+from . import registry
+from .dims import Dims, check_inputs
+from .guard import Launch, PhaseGuard
+from .reference import DecodeResult
+from .splits import SPLIT_MIN_CTX, SplitPlan, plan_splits
+
+__all__ = ["DecodeResult", "DecodeStep", "decode", "q_absorb", "scratch_for_device"]
+
+_LOG2E = 1.4426950408889634
+DEFAULT_BATCHED_HPB = 12
+
+
+# Scratch for the split partials, one pool per device (lecture section 2: a single static
+# pointer allocated by whichever rank arrives first is then dereferenced on devices it does
+# not belong to). Grown on demand, never shrunk.
+_scratch: dict[int, dict[str, object]] = {}
+
+
+def scratch_for_device(device_id: int, name: str, size: int):
+    import cupy
+
+    pool = _scratch.setdefault(device_id, {})
+    buf = pool.get(name)
+    if buf is None or buf.size < size:
+        with cupy.cuda.Device(device_id):
+            buf = cupy.empty(max(size, 1), cupy.float32)
+        pool[name] = buf
+    return buf[:size]
+
+
+def _resolve_hpb(var: registry.Variant, heads_per_block) -> int:
+    if var.family == "batched":
+        if heads_per_block not in (None, var.hpb):
+            raise ValueError(f"variant {var.name} has heads_per_block={var.hpb}; "
+                             f"got heads_per_block={heads_per_block}")
+        return var.hpb
+    if heads_per_block not in (None, 1):
+        raise ValueError(f"variant {var.name} serves one head per block; use a batched "
+                         f"variant for heads_per_block={heads_per_block}")
+    return 1
+
+
+def _check_device_array(name, arr):
+    import cupy
+
+    if not isinstance(arr, cupy.ndarray):
+        raise TypeError(f"{name} must be a CuPy array on the device (got {type(arr).__name__}); "
+                        "torch tensors convert without a host copy via cupy.from_dlpack")
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (got strides {arr.strides}); "
+                         "use cupy.ascontiguousarray")
+    if arr.data.ptr % 16:
+        raise ValueError(f"{name} must be 16-byte aligned for the kernels' vector loads")
+    if arr.device.id != cupy.cuda.Device().id:
+        raise ValueError(f"{name} is on device {arr.device.id}, the current device is "
+                         f"{cupy.cuda.Device().id}")
+
+
+def _as_variant_name(variant, heads_per_block) -> str:
+    if variant == "batched":  # generic spelling: pick the instance from heads_per_block
+        hpb = heads_per_block or DEFAULT_BATCHED_HPB
+        registry.attn_instance(hpb)  # raises naming the instantiated values
+        return f"batched{hpb}"
+    return variant
+
+
+class DecodeStep:
+    """One decode step, validated, planned and compiled; run by phase.
+
+    The inputs are validated (shapes, dtypes, contiguity, n_ctx) before anything launches.
+    """
+
+    def __init__(self, q, cache, wv_b, n_ctx=None, variant="split", splits=None,
+                 heads_per_block=None, scale=None, *, min_ctx: int = SPLIT_MIN_CTX,
+                 sync_check: bool = False, rescale: bool = True):
+        import cupy
+
+        var = registry.variant(_as_variant_name(variant, heads_per_block))
+        self.dims, self.n_ctx, self.scale, dts = check_inputs(q, cache, wv_b, n_ctx, scale)
+        for name, arr in (("q", q), ("cache", cache), ("wv_b", wv_b)):
+            _check_device_array(name, arr)
+        if var.is_cuda and (self.dims.kv_lora, self.dims.rope) != (registry.KV_LORA, registry.ROPE):
+            raise ValueError(f"the CUDA variants are built for kv_lora={registry.KV_LORA}, "
+                             f"rope={registry.ROPE}; got kv_lora={self.dims.kv_lora}, "
+                             f"rope={self.dims.rope} (the NumPy reference takes any dims)")
+        self.variant = var
+        self.q, self.cache, self.wv_b = q, cache, wv_b
+        self.cache_dtype, self.q_dtype = dts["cache"], dts["q"]
+        self.guard = PhaseGuard(var.name, sync_check=sync_check)
+        self.device_id = cupy.cuda.Device().id
+        h, d = self.dims.n_head, self.dims
+        self.out = cupy.empty((h, d.v_head), cupy.float32)
+        self.latent = cupy.empty((h, d.kv_lora), cupy.float32)
+        self.lse = cupy.empty((h,), cupy.float32)
+        self.plan: SplitPlan | None = None
+        if not var.is_cuda:
+            if splits not in (None, "auto"):
+                raise ValueError("the cublas engine does not split; splits must be None")
+            _resolve_hpb(var, heads_per_block)
+            return
+
+        from .kernels import blocks_per_sm, device_info, get_kernel
+
+        hpb = _resolve_hpb(var, heads_per_block)
+        self.attn_inst = registry.attn_instance(hpb, self.cache_dtype, self.q_dtype)
+        self.combine_inst = registry.combine_instance(self.cache_dtype, rescale)
+        info = device_info(self.device_id)
+        self.plan = plan_splits(self.n_ctx, h, hpb, num_sms=info.num_sms,
+                                blocks_per_sm=max(1, blocks_per_sm(self.attn_inst)),
+                                splits=splits, split=var.splits, min_ctx=min_ctx)
+        if self.plan.splits > info.max_grid_y:
+            raise ValueError(f"splits={self.plan.splits} exceeds the grid's y limit "
+                             f"{info.max_grid_y} on {info.name}")
+        self.attn_kernel = get_kernel(self.attn_inst)
+        self.combine_kernel = get_kernel(self.combine_inst)
+        s = self.plan.splits
+        self.part_acc = scratch_for_device(self.device_id, "part_acc", s * h * d.kv_lora)
+        self.part_m = scratch_for_device(self.device_id, "part_m", s * h)
+        self.part_l = scratch_for_device(self.device_id, "part_l", s * h)
+
+    # ---- phases -------------------------------------------------------------------------
+    def run_attn(self) -> None:
+        import numpy as np
+
+        if not self.variant.is_cuda:
+            from .cublas_engine import cublas_decode
+
+            self.out[...], self.latent[...], self.lse[...] = cublas_decode(
+                self.q, self.cache, self.wv_b, self.n_ctx, self.scale, self.cache_dtype,
+                guard=self.guard)
+            return
+        p = self.plan
+        self.guard.launch(
+            "attn", self.attn_kernel, (p.head_blocks, p.splits, 1), (self.attn_inst.threads, 1, 1),
+            (self.q, self.cache, np.int32(self.dims.n_head), np.int32(self.n_ctx),
+             np.int32(p.splits), np.float32(self.scale * _LOG2E), self.part_acc, self.part_m,
+             self.part_l),
+            smem_bytes=self.attn_inst.smem_bytes, kernel_name=self.attn_inst.name)
+
+    def run_combine(self) -> None:
+        import numpy as np
+
+        if not self.variant.is_cuda:
+            return  # the engine's combine ran inside run_attn, under its own guard phase
+        self.guard.launch(
+            "combine", self.combine_kernel, (self.dims.n_head, 1, 1),
+            (self.combine_inst.threads, 1, 1),
+            (self.part_acc, self.part_m, self.part_l, np.int32(self.dims.n_head),
+             np.int32(self.plan.splits), self.wv_b, np.int32(self.dims.v_head), self.out,
+             self.latent, self.lse),
+            kernel_name=self.combine_inst.name)
+
+    def run(self) -> DecodeResult:
+        self.run_attn()
+        self.run_combine()
+        return DecodeResult(self.out, self.latent, self.lse)
+
+    @property
+    def launches(self) -> list[Launch]:
+        if not self.variant.is_cuda:
+            return []
+        p = self.plan
+        return [Launch(self.attn_inst.name, (p.head_blocks, p.splits, 1),
+                       (self.attn_inst.threads, 1, 1), self.attn_inst.smem_bytes),
+                Launch(self.combine_inst.name, (self.dims.n_head, 1, 1),
+                       (self.combine_inst.threads, 1, 1), 0)]
+
+
+def decode(q, cache, wv_b, n_ctx=None, variant="split", splits=None, heads_per_block=None,
+           scale=None, *, min_ctx: int = SPLIT_MIN_CTX, sync_check: bool = False) -> DecodeResult:
+    """One decode step. CuPy arrays in (q f32 or cache dtype; cache and wv_b f16, or bf16 as
+    raw uint16 words), CuPy f32 arrays out. See DecodeStep for the checks."""
+    return DecodeStep(q, cache, wv_b, n_ctx, variant, splits, heads_per_block, scale,
+                      min_ctx=min_ctx, sync_check=sync_check).run()
+
+
+class QAbsorb:
+    """The q_absorb phase, prepared: q[h] = (q_nope[h] @ wk_b[h]) || q_rope[h]."""
+
+    def __init__(self, q_nope, q_rope, wk_b, q_dtype: str = "f32", dims: Dims | None = None,
+                 sync_check: bool = False):
+        import cupy
+
+        from .dims import dtype_name
+        from .kernels import get_kernel
+
+        for name, arr in (("q_nope", q_nope), ("q_rope", q_rope), ("wk_b", wk_b)):
+            _check_device_array(name, arr)
+        h = int(q_nope.shape[0])
+        dims = dims or Dims(n_head=h)
+        want = {"q_nope": (h, dims.nope), "q_rope": (h, dims.rope),
+                "wk_b": (h, dims.nope, dims.kv_lora)}
+        for name, arr in (("q_nope", q_nope), ("q_rope", q_rope), ("wk_b", wk_b)):
+            if tuple(arr.shape) != want[name]:
+                raise ValueError(f"{name} must be {list(want[name])}, got {list(arr.shape)}")
+        in_dt = dtype_name(wk_b)
+        for name, arr in (("q_nope", q_nope), ("q_rope", q_rope)):
+            if dtype_name(arr) != in_dt:
+                raise TypeError(f"{name} must have wk_b's dtype ({in_dt})")
+        q_dt = in_dt if q_dtype == "cache" else q_dtype
+        self.inst = registry.q_absorb_instance(in_dt, q_dt)
+        self.kernel = get_kernel(self.inst)
+        self.args = (q_nope, q_rope, wk_b)
+        self.n_head = h
+        storage = {"f32": cupy.float32, "f16": cupy.float16, "bf16": cupy.uint16}[q_dt]
+        self.q = cupy.empty((h, dims.key_dim), storage)
+        self.guard = PhaseGuard("q_absorb", sync_check=sync_check)
+
+    def run(self):
+        import numpy as np
+
+        self.guard.launch("q_absorb", self.kernel, (self.n_head, 1, 1), (self.inst.threads, 1, 1),
+                          (*self.args, np.int32(self.n_head), self.q), kernel_name=self.inst.name)
+        return self.q
+
+
+def q_absorb(q_nope, q_rope, wk_b, q_dtype: str = "f32"):
+    return QAbsorb(q_nope, q_rope, wk_b, q_dtype).run()

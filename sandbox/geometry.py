@@ -1,0 +1,192 @@
+"""Launch geometry and resources, as plain rows: what `mlasandbox regs` and `grid` show.
+
+* `resource_rows` joins the ptxas report (registers, spills, stack, static smem) with each
+  instance's block size and dynamic shared memory and the theoretical occupancy
+  (`mlasandbox.occupancy`), and marks the occupancy step along the heads-per-block sweep.
+* `grid_report` is the launch geometry of one variant for one shape (splits.plan_splits):
+  grid, blocks vs SMs, waves, idle SMs, positions and tiles per block, empty slices.
+  With `blocks_per_sm="auto"` the resident-block count is the theoretical occupancy of the
+  variant's attention instance, from a real ptxas compile of it (about 0.3 s, no GPU).
+
+Everything returns dicts of plain values, so the CLI renders them as tables or JSON.
+"""
+from __future__ import annotations
+
+import math
+
+from . import registry
+from .registry import ATTN_TILE, HPB_VALUES
+
+__all__ = ["DEFAULT_ARCH", "DEFAULT_SMS", "KINDS", "instances_for", "occupancy_of", "resource_rows",
+           "theoretical_blocks_per_sm", "resolve_variant", "grid_report"]
+
+DEFAULT_ARCH = "sm_90"
+DEFAULT_SMS = 132  # H100 SXM / H200: the lecture's part
+
+
+def _occupancy_module():
+    try:
+        from . import occupancy
+    except ImportError as exc:
+        raise RuntimeError(
+            "mlasandbox.occupancy is not available (the occupancy calculator): "
+            f"{exc}") from exc
+    return occupancy
+
+
+def occupancy_of(arch: str, registers: int, threads: int, smem_bytes: int) -> dict:
+    """{'blocks_per_sm', 'limiter', 'warp_occupancy'} from the occupancy calculator.
+
+    An unknown arch raises ValueError; a kernel that cannot fit on an SM at all (over a
+    per-block limit) gets blocks_per_sm 0 and the calculator's reason as its limiter.
+    """
+    mod = _occupancy_module()
+    mod.arch_limits(arch)  # ValueError naming the known archs
+    try:
+        occ = mod.occupancy(arch, registers, threads, smem_bytes)
+    except ValueError as exc:
+        return {"blocks_per_sm": 0, "limiter": f"does not fit: {exc}", "warp_occupancy": 0.0}
+    return {"blocks_per_sm": int(occ.blocks_per_sm), "limiter": str(occ.limiter),
+            "warp_occupancy": float(occ.fraction)}
+
+
+def _parse_name(inst) -> dict:
+    """kind and template values from a KernelInstance's readable name."""
+    kind, _, rest = inst.name.partition("<")
+    vals = dict(kv.split("=", 1) for kv in rest.rstrip(">").split(",") if "=" in kv)
+    return {"kind": kind, **vals}
+
+
+KINDS = ("attn", "q_absorb", "combine")
+
+
+def instances_for(hpbs=HPB_VALUES, caches=("f16", "bf16"), q_dtypes=("f32", "cache"),
+                  controls: bool = True, kinds=KINDS) -> list:
+    """The registry instances `regs` reports: attn for each HPB, then q_absorb and combine."""
+    for h in hpbs:
+        if h not in HPB_VALUES:
+            raise ValueError(f"heads per block must be among {HPB_VALUES}, got {h}")
+    wanted = registry.all_instances(tuple(caches), tuple(q_dtypes), negative_controls=controls)
+    keep = []
+    for inst in wanted:
+        info = _parse_name(inst)
+        if info["kind"] not in kinds:
+            continue
+        if info["kind"] == "attn" and int(info["hpb"]) not in hpbs:
+            continue
+        keep.append(inst)
+    return keep
+
+
+def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf16"),
+                  q_dtypes=("f32", "cache"), controls: bool = True, kinds=KINDS,
+                  report=None) -> list[dict]:
+    """One row per kernel instance: ptxas resources, block size, smem, blocks/SM, limiter.
+
+    `step` is True on an attn row whose blocks/SM is below the previous HPB's for the same
+    dtypes: the occupancy step of the lecture's section 4.
+    """
+    from .ptxas import ptxas_report
+
+    insts = instances_for(hpbs, caches, q_dtypes, controls, kinds)
+    _occupancy_module().arch_limits(arch)  # an unknown arch fails before the compile
+    rep = report if report is not None else ptxas_report(insts, arch=arch)
+    rows = []
+    prev: dict[tuple, int] = {}
+    for inst in insts:
+        r = rep[inst.name]
+        info = _parse_name(inst)
+        total_smem = r.smem_bytes + inst.smem_bytes
+        occ = occupancy_of(arch, r.registers, inst.threads, total_smem)
+        row = {
+            "name": inst.name, **info,
+            "registers": r.registers, "spill_stores": r.spill_stores,
+            "spill_loads": r.spill_loads, "stack_bytes": r.stack_bytes,
+            "static_smem": r.smem_bytes, "dynamic_smem": inst.smem_bytes,
+            "threads": inst.threads, **occ, "step": False,
+            "cmem0_bytes": r.cmem0_bytes, "barriers": r.barriers, "arch": arch,
+        }
+        if info["kind"] == "attn":
+            key = (info.get("cache"), info.get("q"))
+            if key in prev and occ["blocks_per_sm"] < prev[key]:
+                row["step"] = True
+            prev[key] = occ["blocks_per_sm"]
+        rows.append(row)
+    return rows
+
+
+def theoretical_blocks_per_sm(hpb: int, cache: str = "f16", q: str = "f32",
+                              arch: str = DEFAULT_ARCH) -> dict:
+    """Blocks/SM of attn<hpb, cache, q> on `arch`, from a real compile: a resource row."""
+    from .ptxas import ptxas_report
+
+    inst = registry.attn_instance(hpb, cache, q)  # ValueError for a bad hpb or dtype pair
+    _occupancy_module().arch_limits(arch)
+    return resource_rows(arch, hpbs=(hpb,), caches=(cache,), q_dtypes=(q,), controls=False,
+                         kinds=("attn",), report=ptxas_report([inst], arch=arch))[0]
+
+
+def resolve_variant(name: str, hpb: int | None = None):
+    """The registry Variant for `name`; 'batched' plus hpb names batched<hpb>."""
+    if name == "batched":
+        if hpb is None:
+            raise ValueError("variant 'batched' needs --hpb (one of "
+                             f"{', '.join(str(h) for h in HPB_VALUES if h > 1)})")
+        name = f"batched{hpb}"
+    v = registry.variant(name)
+    if hpb is not None and v.hpb is not None and hpb != v.hpb:
+        raise ValueError(f"variant {v.name} serves {v.hpb} head(s) per block; --hpb {hpb} "
+                         f"contradicts it (use --variant batched --hpb {hpb})")
+    return v
+
+
+def grid_report(variant: str, heads: int, ctx: int, *, splits="auto", hpb: int | None = None,
+                sms: int = DEFAULT_SMS, blocks_per_sm="auto", arch: str = DEFAULT_ARCH,
+                cache: str = "f16", q: str = "f32") -> dict:
+    """The launch geometry of `variant` for `heads` heads at context `ctx`."""
+    from .splits import plan_splits, slice_bounds
+
+    v = resolve_variant(variant, hpb)
+    if not v.is_cuda:
+        raise ValueError(f"variant {v.name} is CuPy matmuls (cuBLAS): it has no launch "
+                         "geometry of its own; pick one of "
+                         + ", ".join(n for n, x in registry.VARIANTS.items() if x.is_cuda))
+    for name, val in (("heads", heads), ("ctx", ctx), ("sms", sms)):
+        if isinstance(val, bool) or int(val) != val or val < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
+    occ_row = None
+    if blocks_per_sm in (None, "auto"):
+        occ_row = theoretical_blocks_per_sm(v.hpb, cache, q, arch)
+        bps = occ_row["blocks_per_sm"]
+        if bps < 1:
+            raise ValueError(f"{occ_row['name']} does not fit on an SM of {arch} "
+                             f"(limiter: {occ_row['limiter']})")
+        bps_source = (f"theoretical occupancy of {occ_row['name']} on {arch}: "
+                      f"{occ_row['registers']} registers x {occ_row['threads']} threads, "
+                      f"{occ_row['static_smem'] + occ_row['dynamic_smem']} B smem -> "
+                      f"{bps}/SM (limited by {occ_row['limiter']}; ptxas compile)")
+    else:
+        bps = int(blocks_per_sm)
+        bps_source = "given (--blocks-per-sm)"
+    plan = plan_splits(int(ctx), int(heads), v.hpb, num_sms=int(sms), blocks_per_sm=bps,
+                       splits=splits, split=v.splits)
+    lengths = [e - s for s, e in (slice_bounds(plan.n_ctx, plan.splits, i)
+                                  for i in range(plan.splits))]
+    nonempty = [n for n in lengths if n > 0]
+    waves = plan.blocks / plan.slots
+    return {
+        "variant": v.name, "family": v.family, "heads_per_block": v.hpb,
+        "n_head": plan.n_head, "n_ctx": plan.n_ctx, "arch": arch, "cache": cache, "q": q,
+        "grid": list(plan.grid), "blocks": plan.blocks, "threads_per_block":
+            registry.ATTN_THREADS,
+        "splits": plan.splits, "splits_requested": str(splits),
+        "num_sms": plan.num_sms, "blocks_per_sm": bps, "blocks_per_sm_source": bps_source,
+        "slots": plan.slots, "waves": waves, "full_waves": math.ceil(waves),
+        "idle_sms": plan.idle_sms,
+        "positions_per_block": max(nonempty), "positions_min_block": min(nonempty),
+        "tiles_per_block": plan.tiles_per_block(), "tile": ATTN_TILE,
+        "empty_slices": plan.empty_slices, "combine": plan.splits > 1,
+        "estimated_tile_steps": plan.estimated_steps(), "reason": plan.reason,
+        "registers": occ_row["registers"] if occ_row else None,
+        "limiter": occ_row["limiter"] if occ_row else None,
+    }

@@ -1,0 +1,116 @@
+"""Random inputs for one decode step, on the host (NumPy) or on the device (CuPy).
+
+Every value is drawn in float32 and then rounded to its storage dtype, so the arrays the
+kernels read are exactly representable in float64: the reference then sees the very same
+numbers and any error is the kernel's own.
+
+* ``q_nope [H, nope]``, ``q_rope [H, rope]``, ``wk_b [H, nope, kv_lora]`` are the inputs of the
+  ``q_absorb`` phase (the control phase): ``q[h] = q_nope[h] @ wk_b[h] || q_rope[h]``.
+* ``q [H, kv_lora + rope]`` IS that absorbed query, computed in float64 and rounded to the q
+  dtype, so a ``q_absorb`` kernel can be checked against it and the attention phase can run
+  on it directly. Its entries are ~N(0, 1): wk_b's 1/sqrt(nope) scale makes the dot product
+  over `nope` unit normals unit-variance.
+* ``cache [N_alloc, kv_lora + rope]`` ~ N(0, 1); rows ``>= n_ctx`` are NaN when `nan_fill`, so
+  a kernel that reads past the context poisons its output instead of passing by luck (as in
+  FlashMLA's tests).
+* ``wv_b [H, v_head, kv_lora]`` ~ N(0, 1/kv_lora), so ``out`` stays O(|latent|).
+
+bf16 arrays are uint16 bit patterns (see bf16.py). With ``xp=cupy`` everything is generated
+on the device, so a 131072-row cache takes milliseconds; the NumPy and CuPy streams differ
+for the same seed. Picking a fresh seed per call is the caller's job.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .bf16 import BF16_NAN_BITS, to_storage
+from .dims import Dims, check_inputs, preset
+
+__all__ = ["DecodeInputs", "make_inputs"]
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step's arrays (NumPy or CuPy) and its scalars."""
+
+    q: Any
+    cache: Any
+    wv_b: Any
+    n_ctx: int
+    scale: float
+    q_nope: Any
+    q_rope: Any
+    wk_b: Any
+
+    def decode_args(self) -> dict:
+        """The keyword arguments of reference.decode / schedule.run_schedule / the API."""
+        return {"q": self.q, "cache": self.cache, "wv_b": self.wv_b,
+                "n_ctx": self.n_ctx, "scale": self.scale}
+
+
+def _normal(xp, rng, shape, std=1.0):
+    if xp is np:
+        out = rng.standard_normal(shape, dtype=np.float32)
+    else:
+        out = rng.standard_normal(shape, dtype=xp.float32)
+    if std != 1.0:
+        out *= np.float32(std)
+    return out
+
+
+def _rng(xp, seed):
+    if xp is np:
+        return np.random.default_rng(seed)
+    # cupy.random.RandomState draws float32 normals natively (dtype=), on the device.
+    return xp.random.RandomState(seed)
+
+
+def make_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str = "f16",
+                q_dtype: str = "f32", seed: int = 0, nan_fill: bool = True,
+                xp=np) -> DecodeInputs:
+    """Draw one decode step's inputs. `dims` is a Dims or a preset name."""
+    if isinstance(dims, str):
+        dims = preset(dims)
+    if not isinstance(dims, Dims):
+        raise TypeError(f"dims must be a Dims or a preset name, got {type(dims).__name__}")
+    n_alloc = int(n_alloc)
+    if n_alloc < 1:
+        raise ValueError(f"n_alloc must be >= 1, got {n_alloc}")
+    n_ctx = n_alloc if n_ctx is None else n_ctx
+    if cache_dtype not in ("f16", "bf16"):
+        raise ValueError(f"cache_dtype must be 'f16' or 'bf16', got {cache_dtype!r}")
+    if q_dtype not in ("f32", cache_dtype):
+        raise ValueError(f"q_dtype must be 'f32' or the cache dtype ({cache_dtype!r}), "
+                         f"got {q_dtype!r}")
+    if not 1 <= int(n_ctx) <= n_alloc:
+        # check_inputs would say the same, but only after a possibly large draw
+        raise ValueError(f"n_ctx must be in 1..N_alloc={n_alloc}, got {n_ctx}")
+
+    H = dims.n_head
+    rng = _rng(xp, seed)
+    # Weights and q_absorb inputs first, then the cache: the large draw comes last, so the
+    # small arrays do not depend on n_alloc for a given seed.
+    q_nope = to_storage(_normal(xp, rng, (H, dims.nope)), cache_dtype, xp)
+    q_rope = to_storage(_normal(xp, rng, (H, dims.rope)), cache_dtype, xp)
+    wk_b = to_storage(_normal(xp, rng, (H, dims.nope, dims.kv_lora), dims.nope ** -0.5),
+                      cache_dtype, xp)
+    wv_b = to_storage(_normal(xp, rng, (H, dims.v_head, dims.kv_lora), dims.kv_lora ** -0.5),
+                      cache_dtype, xp)
+    cache = to_storage(_normal(xp, rng, (n_alloc, dims.key_dim)), cache_dtype, xp)
+    if nan_fill and n_ctx < n_alloc:
+        cache[n_ctx:] = BF16_NAN_BITS if cache_dtype == "bf16" else np.nan
+
+    # Deferred import: reference.py imports nothing from here, but keeping the absorb in one
+    # place (float64, on the host) means the GPU q_absorb kernel is checked against one formula.
+    from .reference import q_absorb
+
+    q64 = q_absorb(q_nope, q_rope, wk_b)
+    q = to_storage(xp.asarray(q64), q_dtype, xp)
+
+    inputs = DecodeInputs(q=q, cache=cache, wv_b=wv_b, n_ctx=int(n_ctx),
+                          scale=dims.default_scale, q_nope=q_nope, q_rope=q_rope, wk_b=wk_b)
+    check_inputs(q, cache, wv_b, inputs.n_ctx, inputs.scale, dims)
+    return inputs

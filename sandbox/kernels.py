@@ -1,0 +1,101 @@
+"""Compile the registry's kernel instances with cupy.RawModule and hand out launchable kernels.
+
+One module per instance (source + one name expression), compiled for the arch of the device
+it runs on. Builds are cached in memory per (device, instance) and on disk by CuPy across
+processes: CuPy >= 14 keys that cache on the name expressions too, so a templated module is
+not recompiled per process. `mlasandbox info` says whether the installed CuPy does this.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .registry import KernelInstance
+from .sources import read_source
+
+__all__ = ["get_kernel", "DeviceInfo", "device_info", "blocks_per_sm", "cupy_caches_name_expressions"]
+
+_kernels: dict = {}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device_id: int
+    name: str
+    arch: str              # "sm_90"
+    num_sms: int
+    l2_bytes: int
+    smem_per_block_optin: int
+    smem_per_sm: int
+    max_grid_y: int
+
+
+_device_infos: dict[int, DeviceInfo] = {}
+
+
+def device_info(device_id: int | None = None) -> DeviceInfo:
+    import cupy
+
+    if device_id is None:
+        device_id = cupy.cuda.Device().id
+    info = _device_infos.get(device_id)
+    if info is None:
+        props = cupy.cuda.runtime.getDeviceProperties(device_id)
+        name = props["name"]
+        info = DeviceInfo(
+            device_id=device_id,
+            name=name.decode() if isinstance(name, bytes) else str(name),
+            arch=f"sm_{props['major']}{props['minor']}",
+            num_sms=int(props["multiProcessorCount"]),
+            l2_bytes=int(props["l2CacheSize"]),
+            smem_per_block_optin=int(props["sharedMemPerBlockOptin"]),
+            smem_per_sm=int(props["sharedMemPerMultiprocessor"]),
+            max_grid_y=int(props["maxGridSize"][1]),
+        )
+        _device_infos[device_id] = info
+    return info
+
+
+def cupy_caches_name_expressions() -> bool:
+    import cupy
+
+    return int(cupy.__version__.split(".")[0]) >= 14
+
+
+def _nvrtc_options() -> tuple[str, ...]:
+    # CuPy adds the arch option for the current device itself; passing a second one clashes.
+    from .toolkit import compile_options
+
+    return tuple(o for o in compile_options() if not o.startswith(("--gpu-architecture", "-arch")))
+
+
+def get_kernel(inst: KernelInstance):
+    """The cupy.RawKernel of `inst` on the current device, compiled on first use."""
+    import cupy
+
+    device_id = cupy.cuda.Device().id
+    key = (device_id, inst.name)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        info = device_info(device_id)
+        if inst.smem_bytes > info.smem_per_block_optin:
+            raise ValueError(
+                f"{inst.name} needs {inst.smem_bytes} B of shared memory per block; "
+                f"{info.name} allows at most {info.smem_per_block_optin} B")
+        module = cupy.RawModule(code=read_source(inst.source), options=_nvrtc_options(),
+                                name_expressions=[inst.expression])
+        kernel = module.get_function(inst.expression)
+        if inst.smem_bytes > 48 * 1024:
+            kernel.max_dynamic_shared_size_bytes = inst.smem_bytes
+            # Ask for the largest carveout so that two blocks of ~113 KB can share an SM.
+            kernel.preferred_shared_memory_carveout = 100
+        _kernels[key] = kernel
+    return kernel
+
+
+def blocks_per_sm(inst: KernelInstance) -> int:
+    """Resident blocks per SM from the driver's occupancy API (the real, not modelled, value)."""
+    from cupy_backends.cuda.api import driver
+
+    kernel = get_kernel(inst)
+    return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(
+        kernel.kernel.ptr, inst.threads, inst.smem_bytes))

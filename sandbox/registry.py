@@ -1,0 +1,166 @@
+"""The one registry: every variant and every kernel instance, named from all its parameters.
+
+Two levels:
+
+* `Variant` is what a user picks (`per_head`, `split`, `batched12`, `cublas`). The CUDA
+  variants are all instances of the attention family in `cuda_src/mla_attn.cu`:
+  `per_head` is HPB=1 with one slice, `split` is HPB=1 over S contiguous slices, and
+  `batched<HPB>` serves HPB heads per pass over the cache, also split over context.
+  Below the split gate `split` runs exactly the kernel `per_head` runs (the lecture's A/A).
+* `KernelInstance` is one template instantiation: its source file, the C++ name expression
+  handed to NVRTC (`name_expressions`), a readable name built from every template value,
+  the block size and the dynamic shared memory it needs.
+
+The geometry constants mirror the top of `cuda_src/mla_attn.cu`; a GPU test checks that
+the kernel agrees (it traps when launched with less shared memory than it needs).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = [
+    "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
+    "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
+    "attn_instance", "combine_instance", "q_absorb_instance", "all_instances",
+    "attn_smem_bytes", "CXX_TYPES",
+]
+
+# Heads-per-block values the attention family is instantiated for.
+HPB_VALUES = (1, 2, 4, 8, 12, 16)
+
+# Fixed geometry of cuda_src/mla_attn.cu (kThreads, kTile) and the dims it is built for.
+ATTN_THREADS = 256
+ATTN_TILE = 32
+KV_LORA = 512
+ROPE = 64
+KEY_DIM = KV_LORA + ROPE
+COMBINE_THREADS = 1024
+Q_ABSORB_THREADS = 128
+
+CXX_TYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A user-facing variant. `hpb` is None for the cuBLAS engine."""
+
+    name: str
+    family: str  # "per_head" | "split" | "batched" | "cublas"
+    hpb: int | None
+    splits: bool  # whether it splits over context above the gate
+    about: str
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.family != "cublas"
+
+
+def _make_variants() -> dict[str, Variant]:
+    out = {
+        "per_head": Variant("per_head", "per_head", 1, False,
+                            "one block per head walks all n_ctx positions (lecture section 1)"),
+        "split": Variant("split", "split", 1, True,
+                         "heads x S contiguous slices, partials merged by combine (section 2)"),
+    }
+    for hpb in HPB_VALUES:
+        if hpb == 1:
+            continue  # batched1 would be `split` under another name
+        out[f"batched{hpb}"] = Variant(
+            f"batched{hpb}", "batched", hpb, True,
+            f"one pass over the cache serves {hpb} heads, split over context (section 4)")
+    out["cublas"] = Variant("cublas", "cublas", None, False,
+                            "CuPy matmuls (cuBLAS) + softmax: the reference engine")
+    return out
+
+
+VARIANTS: dict[str, Variant] = _make_variants()
+
+
+def variant_names() -> list[str]:
+    return list(VARIANTS)
+
+
+def variant(name: str) -> Variant:
+    try:
+        return VARIANTS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+
+
+@dataclass(frozen=True)
+class KernelInstance:
+    source: str       # file in cuda_src/
+    expression: str   # C++ name expression for NVRTC
+    name: str         # readable, every template value spelled out
+    threads: int
+    smem_bytes: int   # dynamic shared memory per block
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def attn_smem_bytes(hpb: int) -> int:
+    """Dynamic shared memory of attn<HPB>: mirrors AttnSmem in mla_attn.cu.
+
+    two cache tiles (double buffer; the cross-warp score partials borrow the spare one)
+    + q in f32 + p + (m, l, alpha)
+    """
+    tiles = 2 * ATTN_TILE * KEY_DIM * 2
+    q = KEY_DIM * hpb * 4
+    p = hpb * ATTN_TILE * 4
+    stats = 3 * ((hpb + 3) // 4 * 4) * 4
+    return tiles + q + p + stats
+
+
+def _check_dtype(kind: str, dt: str, allowed) -> None:
+    if dt not in allowed:
+        raise ValueError(f"{kind} dtype must be one of {', '.join(allowed)}, got {dt!r}")
+
+
+def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstance:
+    if hpb not in HPB_VALUES:
+        raise ValueError(
+            f"heads_per_block must be one of {HPB_VALUES} (the instantiated values), got {hpb}")
+    _check_dtype("cache", cache, ("f16", "bf16"))
+    _check_dtype("q", q, ("f32", cache))
+    expr = f"mla::attn<{hpb}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>"
+    return KernelInstance("mla_attn.cu", expr, f"attn<hpb={hpb},cache={cache},q={q}>",
+                          ATTN_THREADS, attn_smem_bytes(hpb))
+
+
+def combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance:
+    """The merge + wv_b kernel. rescale=False is the negative control: a combine that
+    drops the exp(m_i - m) rescale, which every correctness check must reject."""
+    _check_dtype("wv_b", cache, ("f16", "bf16"))
+    r = "true" if rescale else "false"
+    return KernelInstance("mla_combine.cu", f"mla::combine<{CXX_TYPES[cache]}, {r}>",
+                          f"combine<wv_b={cache},rescale={r}>", COMBINE_THREADS, 0)
+
+
+def q_absorb_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
+    _check_dtype("weights", cache, ("f16", "bf16"))
+    _check_dtype("q", q, ("f32", cache))
+    return KernelInstance("mla_q_absorb.cu",
+                          f"mla::q_absorb<{CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
+                          f"q_absorb<in={cache},q={q}>", Q_ABSORB_THREADS, 0)
+
+
+def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
+                  negative_controls: bool = True) -> list[KernelInstance]:
+    """Every instance the registry compiles, for reports (`mlasandbox regs`)."""
+    out: list[KernelInstance] = []
+    for cache in cache_dtypes:
+        for qd in q_dtypes:
+            q = cache if qd == "cache" else qd
+            for hpb in HPB_VALUES:
+                out.append(attn_instance(hpb, cache, q))
+            out.append(q_absorb_instance(cache, q))
+        out.append(combine_instance(cache, True))
+        if negative_controls:
+            out.append(combine_instance(cache, False))
+    # one instance may be reached twice (q=cache listed via both spellings); keep the first
+    seen: dict[str, KernelInstance] = {}
+    for inst in out:
+        seen.setdefault(inst.name, inst)
+    return list(seen.values())

@@ -1,0 +1,113 @@
+"""How many contiguous slices to split the context into: the launch geometry of one step.
+
+The rule (lecture section 5.1, seed 001):
+
+* Below the split gate (n_ctx < min_ctx, default 4096) there is one slice: the combine's
+  extra launch and round trip cost more than the parallelism buys, and the un-split
+  kernel is the one the short-context tests pin.
+* Above it, the budget is on the PRODUCT head_blocks x S against the resident-block slots of
+  the GPU (blocks/SM x SMs), so S grows as the number of head blocks shrinks (head sharding,
+  larger HPB) instead of needing to be re-tuned. Among S in 1..cap, each slice at least
+  `min_tiles` tiles long, the plan takes the S with the fewest estimated tile-steps
+  (waves x tiles per slice), and the smallest S within 2% of that minimum, since every
+  extra split adds a partial to write and merge.
+* `splits=` overrides the rule (any S >= 1, S > n_ctx included: empty slices are neutral).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .registry import ATTN_TILE
+
+__all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "SplitPlan", "plan_splits",
+           "slice_bounds"]
+
+SPLIT_MIN_CTX = 4096
+SPLIT_CAP = 256
+MIN_TILES_PER_SPLIT = 4
+_TIE = 1.02
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    n_ctx: int
+    n_head: int
+    heads_per_block: int
+    splits: int
+    slice_len: int       # positions per slice, ceil(n_ctx / splits); the last may be shorter
+    head_blocks: int
+    slots: int           # blocks resident at once: blocks_per_sm x num_sms
+    num_sms: int
+    reason: str
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        return (self.head_blocks, self.splits)
+
+    @property
+    def blocks(self) -> int:
+        return self.head_blocks * self.splits
+
+    @property
+    def waves(self) -> float:
+        return self.blocks / self.slots
+
+    @property
+    def empty_slices(self) -> int:
+        return sum(1 for s in range(self.splits)
+                   if slice_bounds(self.n_ctx, self.splits, s)[0] >= self.n_ctx)
+
+    @property
+    def idle_sms(self) -> int:
+        """SMs that get no block at all in the first wave (lecture section 1: 36 of 132)."""
+        return max(0, self.num_sms - self.blocks)
+
+    def tiles_per_block(self) -> int:
+        return math.ceil(min(self.slice_len, self.n_ctx) / ATTN_TILE)
+
+    def estimated_steps(self) -> int:
+        """Tile-steps on the critical path: full waves times tiles per slice."""
+        return math.ceil(self.blocks / self.slots) * self.tiles_per_block()
+
+
+def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
+    """[start, end) of slice s, exactly as the kernel computes it."""
+    length = -(-n_ctx // splits)
+    start = min(s * length, n_ctx)
+    return start, min(n_ctx, start + length)
+
+
+def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
+                blocks_per_sm: int, splits: int | str | None = None, split: bool = True,
+                min_ctx: int = SPLIT_MIN_CTX, cap: int = SPLIT_CAP,
+                min_tiles: int = MIN_TILES_PER_SPLIT) -> SplitPlan:
+    """The split plan for one step. `split=False` is per_head: always one slice."""
+    for name, value, low in (("n_ctx", n_ctx, 1), ("n_head", n_head, 1),
+                             ("heads_per_block", heads_per_block, 1), ("num_sms", num_sms, 1),
+                             ("blocks_per_sm", blocks_per_sm, 1), ("cap", cap, 1)):
+        if int(value) != value or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    head_blocks = -(-n_head // heads_per_block)
+    slots = blocks_per_sm * num_sms
+
+    def make(s: int, why: str) -> SplitPlan:
+        return SplitPlan(n_ctx, n_head, heads_per_block, s, -(-n_ctx // s), head_blocks,
+                         slots, num_sms, why)
+
+    if splits not in (None, "auto"):
+        if isinstance(splits, bool) or int(splits) != splits or splits < 1:
+            raise ValueError(f"splits must be 'auto' or an integer >= 1, got {splits!r}")
+        if not split:
+            raise ValueError("this variant does not split over context; splits must be 'auto'")
+        return make(int(splits), "override")
+    if not split:
+        return make(1, "per_head: one block per head group walks all of n_ctx")
+    if n_ctx < min_ctx:
+        return make(1, f"below the split gate (n_ctx {n_ctx} < {min_ctx})")
+    max_s = max(1, min(cap, n_ctx // (min_tiles * ATTN_TILE)))
+    cost = {s: make(s, "").estimated_steps() for s in range(1, max_s + 1)}
+    best = min(cost.values())
+    s = min(k for k, v in cost.items() if v <= best * _TIE)
+    return make(s, f"auto: {head_blocks} head blocks x {s} splits on {slots} slots "
+                   f"({blocks_per_sm}/SM x {num_sms} SMs)")

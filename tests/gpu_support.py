@@ -1,0 +1,52 @@
+"""Shared pieces of the GPU tests: the skip marker, fresh seeds, poisoned runs.
+
+Every GPU check draws fresh random inputs (the seed is printed in every failure message, so a
+failure can be replayed with MLASANDBOX_SEED), NaN-fills the cache past n_ctx, and poisons
+the outputs and the split scratch before each launch, so an element the kernel failed to
+write shows up as NaN instead of as last run's value.
+"""
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+
+from mlasandbox.toolkit import device_available
+
+HAVE_GPU, GPU_REASON = device_available()
+gpu = pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {GPU_REASON}")
+
+
+def fresh_seed() -> int:
+    fixed = os.environ.get("MLASANDBOX_SEED")
+    return int(fixed) if fixed else secrets.randbits(31)
+
+
+def poison(step) -> None:
+    """NaN-fill everything a run of `step` must write (outputs and split partials)."""
+    import cupy
+
+    for arr in (step.out, step.latent, step.lse):
+        arr.fill(cupy.nan)
+    for name in ("part_acc", "part_m", "part_l"):
+        buf = getattr(step, name, None)
+        if buf is not None:
+            buf.fill(cupy.nan)
+
+
+def run_poisoned(step):
+    poison(step)
+    return step.run()
+
+
+def device_inputs(dims, n_ctx, cache_dtype="f16", q_dtype="f32", seed=None, extra_rows=7):
+    """Inputs on the device with `extra_rows` NaN rows past n_ctx."""
+    import cupy
+
+    from mlasandbox.inputs import make_inputs
+
+    seed = fresh_seed() if seed is None else seed
+    inp = make_inputs(dims, n_ctx + extra_rows, n_ctx, cache_dtype, q_dtype, seed=seed,
+                      nan_fill=True, xp=cupy)
+    return inp, seed

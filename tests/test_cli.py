@@ -1,0 +1,275 @@
+"""The CLI through click's CliRunner: tables, --json on every command, non-zero exits."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlasandbox import registry, schedule, toolkit
+from mlasandbox.cli import main as cli_main
+from mlasandbox.cli.main import main
+
+HAVE_GPU, GPU_REASON = toolkit.device_available()
+
+
+def run(*args, ok=True):
+    res = CliRunner().invoke(main, list(args))
+    if ok and res.exit_code != 0:
+        raise AssertionError(f"exit {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n"
+                             f"{res.stderr}\n{res.exception!r}")
+    return res
+
+
+def run_json(*args, ok=True):
+    res = run(*args, "--json", ok=ok)
+    return res, json.loads(res.stdout)
+
+
+def test_help_lists_the_commands():
+    out = run("--help").stdout
+    for cmd in ("info", "regs", "grid", "check", "bench"):
+        assert cmd in out
+
+
+def test_version():
+    assert "mlasandbox" in run("--version").stdout
+
+
+# ---------------------------------------------------------------------------- info
+
+def test_info_table_and_json():
+    out = run("info").stdout
+    assert "NVRTC" in out and "numpy" in out and "device" in out
+    _, data = run_json("info")
+    assert data["ok"] is True
+    assert data["versions"]["mlasandbox"] and data["versions"]["cupy"]
+    assert data["toolkit"]["nvrtc"] == "%d.%d" % toolkit.nvrtc_version()
+    assert data["toolkit"]["include_dirs"] == toolkit.cuda_include_dirs()
+    if HAVE_GPU:
+        assert data["device"]["sms"] > 0 and data["device"]["arch"].startswith("sm_")
+    else:
+        assert data["device"] is None and data["device_reason"] == GPU_REASON
+
+
+def test_info_fails_when_headers_are_missing(tmp_path, monkeypatch):
+    monkeypatch.setenv(toolkit.ENV_INCLUDE, str(tmp_path))  # empty: no headers
+    res, data = run_json("info", ok=False)
+    assert res.exit_code == 1
+    assert data["ok"] is False and any("cuda_fp16.h" in p for p in data["problems"])
+
+
+# ---------------------------------------------------------------------------- regs
+
+def test_regs_json_rows():
+    _, data = run_json("regs", "--hpb", "1,12", "--cache", "f16", "--q", "f32")
+    rows = {r["name"]: r for r in data["rows"]}
+    assert data["ok"] and data["arch"] == "sm_90"
+    assert set(rows) == {"attn<hpb=1,cache=f16,q=f32>", "attn<hpb=12,cache=f16,q=f32>",
+                         "q_absorb<in=f16,q=f32>", "combine<wv_b=f16,rescale=true>",
+                         "combine<wv_b=f16,rescale=false>"}
+    a12 = rows["attn<hpb=12,cache=f16,q=f32>"]
+    assert a12["registers"] > 0 and a12["threads"] == registry.ATTN_THREADS
+    assert a12["dynamic_smem"] == registry.attn_smem_bytes(12)
+    assert a12["blocks_per_sm"] >= 1 and a12["limiter"]
+    assert a12["spill_stores"] >= 0 and a12["hpb"] == "12"
+
+
+def test_regs_table():
+    out = run("regs", "--hpb", "8", "--cache", "bf16", "--q", "cache", "--no-controls").stdout
+    assert "attn<hpb=8,cache=bf16,q=bf16>" in out and "blocks/SM" in out
+    assert "rescale=false" not in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--arch", "compute_90"), "real GPU architecture"),
+    (("--hpb", "3"), "heads per block"),
+    (("--hpb", "x"), "not an integer"),
+    (("--cache", "f32"), "f32 not among f16, bf16"),
+])
+def test_regs_bad_input_exits_2(args, words):
+    res = run("regs", *args, ok=False)
+    assert res.exit_code == 2
+    assert words in res.stderr
+
+
+def test_regs_bad_arch_json_error_on_stdout():
+    res, data = run_json("regs", "--arch", "sm90", ok=False)
+    assert res.exit_code == 2 and data["ok"] is False and "sm90" in data["error"]
+
+
+# ---------------------------------------------------------------------------- grid
+
+def test_grid_per_head_is_the_lecture_section_1():
+    _, g = run_json("grid", "--variant", "per_head", "--heads", "96", "--ctx", "131072",
+                    "--blocks-per-sm", "2")
+    assert g["grid"] == [96, 1] and g["blocks"] == 96
+    assert g["idle_sms"] == 36 and g["num_sms"] == 132
+    assert g["positions_per_block"] == 131072
+    assert g["tiles_per_block"] == 131072 // registry.ATTN_TILE
+    assert g["splits"] == 1 and g["combine"] is False and g["empty_slices"] == 0
+    assert "given" in g["blocks_per_sm_source"]
+
+
+def test_grid_split_budgets_the_product():
+    _, g = run_json("grid", "--variant", "split", "--heads", "12", "--ctx", "131072",
+                    "--blocks-per-sm", "2")
+    assert g["grid"][0] == 12 and g["splits"] > 1 and g["combine"]
+    assert g["blocks"] == 12 * g["splits"] and g["idle_sms"] == max(0, 132 - g["blocks"])
+    assert g["positions_per_block"] == -(-131072 // g["splits"])
+    assert g["reason"].startswith("auto")
+
+
+def test_grid_below_the_gate_does_not_split():
+    _, g = run_json("grid", "--variant", "batched12", "--heads", "96", "--ctx", "4095",
+                    "--blocks-per-sm", "2")
+    assert g["grid"] == [8, 1] and "gate" in g["reason"]
+
+
+def test_grid_empty_slices():
+    _, g = run_json("grid", "--variant", "split", "--heads", "4", "--ctx", "100",
+                    "--splits", "300", "--blocks-per-sm", "1")
+    assert g["splits"] == 300 and g["empty_slices"] == 200
+    assert g["positions_per_block"] == 1 and g["reason"] == "override"
+
+
+def test_grid_batched_with_hpb_and_auto_occupancy():
+    _, g = run_json("grid", "--variant", "batched", "--hpb", "12", "--heads", "96",
+                    "--ctx", "131072")
+    assert g["variant"] == "batched12" and g["grid"][0] == 8
+    assert g["blocks_per_sm"] >= 1 and g["registers"] > 0
+    assert "ptxas" in g["blocks_per_sm_source"]
+
+
+def test_grid_table():
+    out = run("grid", "--variant", "per_head", "--heads", "96", "--ctx", "131072",
+              "--blocks-per-sm", "2").stdout
+    assert "idle SMs" in out and "36" in out and "waves" in out
+
+
+@pytest.mark.parametrize("args, words", [
+    (("--variant", "nope", "--heads", "8", "--ctx", "10"),
+     "unknown variant 'nope'; known: " + ", ".join(registry.variant_names())),
+    (("--variant", "split", "--heads", "8", "--ctx", "0"), "0 is not in the range x>=1"),
+    (("--variant", "split", "--heads", "0", "--ctx", "10"), "--heads"),
+    (("--variant", "cublas", "--heads", "8", "--ctx", "10"), "no launch geometry"),
+    (("--variant", "per_head", "--heads", "8", "--ctx", "10", "--splits", "4"),
+     "does not split"),
+    (("--variant", "split", "--heads", "8", "--ctx", "10", "--splits", "0"), "integer >= 1"),
+    (("--variant", "batched", "--heads", "8", "--ctx", "10"), "needs --hpb"),
+    (("--variant", "batched12", "--hpb", "8", "--heads", "8", "--ctx", "10"), "contradicts"),
+    (("--variant", "split", "--heads", "8", "--ctx", "10", "--blocks-per-sm", "x"),
+     "'auto' or an integer"),
+])
+def test_grid_bad_input_exits_2(args, words):
+    if "--blocks-per-sm" not in args:
+        args = (*args, "--blocks-per-sm", "2")  # no compile needed to reject the input
+    res = run("grid", *args, ok=False)
+    assert res.exit_code == 2, res.stdout
+    assert words in " ".join(res.stderr.split()), res.stderr
+
+
+def test_grid_unknown_variant_json():
+    res, data = run_json("grid", "--variant", "nope", "--heads", "8", "--ctx", "10",
+                         "--blocks-per-sm", "2", ok=False)
+    assert res.exit_code == 2 and "per_head" in data["error"]
+
+
+# ---------------------------------------------------------------------------- check
+
+def test_check_json_small():
+    _, data = run_json("check", "--ctx", "1,4096", "--seeds", "1", "--no-gpu")
+    assert data["ok"] is True
+    rows = data["schedule_model"]["rows"]
+    assert [r["n_ctx"] for r in rows] == [1, 4096]
+    short, long_ = rows
+    assert short["splits"] == 1 and short["control_rejected"] is None
+    assert long_["splits"] > 1 and long_["control_rejected"] is True
+    assert long_["relL2_no_rescale"] > data["schedule_model"]["tolerance"]
+    assert long_["relL2_split"] <= long_["relL2_unsplit"]
+
+
+def test_check_table_shows_the_control():
+    out = run("check", "--ctx", "4096", "--seeds", "1", "--no-gpu").stdout
+    assert "no rescale" in out and "negative control" in out and "pass" in out
+
+
+def _fake_study(unsplit, split, control):
+    def study(n_ctxs, seeds, splits="auto", **kw):
+        return [schedule.AccuracyRow(n_ctx=n, seed=s, splits=8, unsplit=unsplit, split=split,
+                                     split_no_rescale=control)
+                for n in n_ctxs for s in seeds]
+    return study
+
+
+def test_check_fails_when_the_negative_control_passes(monkeypatch):
+    # a "control" as accurate as the real thing: the check has no power and must say so
+    monkeypatch.setattr(schedule, "accuracy_study", _fake_study(2e-6, 3e-7, 3e-7))
+    res, data = run_json("check", "--ctx", "20000", "--seeds", "1", "--no-gpu", ok=False)
+    assert res.exit_code == 1 and data["ok"] is False
+    assert any("no power" in p for p in data["schedule_model"]["problems"])
+    res = run("check", "--ctx", "20000", "--seeds", "1", "--no-gpu", ok=False)
+    assert res.exit_code == 1 and "no power" in res.stdout
+
+
+def test_check_fails_when_a_real_check_fails(monkeypatch):
+    monkeypatch.setattr(schedule, "accuracy_study", _fake_study(2e-6, 5e-2, 0.4))
+    res, data = run_json("check", "--ctx", "20000", "--seeds", "1", "--no-gpu", ok=False)
+    assert res.exit_code == 1
+    assert data["schedule_model"]["rows"][0]["split_ok"] is False
+
+
+def test_check_gpu_hook_failures_fail_the_command(monkeypatch):
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: planted"))
+    monkeypatch.setattr(cli_main, "_gpu_checks",
+                        lambda as_json: [{"name": "split vs reference", "ok": False,
+                                          "detail": "planted"}])
+    res, data = run_json("check", "--ctx", "4096", "--seeds", "1", ok=False)
+    assert res.exit_code == 1 and data["gpu"][0]["ok"] is False
+
+
+def test_check_bad_ctx():
+    res = run("check", "--ctx", "0,5", ok=False)
+    assert res.exit_code == 2 and ">= 1" in res.stderr
+
+
+# ---------------------------------------------------------------------------- bench
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU: bench times for real")
+def test_bench_without_gpu_says_so_and_shows_what_runs():
+    res, data = run_json("bench")
+    assert data["device"] is None and data["no_device_reason"] == GPU_REASON
+    assert data["timings"] is None and "GPU" in data["how_to_time"]
+    assert data["regs"]["rows"] and data["accuracy"]["ok"] is True
+    out = run("bench").stdout
+    assert "No GPU here" in out and "blocks/SM" in out and "relL2" in out
+    assert "Timings need a CUDA GPU" in " ".join(out.split())
+    res = run("bench", "--require-gpu", ok=False)
+    assert res.exit_code == 1 and "--require-gpu" in res.stderr
+
+
+def test_bench_with_a_gpu_calls_the_hook(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: planted"))
+    fake = types.ModuleType("mlasandbox.bench")
+    seen = {}
+
+    def run_bench(**opts):
+        seen.update(opts)
+        return {"ok": True, "timings": []}
+
+    fake.run_bench = run_bench
+    monkeypatch.setitem(sys.modules, "mlasandbox.bench", fake)
+    _, data = run_json("bench")
+    assert data == {"ok": True, "timings": []} and seen["as_json"] is True
+
+
+def test_bench_with_a_gpu_but_no_bench_module(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: planted"))
+    monkeypatch.setitem(sys.modules, "mlasandbox.bench", None)  # import raises ImportError
+    res = run("bench", ok=False)
+    assert res.exit_code == 1 and "mlasandbox.bench" in res.stderr

@@ -1,0 +1,192 @@
+"""The launch guard, bad input, and the compile-time reports checked against the device.
+
+Faults that corrupt the CUDA context (an out-of-bounds access, a trap) are sticky for the
+whole process, so those tests run their kernel in a subprocess and read its error message.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from gpu_support import device_inputs, gpu
+from mlasandbox import registry
+from mlasandbox.dims import Dims
+
+pytestmark = gpu
+
+
+def run_script(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_an_oversized_launch_is_reported_at_its_phase():
+    from mlasandbox.api import DecodeStep
+    from mlasandbox.guard import PhaseError
+
+    inp, _ = device_inputs(Dims(n_head=16), 100)
+    step = DecodeStep(**inp.decode_args(), variant="split")
+    step.run()
+    p = step.plan
+    with pytest.raises(PhaseError) as err:  # grid.y past 65535: the driver refuses the launch
+        step.guard.launch("attn", step.attn_kernel, (p.head_blocks, 70000, 1), (256, 1, 1),
+                          (), smem_bytes=step.attn_inst.smem_bytes,
+                          kernel_name=step.attn_inst.name)
+    msg = str(err.value)
+    assert "phase 'attn'" in msg and f"grid ({p.head_blocks}, 70000, 1)" in msg
+    assert "variant 'split'" in msg and "CUDA_ERROR_INVALID_VALUE" in msg
+    # the error was raised at launch and is not sticky: the next phase runs clean
+    step.run_combine()
+
+
+def test_the_launcher_rejects_a_grid_the_device_cannot_run_before_launching():
+    from mlasandbox.api import DecodeStep
+
+    inp, _ = device_inputs(Dims(n_head=16), 100)
+    with pytest.raises(ValueError, match="splits=70000 exceeds the grid's y limit 65535"):
+        DecodeStep(**inp.decode_args(), variant="split", splits=70000)
+
+
+OOB_SCRIPT = """
+import cupy, numpy as np
+from mlasandbox.guard import PhaseGuard, PhaseError
+bad = cupy.RawKernel(r'''
+extern "C" __global__ void planted_oob(float* p) { p[threadIdx.x + (1ll << 38)] = 1.f; }
+''', 'planted_oob')
+good = cupy.ElementwiseKernel('float32 x', 'float32 y', 'y = x + 1', 'good')
+guard = PhaseGuard('planted', sync_check={sync})
+buf = cupy.zeros(32, cupy.float32)
+try:
+    with guard.phase('q_absorb'):
+        good(buf, buf)
+    guard.launch('attn', bad, (1, 1, 1), (32, 1, 1), (buf,), kernel_name='planted_oob')
+    with guard.phase('combine'):
+        good(buf, buf)
+    with guard.phase('after'):
+        cupy.cuda.get_current_stream().synchronize()
+    print('NO ERROR')
+except PhaseError as e:
+    print('PHASE', e.phase)
+    print(e)
+"""
+
+
+def test_an_out_of_bounds_kernel_is_reported_at_its_own_phase_with_sync_check():
+    r = run_script(OOB_SCRIPT.replace("{sync}", "True"))
+    assert "PHASE attn" in r.stdout, r.stdout + r.stderr
+    assert "planted_oob" in r.stdout and "ILLEGAL_ADDRESS" in r.stdout.upper()
+
+
+def test_without_sync_check_the_fault_surfaces_at_a_later_checkpoint():
+    """Why --sync-check exists: the default poll does not wait, so the asynchronous fault is
+    caught by the first guard that finds it finished, which need not be its own phase."""
+    r = run_script(OOB_SCRIPT.replace("{sync}", "False"))
+    assert "PHASE" in r.stdout, r.stdout + r.stderr  # caught by some guard, never silent
+    assert "NO ERROR" not in r.stdout
+
+
+def test_a_launch_with_too_little_shared_memory_traps_instead_of_computing_garbage():
+    r = run_script("""
+        import numpy as np, cupy
+        from mlasandbox.api import DecodeStep
+        from mlasandbox.inputs import make_inputs
+        from mlasandbox.dims import Dims
+        from mlasandbox.guard import PhaseError
+        inp = make_inputs(Dims(n_head=12), 100, 100, xp=cupy, seed=1)
+        step = DecodeStep(**inp.decode_args(), variant='batched12', sync_check=True)
+        p = step.plan
+        try:
+            step.guard.launch('attn', step.attn_kernel, p.grid + (1,), (256, 1, 1),
+                (step.q, step.cache, np.int32(12), np.int32(100), np.int32(p.splits),
+                 np.float32(0.1), step.part_acc, step.part_m, step.part_l),
+                smem_bytes=step.attn_inst.smem_bytes - 1024, kernel_name=step.attn_inst.name)
+            print('NO ERROR')
+        except PhaseError as e:
+            print('PHASE', e.phase)
+    """)
+    assert "PHASE attn" in r.stdout, r.stdout + r.stderr
+
+
+def _inputs(**over):
+    import cupy
+
+    inp, _ = device_inputs(Dims(n_head=12), 64)
+    args = inp.decode_args()
+    args.update(over)
+    return args, cupy
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda a, cp: {"q": a["q"][:, :500]}, r"q must be \[n_head=12, kv_lora\+rope=576\]"),
+    (lambda a, cp: {"cache": a["cache"][:, :500]}, r"cache rows \(500\) are shorter than"),
+    (lambda a, cp: {"q": cp.concatenate([a["q"], a["q"][:, :8]], axis=1)},
+     r"q must be \[n_head=12, kv_lora\+rope=576\]"),
+    (lambda a, cp: {"q": a["q"][:5]}, "wv_b must be"),
+    (lambda a, cp: {"cache": a["cache"].astype(cp.float32)}, "cache must be float16 or bfloat16"),
+    (lambda a, cp: {"q": a["q"].astype(cp.float64)}, "dtype float64 is not supported"),
+    (lambda a, cp: {"wv_b": a["wv_b"].view(cp.uint16)}, "wv_b must have the cache dtype"),
+    (lambda a, cp: {"n_ctx": 72}, r"n_ctx must be in 1..N_alloc=71"),
+    (lambda a, cp: {"n_ctx": 0}, r"n_ctx must be in 1..N_alloc"),
+    (lambda a, cp: {"scale": float("nan")}, "scale must be finite"),
+    (lambda a, cp: {"cache": cp.asfortranarray(a["cache"])}, "cache must be C-contiguous"),
+    (lambda a, cp: {"q": cp.asfortranarray(a["q"])}, "q must be C-contiguous"),
+    (lambda a, cp: {"q": cp.asnumpy(a["q"])}, "q must be a CuPy array"),
+])
+def test_bad_input_is_rejected_before_any_launch(mutate, match):
+    from mlasandbox.api import DecodeStep
+
+    args, cp = _inputs()
+    args.update(mutate(args, cp))
+    with pytest.raises((ValueError, TypeError), match=match):
+        DecodeStep(**args, variant="batched12")
+
+
+def test_unknown_variant_and_uninstantiated_hpb_are_rejected():
+    from mlasandbox.api import DecodeStep
+
+    args, _ = _inputs()
+    with pytest.raises(ValueError, match="unknown variant 'nope'; known: per_head, split"):
+        DecodeStep(**args, variant="nope")
+    with pytest.raises(ValueError, match=r"heads_per_block must be one of \(1, 2, 4, 8, 12, 16\)"):
+        DecodeStep(**args, variant="batched", heads_per_block=6)
+    with pytest.raises(ValueError, match="use a batched variant"):
+        DecodeStep(**args, variant="split", heads_per_block=4)
+
+
+def test_ptxas_registers_match_the_loaded_kernels_and_the_driver_occupancy():
+    """-Xptxas -v through NVRTC (no GPU needed) agrees with RawKernel.num_regs, and the
+    occupancy model agrees with the driver's occupancy API."""
+    from mlasandbox.kernels import blocks_per_sm, device_info, get_kernel
+    from mlasandbox.occupancy import occupancy
+    from mlasandbox.ptxas import ptxas_report
+
+    arch = device_info().arch
+    insts = [registry.attn_instance(h, "f16", "f32") for h in registry.HPB_VALUES]
+    insts += [registry.combine_instance("f16"), registry.q_absorb_instance("f16", "f32")]
+    report = ptxas_report(insts, arch=arch)
+    for inst in insts:
+        k = get_kernel(inst)
+        assert report[inst.name].registers == k.num_regs, inst.name
+        assert report[inst.name].spill_stores == 0, f"{inst.name} spills"
+        model = occupancy(arch, k.num_regs, inst.threads, inst.smem_bytes + k.shared_size_bytes)
+        assert model.blocks_per_sm == blocks_per_sm(inst), inst.name
+    # the lecture's step: HPB 12 keeps two blocks per SM, HPB 16 falls to one
+    assert blocks_per_sm(registry.attn_instance(12)) == 2
+    assert blocks_per_sm(registry.attn_instance(16)) == 1
+
+
+def test_scratch_is_per_device():
+    import cupy
+
+    from mlasandbox.api import DecodeStep, _scratch
+
+    inp, _ = device_inputs(Dims(n_head=12), 5000)
+    step = DecodeStep(**inp.decode_args(), variant="split")
+    step.run()
+    dev = cupy.cuda.Device().id
+    assert step.part_acc.device.id == dev and dev in _scratch
+    assert np.isfinite(step.lse.get()).all()

@@ -1,0 +1,202 @@
+"""The CUDA variants against the float64 reference, on the device.
+
+Tolerances (mlasandbox.compare): the inputs are exactly representable in float64, so the
+only error is the kernels' f32 arithmetic (576-term dot products, exp2, sums of up to 131072
+terms). relL2 1e-4 for out/latent and 1e-4 absolute for lse leave one to two orders of
+magnitude over what a correct f32 kernel shows, and a real bug costs 1e-3 or more: the
+negative control below shows the check rejects a combine without its rescale. The cuBLAS
+engine rounds q, p and latent to the cache dtype for its tensor-core GEMMs, so its tolerance
+is that rounding: 3e-3 for f16, 2e-2 for bf16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from gpu_support import device_inputs, fresh_seed, gpu, run_poisoned
+from mlasandbox import reference, registry
+from mlasandbox.compare import Tolerance, compare, rel_l2
+from mlasandbox.dims import Dims
+
+pytestmark = gpu
+
+CUBLAS_TOL = {"f16": Tolerance(3e-3, 3e-3, 3e-3), "bf16": Tolerance(2e-2, 2e-2, 2e-2)}
+CUDA_VARIANTS = [n for n in registry.variant_names() if registry.variant(n).is_cuda]
+
+
+def tolerance(variant, cache_dtype):
+    return CUBLAS_TOL[cache_dtype] if variant == "cublas" else Tolerance()
+
+
+def check_step(step, inp, seed, tol, label=""):
+    res = run_poisoned(step)
+    ref = reference.decode(**inp.decode_args())
+    cmp = compare(res, ref, tol)
+    assert cmp.ok, f"{label} seed={seed} plan={step.plan}\n{cmp.summary()}"
+    return cmp
+
+
+@dataclass(frozen=True)
+class Case:
+    variant: str
+    heads: int
+    n_ctx: int
+    cache: str = "f16"
+    q: str = "f32"
+
+    def __str__(self):
+        return f"{self.variant}-H{self.heads}-n{self.n_ctx}-{self.cache}-q{self.q}"
+
+
+# Each value of the issue's grid is covered by some case, not the full product: heads
+# {1, 3, 12, 16, 96, 128}, contexts {1, 17, 4095, 4096, 4097, 12288, 12289, 20000}, every
+# variant, both cache dtypes, q in f32 and in the cache dtype.
+HEADS = (1, 3, 12, 16, 96, 128)
+CONTEXTS = (1, 17, 4095, 4096, 4097, 12288, 12289, 20000)
+VARIANTS = registry.variant_names()
+
+
+def _cases():
+    cases = []
+    for i, variant in enumerate(VARIANTS):
+        for j, n_ctx in enumerate(CONTEXTS):
+            heads = HEADS[(i + j) % len(HEADS)]
+            cache = ("f16", "bf16")[(i + j) % 2]
+            q = "f32" if (i + 2 * j) % 3 else cache
+            cases.append(Case(variant, heads, n_ctx, cache, q))
+    return cases
+
+
+CASES = _cases()
+
+
+def test_the_case_grid_covers_every_value():
+    assert {c.heads for c in CASES} == set(HEADS)
+    assert {c.n_ctx for c in CASES} == set(CONTEXTS)
+    assert {c.variant for c in CASES} == set(VARIANTS)
+    assert {c.cache for c in CASES} == {"f16", "bf16"}
+    assert {c.q for c in CASES} >= {"f32", "f16", "bf16"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_variant_matches_the_float64_reference(case):
+    from mlasandbox.api import DecodeStep
+
+    inp, seed = device_inputs(Dims(n_head=case.heads), case.n_ctx, case.cache, case.q)
+    step = DecodeStep(**inp.decode_args(), variant=case.variant, sync_check=True)
+    check_step(step, inp, seed, tolerance(case.variant, case.cache), str(case))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_at_131072(variant):
+    from mlasandbox.api import DecodeStep
+
+    inp, seed = device_inputs(Dims(n_head=16), 131072, "f16", "f32", extra_rows=64)
+    step = DecodeStep(**inp.decode_args(), variant=variant, sync_check=True)
+    cmp = check_step(step, inp, seed, tolerance(variant, "f16"), variant)
+    print(f"{variant} @131072: {cmp.summary()}")
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 33, 64, 129, 200])
+@pytest.mark.parametrize("variant", ["split", "batched12", "batched16"])
+def test_every_split_count_matches_one_reference(variant, splits):
+    """One reference, every S, including S > n_ctx (empty slices must be neutral)."""
+    from mlasandbox.api import DecodeStep
+
+    n_ctx = 129
+    inp, seed = device_inputs(Dims(n_head=13), n_ctx, "f16", "f32")
+    step = DecodeStep(**inp.decode_args(), variant=variant, splits=splits, sync_check=True)
+    assert step.plan.splits == splits
+    check_step(step, inp, seed, Tolerance(), f"{variant} S={splits}")
+    if splits > n_ctx:
+        assert step.plan.empty_slices > 0
+        m = step.part_m.get()
+        l = step.part_l.get()
+        assert np.all(l[l == 0] == 0) and not np.isnan(m).any(), "empty partials must be neutral"
+
+
+def test_split_is_at_least_as_accurate_as_unsplit_at_20000():
+    """Lecture 2.1: per-slice partials are effectively pairwise summation."""
+    from mlasandbox.api import DecodeStep
+
+    ratios = []
+    for _ in range(3):
+        inp, seed = device_inputs(Dims(n_head=16), 20000, "f16", "f32")
+        ref = reference.decode(**inp.decode_args())
+        errs = {}
+        for name, kw in (("unsplit", dict(variant="per_head")),
+                         ("split", dict(variant="split", splits=64))):
+            res = run_poisoned(DecodeStep(**inp.decode_args(), sync_check=True, **kw))
+            errs[name] = rel_l2(res.latent, ref.latent)
+        print(f"seed {seed}: relL2(latent) unsplit {errs['unsplit']:.3e}, "
+              f"split(64) {errs['split']:.3e}")
+        ratios.append(errs["unsplit"] / errs["split"])
+    assert np.median(ratios) >= 1.0, f"split less accurate than unsplit: ratios {ratios}"
+
+
+@pytest.mark.parametrize("variant", ["split", "batched12"])
+def test_negative_control_combine_without_rescale_fails_the_check(variant):
+    """The same check, with a combine that drops exp(m_i - m), must fail: it has power."""
+    from mlasandbox.api import DecodeStep
+
+    inp, seed = device_inputs(Dims(n_head=12), 20000, "f16", "f32")
+    ref = reference.decode(**inp.decode_args())
+    good = run_poisoned(DecodeStep(**inp.decode_args(), variant=variant, splits=16))
+    assert compare(good, ref).ok, f"seed={seed}"
+    broken = DecodeStep(**inp.decode_args(), variant=variant, splits=16, rescale=False)
+    assert broken.combine_inst.name.endswith("rescale=false>")
+    cmp = compare(run_poisoned(broken), ref)
+    assert not cmp.ok, f"the check did not reject the broken combine (seed={seed})"
+    print(f"negative control ({variant}): {cmp.summary()}")
+
+
+@pytest.mark.parametrize("n_ctx", [1, 64, 4095])
+def test_below_the_gate_split_and_per_head_are_bit_identical(n_ctx):
+    """The A/A case: below the split gate both run the same kernel with one slice."""
+    from mlasandbox.api import DecodeStep
+
+    inp, seed = device_inputs(Dims(n_head=96), n_ctx, "f16", "f32")
+    a = DecodeStep(**inp.decode_args(), variant="per_head")
+    b = DecodeStep(**inp.decode_args(), variant="split")
+    assert a.plan.splits == b.plan.splits == 1
+    assert a.attn_inst == b.attn_inst
+    ra, rb = run_poisoned(a), run_poisoned(b)
+    for f in ("out", "latent", "lse"):
+        x, y = getattr(ra, f).get(), getattr(rb, f).get()
+        assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), f"{f} differs, seed={seed}"
+
+
+def test_q_absorb_matches_the_reference():
+    import cupy
+
+    from mlasandbox.api import QAbsorb
+    from mlasandbox.bf16 import as_f64
+
+    for cache, q_dtype in (("f16", "f32"), ("bf16", "f32"), ("f16", "cache"), ("bf16", "cache")):
+        inp, seed = device_inputs(Dims(n_head=13), 5, cache, "f32")
+        qa = QAbsorb(inp.q_nope, inp.q_rope, inp.wk_b, q_dtype=q_dtype)
+        qa.q.fill(0xFFFF if qa.q.dtype == cupy.uint16 else cupy.nan)  # poison: NaN in any dtype
+        got = as_f64(cupy.asnumpy(qa.run()))
+        want = reference.q_absorb(inp.q_nope, inp.q_rope, inp.wk_b)
+        limit = 1e-5 if q_dtype == "f32" else (1e-3 if cache == "f16" else 8e-3)
+        assert rel_l2(got, want) < limit, f"{cache}/{q_dtype} seed={seed}"
+
+
+def test_a_torch_bf16_tensor_is_used_without_a_host_copy():
+    torch = pytest.importorskip("torch")
+    import cupy
+
+    from mlasandbox.api import DecodeStep
+
+    inp, seed = device_inputs(Dims(n_head=16), 300, "bf16", "f32")
+    # the caller's side: torch bf16 tensors on the GPU
+    cache_t = torch.from_dlpack(inp.cache).view(torch.bfloat16)
+    wv_t = torch.from_dlpack(inp.wv_b).view(torch.bfloat16)
+    # the documented route: a zero-copy view of the same device memory as uint16 words
+    cache_words = cupy.from_dlpack(cache_t.view(torch.uint16))
+    wv_words = cupy.from_dlpack(wv_t.view(torch.uint16))
+    assert cache_words.data.ptr == cache_t.data_ptr(), "DLPack made a copy"
+    step = DecodeStep(inp.q, cache_words, wv_words, inp.n_ctx, variant="batched16")
+    check_step(step, inp, seed, Tolerance(), "torch bf16")

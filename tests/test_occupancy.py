@@ -1,0 +1,142 @@
+"""Occupancy is a step function of registers and shared memory (lecture section 4), and a
+block that cannot launch is refused by name."""
+from __future__ import annotations
+
+import pytest
+
+from mlasandbox.occupancy import (ARCHS, arch_limits, device_limits, idle_sms, occupancy,
+                                  waves)
+from mlasandbox.registry import ATTN_THREADS, HPB_VALUES, attn_smem_bytes
+from mlasandbox.splits import plan_splits
+
+
+@pytest.mark.parametrize("regs, blocks", [(96, 2), (125, 2), (148, 1)])
+def test_the_lecture_register_wall_at_256_threads(regs, blocks):
+    o = occupancy("sm_90", regs, 256, 0)
+    assert o.blocks_per_sm == blocks
+    assert o.limiter == "registers"
+    assert o.active_warps == 8 * blocks
+
+
+def test_the_register_step_is_where_the_allocation_unit_says():
+    # 256 threads = 8 warps, 2 per sub-partition. A sub-partition holds 16384 registers:
+    # 2 blocks need 4 warps each <= 4096 regs, i.e. <= 128 regs/thread. One more register
+    # rounds a warp up to 4352 regs and halves the resident blocks.
+    assert occupancy("sm_90", 128, 256).blocks_per_sm == 2
+    assert occupancy("sm_90", 129, 256).blocks_per_sm == 1
+    # the 256-register warp granularity: 121..128 regs all allocate 4096 per warp
+    assert {occupancy("sm_90", r, 256).regs_per_block for r in range(121, 129)} == {8 * 4096}
+
+
+@pytest.mark.parametrize("hpb, regs, blocks", [(8, 96, 2), (12, 125, 2), (16, 148, 1)])
+def test_the_lecture_table_with_the_kernels_shared_memory(hpb, regs, blocks):
+    o = occupancy("sm_90", regs, ATTN_THREADS, attn_smem_bytes(hpb))
+    assert o.blocks_per_sm == blocks, o
+
+
+def test_shared_memory_limits_at_the_two_block_boundary():
+    # 115344 B and 129216 B: attn<12> and attn<16> when the cross-warp score partials had a
+    # buffer of their own. On sm_90 (228 KB/SM) the first fits twice, the second once.
+    at12 = occupancy("sm_90", 64, ATTN_THREADS, 115344)
+    at16 = occupancy("sm_90", 64, ATTN_THREADS, 129216)
+    assert (at12.blocks_per_sm, at12.limiter) == (2, "shared memory")
+    assert (at16.blocks_per_sm, at16.limiter) == (1, "shared memory")
+    # the 1 KB reserve and the 128 B unit are part of the arithmetic
+    assert at12.smem_allocated_per_block == 116480
+    # on a 100 KB-per-SM part, that block does not even fit once
+    with pytest.raises(ValueError, match="smem_per_block"):
+        occupancy("sm_89", 64, ATTN_THREADS, 115344)
+
+
+@pytest.mark.parametrize("hpb", HPB_VALUES)
+def test_registers_not_shared_memory_are_the_wall_of_the_attention_family(hpb):
+    # Shared memory is O(head dims + tile), never O(n_ctx), and small enough that every
+    # instantiated HPB fits two blocks per SM on sm_90: the occupancy step the HPB sweep
+    # shows is then the register one, not a shared-memory one hiding behind it.
+    o = occupancy("sm_90", 64, ATTN_THREADS, attn_smem_bytes(hpb))
+    assert o.limits["shared memory"] >= 2, (hpb, attn_smem_bytes(hpb), o)
+
+
+def test_the_reserved_kilobyte_decides_the_last_block():
+    # 228 KB / 2 = 116736 B per block: 2 blocks fit only while smem + 1 KB, rounded to
+    # 128 B, stays within it.
+    limit = 114 * 1024 - 1024
+    assert occupancy("sm_90", 32, 128, limit).limits["shared memory"] == 2
+    assert occupancy("sm_90", 32, 128, limit + 1).limits["shared memory"] == 1
+
+
+def test_warps_and_block_slots_limit_small_kernels():
+    big = occupancy("sm_90", 16, 1024, 0)
+    assert (big.blocks_per_sm, big.limiter, big.fraction) == (2, "warps", 1.0)
+    # at 32 registers both registers and warps allow exactly 2: a tie names both
+    tie = occupancy("sm_90", 32, 1024, 0)
+    assert tie.blocks_per_sm == 2 and set(tie.limiters) == {"registers", "warps"}
+    tiny = occupancy("sm_90", 16, 32, 0)
+    assert (tiny.blocks_per_sm, tiny.limiter) == (32, "blocks")
+    assert occupancy("sm_86", 16, 32, 0).blocks_per_sm == 16
+    assert occupancy("sm_89", 16, 32, 0).blocks_per_sm == 24
+    assert occupancy("sm_86", 32, 1024, 0).blocks_per_sm == 1  # 48 warps per SM
+    assert tiny.fraction == pytest.approx(32 / 64)
+
+
+@pytest.mark.parametrize("args, match", [
+    (("sm_90", 32, 1025, 0), "threads_per_block=1025 .* 1024"),
+    (("sm_90", 256, 128, 0), "regs_per_thread=256 .* 255"),
+    (("sm_90", 255, 1024, 0), "65536 registers per block"),
+    (("sm_90", 32, 256, 227 * 1024 + 1), "232448 B \\(227 KB\\)"),
+    (("sm_86", 32, 256, 99 * 1024 + 1), "99 KB"),
+    (("sm_80", 32, 256, 163 * 1024 + 1), "163 KB"),
+    (("sm_75", 32, 256, 0), "unknown arch"),
+    (("sm_90", 32, 0, 0), "threads_per_block must be an integer >= 1"),
+])
+def test_a_block_that_cannot_launch_is_refused_by_name(args, match):
+    with pytest.raises(ValueError, match=match):
+        occupancy(*args)
+
+
+def test_the_largest_block_that_fits_is_accepted():
+    assert occupancy("sm_90", 32, 256, 227 * 1024).blocks_per_sm == 1
+    assert occupancy("sm_90", 64, 1024, 0).blocks_per_sm == 1  # exactly 65536 registers
+
+
+def test_arch_names_and_tables():
+    assert arch_limits("9.0") is arch_limits("sm_90") is arch_limits("90")
+    for name, a in ARCHS.items():
+        assert a.arch == name
+        assert a.max_warps_per_sm in (48, 64)
+        assert a.smem_per_block_max < a.smem_per_sm  # the 1 KB the driver keeps
+    assert arch_limits("sm_100").smem_per_sm == 228 * 1024
+
+
+def test_waves_and_idle_sms_name_the_lecture_bug():
+    # 96 heads, one block each, on a 132-SM H200: 36 SMs get nothing.
+    assert idle_sms(96, 132) == 36
+    assert waves(96, 1, 132) == pytest.approx(96 / 132)
+    assert idle_sms(96 * 16, 132) == 0
+    plan = plan_splits(131072, 96, 12, num_sms=132, blocks_per_sm=2)
+    assert waves(plan.blocks, 2, 132) == pytest.approx(plan.waves)
+    assert idle_sms(plan.blocks, 132) == plan.idle_sms
+    with pytest.raises(ValueError):
+        waves(10, 0, 132)
+
+
+def test_device_limits_reads_the_device_or_says_there_is_none():
+    try:
+        import cupy
+
+        cupy.zeros(1)
+        has_device = True
+    except Exception:
+        has_device = False
+    if not has_device:
+        with pytest.raises(RuntimeError, match="CUDA device"):
+            device_limits()
+        return
+    d = device_limits()
+    assert d.arch.startswith("sm_") and d.num_sms > 0 and d.l2_bytes > 0
+    assert d.smem_per_block_optin <= d.smem_per_sm
+    if d.arch in ARCHS:
+        table = ARCHS[d.arch]
+        assert (d.smem_per_sm, d.smem_per_block_optin) == (table.smem_per_sm,
+                                                           table.smem_per_block_max)
+        assert d.arch_limits().smem_per_sm == d.smem_per_sm

@@ -1,0 +1,146 @@
+"""ptxas: the -Xptxas -v report through NVRTC, parsed strictly, for an explicit arch (no GPU)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlasandbox import ptxas, registry, sources
+
+TOY = (Path(__file__).parent / "data" / "toy_attn.cu").read_text()
+TOY_EXPR = {
+    "toy<1,f16,f32>": "mla::toy<1, __half, float>",
+    "toy<4,bf16,bf16>": "mla::toy<4, __nv_bfloat16, __nv_bfloat16>",
+    "toy<64,f16,f32>": "mla::toy<64, __half, float>",
+}
+
+# A real log (NVRTC 13.5, sm_80: it prints cmem[0]) with a non-inlined device function.
+REAL_LOG = """\
+ptxas info    : 512 bytes gmem, 256 bytes cmem[3], 8 bytes cmem[4]
+ptxas info    : Function properties for _Z6helperf
+ptxas         .     16 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Compiling entry function '_Z5heavyILi64EEvPKfPfi' for 'sm_80'
+ptxas info    : Function properties for _Z5heavyILi64EEvPKfPfi
+ptxas         .     2840 bytes stack frame, 4328 bytes spill stores, 6712 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 2840 bytes cumulative stack size, 372 bytes cmem[0]
+ptxas info    : Compile time = 234.065 ms
+ptxas info    : Compiling entry function 'plain' for 'sm_80'
+ptxas info    : Function properties for plain
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 10 registers, used 1 barriers, 8192 bytes smem, 360 bytes cmem[0]
+ptxas info    : Compile time = 0.730 ms
+\x00"""
+
+
+def test_parse_real_log():
+    got = ptxas.parse_ptxas_log(REAL_LOG)
+    assert list(got) == ["_Z5heavyILi64EEvPKfPfi", "plain"]
+    heavy, plain = got["_Z5heavyILi64EEvPKfPfi"], got["plain"]
+    assert heavy == dict(arch="sm_80", registers=32, barriers=0, smem_bytes=0, cmem0_bytes=372,
+                         stack_bytes=2840, spill_stores=4328, spill_loads=6712)
+    assert plain == dict(arch="sm_80", registers=10, barriers=1, smem_bytes=8192,
+                         cmem0_bytes=360, stack_bytes=0, spill_stores=0, spill_loads=0)
+
+
+def test_sm90_log_has_no_cmem0_and_says_none_not_zero():
+    log = ("ptxas info    : Compiling entry function 'k' for 'sm_90'\n"
+           "ptxas info    : Function properties for k\n"
+           "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+           "ptxas info    : Used 77 registers, used 1 barriers, 8192 bytes smem\n")
+    k = ptxas.parse_ptxas_log(log)["k"]
+    assert k["registers"] == 77 and k["smem_bytes"] == 8192 and k["cmem0_bytes"] is None
+
+
+@pytest.mark.parametrize("garble, where", [
+    # registers written as a word
+    (lambda s: s.replace("Used 10 registers", "Used ten registers"), "plain"),
+    # an item ptxas never printed
+    (lambda s: s.replace("8192 bytes smem", "8192 bytes smem, 3 frobs"), "3 frobs"),
+    # the spill line cut short
+    (lambda s: s.replace(", 4328 bytes spill stores, 6712 bytes spill loads", ""), "spill"),
+    # the resource line lost
+    (lambda s: s.replace("ptxas info    : Used 10 registers, used 1 barriers, 8192 bytes smem, "
+                         "360 bytes cmem[0]\n", ""), "plain"),
+    # the properties line lost
+    (lambda s: s.replace("ptxas         .     0 bytes stack frame, 0 bytes spill stores, "
+                         "0 bytes spill loads\nptxas info    : Used 10", "ptxas info    : Used 10"),
+     "plain"),
+])
+def test_garbled_log_raises_naming_function_or_line(garble, where):
+    bad = garble(REAL_LOG)
+    assert bad != REAL_LOG
+    with pytest.raises(ptxas.PtxasParseError) as err:
+        ptxas.parse_ptxas_log(bad)
+    assert where in str(err.value)
+
+
+def test_report_of_a_templated_source():
+    rep = ptxas.ptxas_report_source(TOY, TOY_EXPR, arch="sm_90", filename="toy_attn.cu")
+    assert list(rep) == list(TOY_EXPR)
+    for name, r in rep.items():
+        assert isinstance(r, ptxas.KernelResources)
+        assert r.name == name and r.arch == "sm_90" and r.mangled.startswith("_ZN3mla3toy")
+        assert r.registers > 0
+        assert r.smem_bytes == 128 * 4      # __shared__ float tile[128]
+        assert r.barriers == 1              # __syncthreads
+        assert r.as_dict()["registers"] == r.registers
+    assert rep["toy<64,f16,f32>"].registers > rep["toy<1,f16,f32>"].registers
+    with pytest.raises(Exception):
+        rep["toy<1,f16,f32>"].registers = 1   # frozen
+
+
+def test_maxrregcount_makes_it_spill():
+    rep = ptxas.ptxas_report_source(TOY, TOY_EXPR, arch="sm_90",
+                                    extra_options=["-maxrregcount=32"])
+    heavy = rep["toy<64,f16,f32>"]
+    assert heavy.registers <= 32
+    assert heavy.spill_stores > 0 and heavy.spill_loads > 0 and heavy.stack_bytes > 0
+    assert heavy.spills
+    assert not rep["toy<1,f16,f32>"].spills
+
+
+def test_other_arch_is_reported_for_that_arch():
+    rep = ptxas.ptxas_report_source(TOY, {"a": TOY_EXPR["toy<1,f16,f32>"]}, arch="sm_80")
+    assert rep["a"].arch == "sm_80"
+    assert rep["a"].cmem0_bytes is not None and rep["a"].cmem0_bytes > 0
+
+
+def test_every_call_is_a_real_compile():
+    # a cached module prints no log: the second report must carry the same numbers
+    a = ptxas.ptxas_report_source(TOY, TOY_EXPR)
+    b = ptxas.ptxas_report_source(TOY, TOY_EXPR)
+    assert a == b
+
+
+def test_compile_error_raises_with_the_nvrtc_log():
+    with pytest.raises(ptxas.NvrtcCompileError) as err:
+        ptxas.ptxas_report_source(TOY + "\n__global__ void broken() { undeclared_thing(); }\n",
+                                  {"a": TOY_EXPR["toy<1,f16,f32>"]}, filename="broken.cu")
+    msg = str(err.value)
+    assert "broken.cu" in msg and "undeclared_thing" in msg
+
+
+def test_unknown_name_expression_is_an_error():
+    with pytest.raises(ptxas.NvrtcCompileError):
+        ptxas.ptxas_report_source(TOY, {"x": "mla::no_such_kernel<1>"})
+
+
+def test_virtual_arch_is_rejected():
+    with pytest.raises(ValueError, match="real GPU architecture"):
+        ptxas.ptxas_report_source(TOY, TOY_EXPR, arch="compute_90")
+
+
+def test_report_covers_every_registry_instance():
+    # the real sources: one NVRTC program per .cu, every template value of the registry
+    assert {"mla_attn.cu", "mla_combine.cu", "mla_q_absorb.cu"} <= set(sources.source_names())
+    insts = registry.all_instances()
+    rep = ptxas.ptxas_report(insts, arch="sm_90")
+    assert list(rep) == [i.name for i in insts]
+    for inst in insts:
+        r = rep[inst.name]
+        assert r.registers > 0, inst.name
+        assert r.registers <= 255
+        assert r.spill_stores >= 0 and r.spill_loads >= 0 and r.stack_bytes >= 0
+        assert r.barriers is not None
+        # shared memory is O(head dims + tile), never O(n_ctx): static + dynamic fits an SM
+        assert r.smem_bytes + inst.smem_bytes <= 227 * 1024, inst.name
