@@ -49,23 +49,50 @@ static_assert(kKeyDim % (kChunkElems * kWarps) == 0, "key columns must split eve
 static_assert(kChunksPerRow % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
 static_assert(kTile == 32, "the softmax phase maps one tile row to one lane");
 
+// Tuning knobs, overridable with -D for experiments (the registry compiles the defaults).
+#ifndef MLA_SCORE_UNROLL
+#define MLA_SCORE_UNROLL 3
+#endif
+#ifndef MLA_VALUE_UNROLL
+#define MLA_VALUE_UNROLL 2
+#endif
+#ifndef MLA_WIDE_HPB          // from this HPB up: two head groups in the score phase and two
+#define MLA_WIDE_HPB 12       // value columns per thread (four below it)
+#endif
+// Resident blocks per SM the register allocation must allow (the launch-bounds minimum):
+// 5 for HPB 1, whose single-stage tile leaves room for 5 blocks of shared memory; 2 up to
+// HPB 16; 1 above, where shared memory already limits the SM to one block (the wall).
+template <int HPB> __host__ __device__ constexpr int attn_min_blocks() {
+    return HPB == 1 ? 5 : (HPB <= 16 ? 2 : 1);
+}
+
 __host__ __device__ constexpr int round4(int x) { return (x + 3) / 4 * 4; }
 
+// Pipeline depth. HPB >= 2 double-buffers the cache tile, so one block overlaps its next
+// load with its own compute. HPB 1 (per_head, split) keeps a single tile and relies on other
+// resident blocks for the overlap: half the shared memory buys 4 blocks per SM instead of 3,
+// and a lone block (per_head's 96 blocks on 132 SMs) has nothing to overlap its loads
+// against -- the lecture's section 1 shape, made visible.
+template <int HPB> __host__ __device__ constexpr int attn_stages() { return HPB == 1 ? 1 : 2; }
+
 // Shared-memory layout in bytes; registry.attn_smem_bytes() computes the same total.
-// The cross-warp score partials (`red`) live in the spare tile buffer: the next tile is only
-// issued once the softmax has consumed them, so one buffer serves both, and HPB 16 fits two
-// blocks per SM.
+// With two stages the cross-warp score partials (`red`) live in the spare tile buffer: the
+// next tile is only issued once the softmax has consumed them, so one buffer serves both,
+// and HPB 16 fits two blocks per SM. With one stage they get their own (small) buffer.
 template <int HPB> struct AttnSmem {
+    static constexpr int stages = attn_stages<HPB>();
     static constexpr int tile_bytes = kTile * kKeyDim * 2;
-    static constexpr int tiles = 0;                                        // 2 x [kTile][72] x 16 B
-    static constexpr int q = tiles + 2 * tile_bytes;                       // [kKeyDim][HPB] f32
+    static constexpr int red_bytes = kWarps * HPB * kTile * 4;             // [kWarps][HPB][kTile]
+    static constexpr int tiles = 0;                                        // stages x [kTile][72] x 16 B
+    static constexpr int red = tiles + stages * tile_bytes;                // only when stages == 1
+    static constexpr int q = red + (stages == 1 ? red_bytes : 0);          // [kKeyDim][HPB] f32
     static constexpr int p = q + kKeyDim * HPB * 4;                        // [HPB][kTile] f32
     static constexpr int m = p + HPB * kTile * 4;                          // [HPB] f32 each
     static constexpr int l = m + round4(HPB) * 4;
     static constexpr int alpha = l + round4(HPB) * 4;
     static constexpr int bytes = alpha + round4(HPB) * 4;
-    static constexpr int red_bytes = kWarps * HPB * kTile * 4;             // [kWarps][HPB][kTile]
-    static_assert(red_bytes <= tile_bytes, "the score partials must fit in the spare tile");
+    static_assert(stages == 1 || red_bytes <= tile_bytes, "the partials must fit in the spare tile");
+    static_assert(HPB * kKvLora * 4 <= stages * tile_bytes, "the row-half sum borrows the tile buffers");
 };
 
 // Chunk c of tile row r lives at chunk (c ^ (r & 7)) of that row: the 16-byte reads of the
@@ -76,6 +103,7 @@ __device__ __forceinline__ int swizzled_chunk(int r, int c) { return r * kChunks
 // HPT consecutive f32 from shared memory, as wide as alignment allows.
 template <int HPT, int HPB>
 __device__ __forceinline__ void load_heads(const float* src, float (&dst)[HPT]) {
+    static_assert(HPT <= HPB, "a lane's heads are a subset of the block's");
     if constexpr (HPT % 4 == 0 && HPB % 4 == 0) {
 #pragma unroll
         for (int j = 0; j < HPT; j += 4) {
@@ -95,14 +123,14 @@ __device__ __forceinline__ void load_heads(const float* src, float (&dst)[HPT]) 
 }
 
 template <int HPB, typename CacheT, typename QT>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
 attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
      int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
      float* __restrict__ part_l) {
     using Smem = AttnSmem<HPB>;
     // Score phase: a lane owns TPT rows x HPT heads. Two head groups of 8 at HPB 16 keep a
     // lane at 2 rows x 8 heads (16 FMAs per 2 q broadcasts and 2 conversions); one below.
-    constexpr int HG = (HPB >= 16) ? 2 : 1;
+    constexpr int HG = (HPB >= 16 && HPB >= MLA_WIDE_HPB) ? 2 : 1;
     constexpr int HPT = HPB / HG;          // heads per lane
     constexpr int RG = 32 / HG;            // row groups per warp
     constexpr int TPT = kTile / RG;        // rows per lane
@@ -110,7 +138,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
     // Value phase: a thread owns kCols latent columns for all HPB heads. With 4 columns
     // (HPB <= 8) the threads also split each tile's rows in two halves, summed once at the
     // end of the slice; at HPB >= 12, 4 x HPB accumulators would spill, so 2 columns.
-    constexpr int kCols = (HPB >= 12) ? 2 : 4;
+    constexpr int kCols = (HPB >= MLA_WIDE_HPB) ? 2 : 4;
     constexpr int kColGroups = kKvLora / kCols;            // 128 or 256
     constexpr int kRowHalves = kThreads / kColGroups;      // 2 or 1
     constexpr int kRowsPerHalf = kTile / kRowHalves;       // 16 or 32
@@ -143,15 +171,19 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
         return;
     }
 
+    // Tile copy: thread t copies row t/8, chunks (t%8) + 8i, i < 9. The swizzle only flips
+    // the low three bits of the chunk index, so each thread's 9 destinations are one base
+    // plus 8i chunks: no per-chunk index arithmetic.
+    static_assert(kThreads == kTile * 8 && kChunksPerRow == 9 * 8, "tile copy mapping");
+    const int copy_row = tid >> 3, copy_lane = tid & 7;
+    const int copy_dst = copy_row * kChunksPerRow + (copy_lane ^ (copy_row & 7));
     auto load_tile = [&](int tile_index, int buf) {
-        const int row0 = row_start + tile_index * kTile;
-        uint4* dst = tiles + buf * kTile * kChunksPerRow;
-        for (int idx = tid; idx < kTile * kChunksPerRow; idx += kThreads) {
-            const int r = idx / kChunksPerRow, c = idx - r * kChunksPerRow;
-            const bool valid = row0 + r < row_end;
-            const CacheT* src = cache + static_cast<size_t>(valid ? row0 + r : 0) * kKeyDim + c * kChunkElems;
-            cp_async_16(dst + swizzled_chunk(r, c), src, valid);
-        }
+        const int row = row_start + tile_index * kTile + copy_row;
+        const bool valid = row < row_end;
+        const CacheT* src = cache + static_cast<size_t>(valid ? row : 0) * kKeyDim + copy_lane * kChunkElems;
+        uint4* dst = tiles + buf * kTile * kChunksPerRow + copy_dst;
+#pragma unroll
+        for (int i = 0; i < kChunksPerRow / 8; ++i) cp_async_16(dst + 8 * i, src + 8 * i * kChunkElems, valid);
         cp_async_commit();
     };
     load_tile(0, 0);
@@ -177,13 +209,15 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
     const int col_chunk = col_group / kGroupsPerChunk, col_sub = col_group % kGroupsPerChunk;
 
     for (int it = 0; it < n_tiles; ++it) {
-        const int buf = it & 1;
+        const int buf = (Smem::stages == 2) ? (it & 1) : 0;
         cp_async_wait<0>();
         // Tile `it` is visible to every thread, and every thread has finished the value
         // phase of tile it-1, so the spare buffer is free for the score partials.
         __syncthreads();
         const uint4* tile = tiles + buf * kTile * kChunksPerRow;
-        float* red = reinterpret_cast<float*>(tiles + (buf ^ 1) * kTile * kChunksPerRow);
+        float* red = (Smem::stages == 2)
+                         ? reinterpret_cast<float*>(tiles + (buf ^ 1) * kTile * kChunksPerRow)
+                         : reinterpret_cast<float*>(smem + Smem::red);
 
         // ---- 2. scores: partial dot products over this warp's key columns ----
         float sacc[TPT][HPT];
@@ -191,7 +225,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
         for (int i = 0; i < TPT; ++i)
 #pragma unroll
             for (int j = 0; j < HPT; ++j) sacc[i][j] = 0.f;
-#pragma unroll 3
+#pragma unroll MLA_SCORE_UNROLL
         for (int cc = 0; cc < kChunksPerWarp; ++cc) {
             const int c = warp * kChunksPerWarp + cc;
             float x[TPT][kChunkElems];
@@ -204,14 +238,24 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
                 x[i][0] = a.x; x[i][1] = a.y; x[i][2] = b.x; x[i][3] = b.y;
                 x[i][4] = d.x; x[i][5] = d.y; x[i][6] = e.x; x[i][7] = e.y;
             }
-#pragma unroll
-            for (int kk = 0; kk < kChunkElems; ++kk) {
-                float qv[HPT];
-                load_heads<HPT, HPB>(q_s + (c * kChunkElems + kk) * HPB + hg * HPT, qv);
+            if constexpr (HPB == 1) {  // one head: its 8 columns of q in two 16-byte loads
+                const float4 qa = reinterpret_cast<const float4*>(q_s)[2 * c];
+                const float4 qb = reinterpret_cast<const float4*>(q_s)[2 * c + 1];
+                const float qk[kChunkElems] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
                 for (int i = 0; i < TPT; ++i)
 #pragma unroll
-                    for (int j = 0; j < HPT; ++j) sacc[i][j] = fmaf(x[i][kk], qv[j], sacc[i][j]);
+                    for (int kk = 0; kk < kChunkElems; ++kk) sacc[i][0] = fmaf(x[i][kk], qk[kk], sacc[i][0]);
+            } else {
+#pragma unroll
+                for (int kk = 0; kk < kChunkElems; ++kk) {
+                    float qv[HPT];
+                    load_heads<HPT, HPB>(q_s + (c * kChunkElems + kk) * HPB + hg * HPT, qv);
+#pragma unroll
+                    for (int i = 0; i < TPT; ++i)
+#pragma unroll
+                        for (int j = 0; j < HPT; ++j) sacc[i][j] = fmaf(x[i][kk], qv[j], sacc[i][j]);
+                }
             }
         }
 #pragma unroll
@@ -243,7 +287,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
         __syncthreads();
         // The partials are consumed: the spare buffer can take the next tile, which lands
         // while this tile's value phase runs (and while the SM's other block computes).
-        if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
+        if (Smem::stages == 2 && it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
 
         // ---- 4. values: acc = acc * alpha + p @ cache[:, cols] over this thread's rows ----
 #pragma unroll
@@ -252,7 +296,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
 #pragma unroll
             for (int e = 0; e < kCols; ++e) out_acc[j][e] *= a;
         }
-#pragma unroll 2
+#pragma unroll MLA_VALUE_UNROLL
         for (int t4 = row_half * kRowsPerHalf; t4 < (row_half + 1) * kRowsPerHalf; t4 += 4) {
             float v[4][kCols];
 #pragma unroll
@@ -277,6 +321,10 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
 #pragma unroll
                     for (int e = 0; e < kCols; ++e) out_acc[j][e] = fmaf(pv[u], v[u][e], out_acc[j][e]);
             }
+        }
+        if (Smem::stages == 1 && it + 1 < n_tiles) {
+            __syncthreads();  // every thread is done reading the one tile buffer
+            load_tile(it + 1, 0);
         }
     }
 

@@ -5,29 +5,33 @@
 //   RESCALE  true: the real merge. false: the NEGATIVE CONTROL, which drops the
 //            exp(m_i - m) rescale; every correctness check must reject it.
 // Fixed geometry
-//   kThreads = 1024 (32 warps) = kGroups (4) split groups x 256 threads of 2 latent columns,
-//   kSplitTile = 256 split weights computed per step, MLA_KV_LORA = 512
+//   kThreads = 256 = kGroups (8) split groups x 32 threads of 4 latent columns,
+//   kColBlocks = 4 blocks per head, each merging 128 of the MLA_KV_LORA = 512 columns,
+//   kSplitTile = 256 split weights computed per step.
 //
-// Launch: grid = H, block = kThreads, no dynamic shared memory. Block h merges head h:
+// Launch: grid = (H, kColBlocks), block = kThreads, no dynamic shared memory.
+// Block (h, cb) merges columns [128 cb, 128 cb + 128) of head h:
 //   m   = max_i m_i                      (over non-empty partials, l_i > 0)
 //   w_i = 2^(m_i - m)                    (0 for an empty partial: never exp(-inf - -inf))
 //   l   = sum_i w_i l_i,   latent = sum_i w_i acc_i / l,   lse = (m + log2 l) * ln 2
 //   out = wv_b[h] @ latent               (after the merge: it is a function of the merged
 //                                         latent, so it cannot run per slice)
-// The weights of a tile of splits are computed together, and the four split groups each
-// keep 8 partial loads in flight, so the merge never waits on one split's load at a time
-// (seed 001: at batch 1 a merge that loads one split per iteration costs ~0.2 us a split).
+// Each block projects its 128 columns into out_part[h][cb][:]; the last of the head's
+// kColBlocks blocks to finish (a ticket per head) adds the four parts in a fixed order, so
+// `out` is deterministic run to run, and resets the ticket for the next launch.
+// Four blocks per head and eight split groups per block keep many partial loads in flight:
+// at batch 1 a merge that waits on one split's load at a time costs ~0.2 us a split (seed 001).
 #include "mla_common.cuh"
 
 namespace mla {
 
-constexpr int kCombineThreads = 1024;
-constexpr int kColThreads = 256;
-constexpr int kGroups = kCombineThreads / kColThreads;
+constexpr int kCombineThreads = 256;
+constexpr int kColBlocks = 4;
+constexpr int kBlockCols = MLA_KV_LORA / kColBlocks;     // 128
+constexpr int kGroupThreads = kBlockCols / 4;            // 32: 4 columns (a float4) each
+constexpr int kGroups = kCombineThreads / kGroupThreads; // 8
 constexpr int kSplitTile = 256;
-constexpr int kCombineLora = MLA_KV_LORA;
-static_assert(kCombineLora == 2 * kColThreads, "each thread of a group merges two latent columns");
-static_assert(kCombineLora == 2 * 32 * 8, "the wv_b rows are read as two 16-byte chunks per lane");
+static_assert(kBlockCols == 4 * 32, "a warp projects a row's 128 columns, 4 per lane");
 
 template <typename Op>
 __device__ __forceinline__ float block_reduce(float v, float* scratch, Op op) {
@@ -47,13 +51,14 @@ template <typename WvT, bool RESCALE>
 __global__ void __launch_bounds__(kCombineThreads)
 combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
         const float* __restrict__ part_l, int n_head, int splits, const WvT* __restrict__ wv_b,
-        int v_head, float* __restrict__ out, float* __restrict__ latent, float* __restrict__ lse) {
+        int v_head, float* __restrict__ out, float* __restrict__ latent, float* __restrict__ lse,
+        float* __restrict__ out_part, unsigned int* __restrict__ tickets) {
     __shared__ float scratch[kCombineThreads / 32];
     __shared__ float w_s[kSplitTile];
-    __shared__ __align__(16) float group_acc[kGroups - 1][kCombineLora];
-    __shared__ __align__(16) float lat_s[kCombineLora];
-    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int group = tid / kColThreads, col = tid % kColThreads;
+    __shared__ __align__(16) float group_acc[kGroups][kBlockCols];
+    __shared__ bool is_last;
+    const int h = blockIdx.x, cb = blockIdx.y, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int group = tid / kGroupThreads, col4 = tid % kGroupThreads;  // columns 4*col4 .. +3
     const auto fmax_op = [](float a, float b) { return fmaxf(a, b); };
     const auto sum_op = [](float a, float b) { return a + b; };
 
@@ -64,8 +69,10 @@ combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
     }
     const float m = block_reduce(m_local, scratch, fmax_op);  // finite: n_ctx >= 1 fills a slice
 
-    float2 acc = make_float2(0.f, 0.f);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float wl = 0.f;  // this thread's share of l = sum_i w_i l_i
+    const float* acc_base = part_acc + static_cast<size_t>(h) * MLA_KV_LORA + cb * kBlockCols + 4 * col4;
+    const size_t split_stride = static_cast<size_t>(n_head) * MLA_KV_LORA;
     for (int i0 = 0; i0 < splits; i0 += kSplitTile) {
         const int n = min(kSplitTile, splits - i0);
         if (tid < n) {
@@ -78,55 +85,64 @@ combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
         __syncthreads();
 #pragma unroll 8
         for (int i = group; i < n; i += kGroups) {
-            const float2 a = reinterpret_cast<const float2*>(
-                part_acc + (static_cast<size_t>(i0 + i) * n_head + h) * kCombineLora)[col];
+            const float4 a = *reinterpret_cast<const float4*>(acc_base + (i0 + i) * split_stride);
             const float w = w_s[i];
             acc.x = fmaf(w, a.x, acc.x);
             acc.y = fmaf(w, a.y, acc.y);
+            acc.z = fmaf(w, a.z, acc.z);
+            acc.w = fmaf(w, a.w, acc.w);
         }
         __syncthreads();
     }
     const float l = block_reduce(wl, scratch, sum_op);
-    if (group > 0) reinterpret_cast<float2*>(group_acc[group - 1])[col] = acc;
+    *reinterpret_cast<float4*>(&group_acc[group][4 * col4]) = acc;
     __syncthreads();
+    // Sum the split groups in a fixed order (deterministic), normalize, publish the latent.
     if (group == 0) {
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-        for (int g = 0; g < kGroups - 1; ++g) {
-            const float2 o = reinterpret_cast<const float2*>(group_acc[g])[col];
-            acc.x += o.x;
-            acc.y += o.y;
+        for (int g = 0; g < kGroups; ++g) {
+            const float4 o = *reinterpret_cast<const float4*>(&group_acc[g][4 * col4]);
+            sum.x += o.x; sum.y += o.y; sum.z += o.z; sum.w += o.w;
         }
         const float inv_l = 1.f / l;
-        const float2 lat = make_float2(acc.x * inv_l, acc.y * inv_l);
-        reinterpret_cast<float2*>(latent + static_cast<size_t>(h) * kCombineLora)[col] = lat;
-        reinterpret_cast<float2*>(lat_s)[col] = lat;
-        if (tid == 0) lse[h] = (m + log2f(l)) * 0.69314718055994531f;
+        const float4 lat = make_float4(sum.x * inv_l, sum.y * inv_l, sum.z * inv_l, sum.w * inv_l);
+        *reinterpret_cast<float4*>(latent + static_cast<size_t>(h) * MLA_KV_LORA + cb * kBlockCols + 4 * col4) = lat;
+        *reinterpret_cast<float4*>(&group_acc[0][4 * col4]) = lat;  // group 0's row now holds the latent
+        if (tid == 0 && cb == 0) lse[h] = (m + log2f(l)) * 0.69314718055994531f;
     }
     __syncthreads();
 
-    // out[h, v] = wv_b[h, v, :] . latent: one warp per row, lanes over 8 columns at a time.
-    float lat_reg[2][8];
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) lat_reg[half][e] = lat_s[half * 256 + lane * 8 + e];
+    // This block's share of out[h, :] = wv_b[h, :, cols] . latent[cols]: a warp per row.
+    const float4 lat = *reinterpret_cast<const float4*>(&group_acc[0][4 * lane]);
+    float* my_part = out_part + (static_cast<size_t>(h) * kColBlocks + cb) * v_head;
     for (int v = warp; v < v_head; v += kCombineThreads / 32) {
-        const WvT* row = wv_b + (static_cast<size_t>(h) * v_head + v) * kCombineLora;
-        float sum = 0.f;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const uint4 raw = *reinterpret_cast<const uint4*>(row + half * 256 + lane * 8);
-            const unsigned int words[4] = {raw.x, raw.y, raw.z, raw.w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const float2 f = pair_to_f32<WvT>(words[e]);
-                sum = fmaf(f.x, lat_reg[half][2 * e], sum);
-                sum = fmaf(f.y, lat_reg[half][2 * e + 1], sum);
-            }
-        }
+        const WvT* row = wv_b + (static_cast<size_t>(h) * v_head + v) * MLA_KV_LORA + cb * kBlockCols + 4 * lane;
+        const uint2 raw = *reinterpret_cast<const uint2*>(row);
+        const float2 a = pair_to_f32<WvT>(raw.x), b = pair_to_f32<WvT>(raw.y);
+        float sum = a.x * lat.x;
+        sum = fmaf(a.y, lat.y, sum);
+        sum = fmaf(b.x, lat.z, sum);
+        sum = fmaf(b.y, lat.w, sum);
         sum = warp_sum(sum);
-        if (lane == 0) out[static_cast<size_t>(h) * v_head + v] = sum;
+        if (lane == 0) my_part[v] = sum;
     }
+
+    // The last block of head h to get here adds the kColBlocks parts, in order.
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) is_last = atomicAdd(&tickets[h], 1u) == kColBlocks - 1;
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    const float* parts = out_part + static_cast<size_t>(h) * kColBlocks * v_head;
+    for (int v = tid; v < v_head; v += kCombineThreads) {
+        float sum = __ldcg(parts + v);
+#pragma unroll
+        for (int c = 1; c < kColBlocks; ++c) sum += __ldcg(parts + c * v_head + v);
+        out[static_cast<size_t>(h) * v_head + v] = sum;
+    }
+    if (tid == 0) tickets[h] = 0;
 }
 
 }  // namespace mla

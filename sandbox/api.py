@@ -28,14 +28,16 @@ DEFAULT_BATCHED_HPB = 12
 _scratch: dict[int, dict[str, object]] = {}
 
 
-def scratch_for_device(device_id: int, name: str, size: int):
+def scratch_for_device(device_id: int, name: str, size: int, dtype="float32"):
+    """A scratch buffer of at least `size` elements on `device_id`. New buffers are zeroed:
+    the combine's per-head tickets rely on starting at 0 (each launch leaves them at 0)."""
     import cupy
 
     pool = _scratch.setdefault(device_id, {})
     buf = pool.get(name)
     if buf is None or buf.size < size:
         with cupy.cuda.Device(device_id):
-            buf = cupy.empty(max(size, 1), cupy.float32)
+            buf = cupy.zeros(max(size, 1), dtype)
         pool[name] = buf
     return buf[:size]
 
@@ -129,6 +131,9 @@ class DecodeStep:
         self.part_acc = scratch_for_device(self.device_id, "part_acc", s * h * d.kv_lora)
         self.part_m = scratch_for_device(self.device_id, "part_m", s * h)
         self.part_l = scratch_for_device(self.device_id, "part_l", s * h)
+        self.out_part = scratch_for_device(self.device_id, "out_part",
+                                           h * registry.COMBINE_COL_BLOCKS * d.v_head)
+        self.tickets = scratch_for_device(self.device_id, "tickets", h, "uint32")
 
     # ---- phases -------------------------------------------------------------------------
     def run_attn(self) -> None:
@@ -155,12 +160,15 @@ class DecodeStep:
         if not self.variant.is_cuda:
             return  # the engine's combine ran inside run_attn, under its own guard phase
         self.guard.launch(
-            "combine", self.combine_kernel, (self.dims.n_head, 1, 1),
-            (self.combine_inst.threads, 1, 1),
+            "combine", self.combine_kernel, self.combine_grid, (self.combine_inst.threads, 1, 1),
             (self.part_acc, self.part_m, self.part_l, np.int32(self.dims.n_head),
              np.int32(self.plan.splits), self.wv_b, np.int32(self.dims.v_head), self.out,
-             self.latent, self.lse),
+             self.latent, self.lse, self.out_part, self.tickets),
             kernel_name=self.combine_inst.name)
+
+    @property
+    def combine_grid(self) -> tuple:
+        return (self.dims.n_head, registry.COMBINE_COL_BLOCKS, 1)
 
     def run(self) -> DecodeResult:
         self.run_attn()
@@ -174,7 +182,7 @@ class DecodeStep:
         p = self.plan
         return [Launch(self.attn_inst.name, (p.head_blocks, p.splits, 1),
                        (self.attn_inst.threads, 1, 1), self.attn_inst.smem_bytes),
-                Launch(self.combine_inst.name, (self.dims.n_head, 1, 1),
+                Launch(self.combine_inst.name, self.combine_grid,
                        (self.combine_inst.threads, 1, 1), 0)]
 
 

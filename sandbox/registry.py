@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 __all__ = [
     "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
-    "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
+    "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
     "attn_instance", "combine_instance", "q_absorb_instance", "all_instances",
     "attn_smem_bytes", "CXX_TYPES",
 ]
 
 # Heads-per-block values the attention family is instantiated for.
-HPB_VALUES = (1, 2, 4, 8, 12, 16)
+HPB_VALUES = (1, 2, 4, 8, 12, 16, 24)
 
 # Fixed geometry of cuda_src/mla_attn.cu (kThreads, kTile) and the dims it is built for.
 ATTN_THREADS = 256
@@ -34,7 +34,8 @@ ATTN_TILE = 32
 KV_LORA = 512
 ROPE = 64
 KEY_DIM = KV_LORA + ROPE
-COMBINE_THREADS = 1024
+COMBINE_THREADS = 256
+COMBINE_COL_BLOCKS = 4  # blocks per head in the combine (kColBlocks in mla_combine.cu)
 Q_ABSORB_THREADS = 128
 
 CXX_TYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
@@ -100,17 +101,24 @@ class KernelInstance:
         return self.name
 
 
+def attn_stages(hpb: int) -> int:
+    """Cache-tile pipeline depth of attn<HPB> (attn_stages<HPB>() in mla_attn.cu)."""
+    return 1 if hpb == 1 else 2
+
+
 def attn_smem_bytes(hpb: int) -> int:
     """Dynamic shared memory of attn<HPB>: mirrors AttnSmem in mla_attn.cu.
 
-    two cache tiles (double buffer; the cross-warp score partials borrow the spare one)
-    + q in f32 + p + (m, l, alpha)
+    cache tiles (two stages for HPB >= 2, where the cross-warp score partials borrow the
+    spare tile; one stage plus a partials buffer for HPB 1) + q in f32 + p + (m, l, alpha)
     """
-    tiles = 2 * ATTN_TILE * KEY_DIM * 2
+    stages = attn_stages(hpb)
+    tiles = stages * ATTN_TILE * KEY_DIM * 2
+    red = (ATTN_THREADS // 32) * hpb * ATTN_TILE * 4 if stages == 1 else 0
     q = KEY_DIM * hpb * 4
     p = hpb * ATTN_TILE * 4
     stats = 3 * ((hpb + 3) // 4 * 4) * 4
-    return tiles + q + p + stats
+    return tiles + red + q + p + stats
 
 
 def _check_dtype(kind: str, dt: str, allowed) -> None:

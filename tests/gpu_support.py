@@ -29,7 +29,7 @@ def poison(step) -> None:
 
     for arr in (step.out, step.latent, step.lse):
         arr.fill(cupy.nan)
-    for name in ("part_acc", "part_m", "part_l"):
+    for name in ("part_acc", "part_m", "part_l", "out_part"):
         buf = getattr(step, name, None)
         if buf is not None:
             buf.fill(cupy.nan)

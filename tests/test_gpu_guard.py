@@ -78,7 +78,7 @@ except PhaseError as e:
 def test_an_out_of_bounds_kernel_is_reported_at_its_own_phase_with_sync_check():
     r = run_script(OOB_SCRIPT.replace("{sync}", "True"))
     assert "PHASE attn" in r.stdout, r.stdout + r.stderr
-    assert "planted_oob" in r.stdout and "ILLEGAL_ADDRESS" in r.stdout.upper()
+    assert "planted_oob" in r.stdout and "illegal" in r.stdout.lower()
 
 
 def test_without_sync_check_the_fault_surfaces_at_a_later_checkpoint():
@@ -151,7 +151,7 @@ def test_unknown_variant_and_uninstantiated_hpb_are_rejected():
     args, _ = _inputs()
     with pytest.raises(ValueError, match="unknown variant 'nope'; known: per_head, split"):
         DecodeStep(**args, variant="nope")
-    with pytest.raises(ValueError, match=r"heads_per_block must be one of \(1, 2, 4, 8, 12, 16\)"):
+    with pytest.raises(ValueError, match=r"heads_per_block must be one of \(1, 2, 4, 8, 12, 16, 24\)"):
         DecodeStep(**args, variant="batched", heads_per_block=6)
     with pytest.raises(ValueError, match="use a batched variant"):
         DecodeStep(**args, variant="split", heads_per_block=4)
@@ -174,9 +174,12 @@ def test_ptxas_registers_match_the_loaded_kernels_and_the_driver_occupancy():
         assert report[inst.name].spill_stores == 0, f"{inst.name} spills"
         model = occupancy(arch, k.num_regs, inst.threads, inst.smem_bytes + k.shared_size_bytes)
         assert model.blocks_per_sm == blocks_per_sm(inst), inst.name
-    # the lecture's step: HPB 12 keeps two blocks per SM, HPB 16 falls to one
-    assert blocks_per_sm(registry.attn_instance(12)) == 2
-    assert blocks_per_sm(registry.attn_instance(16)) == 1
+    # the occupancy step (lecture section 4): up to HPB 16 two blocks fit an SM; HPB 24 needs
+    # 154 registers and 132 KB of shared memory, and falls to one
+    assert blocks_per_sm(registry.attn_instance(16)) == 2
+    assert blocks_per_sm(registry.attn_instance(24)) == 1
+    # HPB 1's single-stage tile leaves room for five blocks (split's occupancy advantage)
+    assert blocks_per_sm(registry.attn_instance(1)) == 5
 
 
 def test_scratch_is_per_device():

@@ -49,12 +49,15 @@ def test_shared_memory_limits_at_the_two_block_boundary():
 
 
 @pytest.mark.parametrize("hpb", HPB_VALUES)
-def test_registers_not_shared_memory_are_the_wall_of_the_attention_family(hpb):
-    # Shared memory is O(head dims + tile), never O(n_ctx), and small enough that every
-    # instantiated HPB fits two blocks per SM on sm_90: the occupancy step the HPB sweep
-    # shows is then the register one, not a shared-memory one hiding behind it.
+def test_shared_memory_fits_two_blocks_up_to_hpb_16_and_one_above(hpb):
+    # Shared memory is O(head dims + tile), never O(n_ctx). Up to HPB 16 it leaves room for
+    # two blocks per SM on sm_90 (registers then decide); HPB 24's q alone is 55 KB, and the
+    # block stands alone on its SM: the occupancy step the HPB sweep shows.
     o = occupancy("sm_90", 64, ATTN_THREADS, attn_smem_bytes(hpb))
-    assert o.limits["shared memory"] >= 2, (hpb, attn_smem_bytes(hpb), o)
+    if hpb <= 16:
+        assert o.limits["shared memory"] >= 2, (hpb, attn_smem_bytes(hpb), o)
+    else:
+        assert o.limits["shared memory"] == 1, (hpb, attn_smem_bytes(hpb), o)
 
 
 def test_the_reserved_kilobyte_decides_the_last_block():
