@@ -43,7 +43,7 @@ def scratch_for_device(device_id: int, name: str, size: int, dtype="float32"):
 
 
 def _resolve_hpb(var: registry.Variant, heads_per_block) -> int:
-    if var.family == "batched":
+    if var.family in ("batched", "mma"):
         if heads_per_block not in (None, var.hpb):
             raise ValueError(f"variant {var.name} has heads_per_block={var.hpb}; "
                              f"got heads_per_block={heads_per_block}")
@@ -116,7 +116,10 @@ class DecodeStep:
         from .kernels import blocks_per_sm, device_info, get_kernel
 
         hpb = _resolve_hpb(var, heads_per_block)
-        self.attn_inst = registry.attn_instance(hpb, self.cache_dtype, self.q_dtype)
+        if var.family == "mma":
+            self.attn_inst = registry.mma_instance(self.cache_dtype, self.q_dtype)
+        else:
+            self.attn_inst = registry.attn_instance(hpb, self.cache_dtype, self.q_dtype)
         self.combine_inst = registry.combine_instance(self.cache_dtype, rescale)
         info = device_info(self.device_id)
         self.plan = plan_splits(self.n_ctx, h, hpb, num_sms=info.num_sms,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 __all__ = [
     "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
     "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
-    "attn_instance", "combine_instance", "q_absorb_instance", "all_instances",
+    "attn_instance", "mma_instance", "combine_instance", "MMA_HEADS", "q_absorb_instance", "all_instances",
     "attn_smem_bytes", "CXX_TYPES",
 ]
 
@@ -34,6 +34,9 @@ ATTN_TILE = 32
 KV_LORA = 512
 ROPE = 64
 KEY_DIM = KV_LORA + ROPE
+MMA_HEADS = 16        # kMmaHeads in cuda_src/mla_mma.cu
+MMA_THREADS = 128
+MMA_TILE = 64
 COMBINE_THREADS = 256
 COMBINE_COL_BLOCKS = 4  # blocks per head in the combine (kColBlocks in mla_combine.cu)
 Q_ABSORB_THREADS = 128
@@ -46,7 +49,7 @@ class Variant:
     """A user-facing variant. `hpb` is None for the cuBLAS engine."""
 
     name: str
-    family: str  # "per_head" | "split" | "batched" | "cublas"
+    family: str  # "per_head" | "split" | "batched" | "mma" | "cublas"
     hpb: int | None
     splits: bool  # whether it splits over context above the gate
     about: str
@@ -69,6 +72,8 @@ def _make_variants() -> dict[str, Variant]:
         out[f"batched{hpb}"] = Variant(
             f"batched{hpb}", "batched", hpb, True,
             f"one pass over the cache serves {hpb} heads, split over context (section 4)")
+    out["mma"] = Variant("mma", "mma", MMA_HEADS, True,
+                         "tensor cores: 16 heads as the M of mma.m16n8k16, split over context")
     out["cublas"] = Variant("cublas", "cublas", None, False,
                             "CuPy matmuls (cuBLAS) + softmax: the reference engine")
     return out
@@ -137,6 +142,24 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
                           ATTN_THREADS, attn_smem_bytes(hpb))
 
 
+def mma_smem_bytes() -> int:
+    """Dynamic shared memory of mma_attn: mirrors MmaSmem in mla_mma.cu (two 64-row tiles,
+    q and p as hi/lo 16-bit halves, the per-warp max/sum exchange)."""
+    tiles = 2 * MMA_TILE * KEY_DIM * 2
+    q = 2 * MMA_HEADS * KEY_DIM * 2
+    p = 2 * MMA_HEADS * MMA_TILE * 2
+    red = 2 * (MMA_THREADS // 32) * MMA_HEADS * 4
+    return tiles + q + p + red
+
+
+def mma_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
+    _check_dtype("cache", cache, ("f16", "bf16"))
+    _check_dtype("q", q, ("f32", cache))
+    return KernelInstance("mla_mma.cu", f"mla::mma_attn<{CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
+                          f"mma_attn<heads={MMA_HEADS},cache={cache},q={q}>", MMA_THREADS,
+                          mma_smem_bytes())
+
+
 def combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance:
     """The merge + wv_b kernel. rescale=False is the negative control: a combine that
     drops the exp(m_i - m) rescale, which every correctness check must reject."""
@@ -163,6 +186,7 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
             q = cache if qd == "cache" else qd
             for hpb in HPB_VALUES:
                 out.append(attn_instance(hpb, cache, q))
+            out.append(mma_instance(cache, q))
             out.append(q_absorb_instance(cache, q))
         out.append(combine_instance(cache, True))
         if negative_controls:
