@@ -116,15 +116,13 @@ class DecodeStep:
         from .kernels import blocks_per_sm, device_info, get_kernel
 
         hpb = _resolve_hpb(var, heads_per_block)
-        if var.family == "mma":
-            self.attn_inst = registry.mma_instance(self.cache_dtype, self.q_dtype)
-        else:
-            self.attn_inst = registry.attn_instance(hpb, self.cache_dtype, self.q_dtype)
+        self.attn_inst = registry.attention_instance(var, self.cache_dtype, self.q_dtype)
         self.combine_inst = registry.combine_instance(self.cache_dtype, rescale)
         info = device_info(self.device_id)
         self.plan = plan_splits(self.n_ctx, h, hpb, num_sms=info.num_sms,
                                 blocks_per_sm=max(1, blocks_per_sm(self.attn_inst)),
-                                splits=splits, split=var.splits, min_ctx=min_ctx)
+                                splits=splits, split=var.splits, min_ctx=min_ctx,
+                                tile=self.attn_inst.tile_rows)
         if self.plan.splits > info.max_grid_y:
             raise ValueError(f"splits={self.plan.splits} exceeds the grid's y limit "
                              f"{info.max_grid_y} on {info.name}")

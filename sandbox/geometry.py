@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 
 from . import registry
-from .registry import ATTN_TILE, HPB_VALUES
+from .registry import HPB_VALUES
 
 __all__ = ["DEFAULT_ARCH", "DEFAULT_SMS", "KINDS", "instances_for", "occupancy_of", "resource_rows",
            "theoretical_blocks_per_sm", "resolve_variant", "grid_report"]
@@ -57,7 +57,7 @@ def _parse_name(inst) -> dict:
     return {"kind": kind, **vals}
 
 
-KINDS = ("attn", "q_absorb", "combine")
+KINDS = ("attn", "mma_attn", "q_absorb", "combine")
 
 
 def instances_for(hpbs=HPB_VALUES, caches=("f16", "bf16"), q_dtypes=("f32", "cache"),
@@ -115,15 +115,24 @@ def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf1
     return rows
 
 
-def theoretical_blocks_per_sm(hpb: int, cache: str = "f16", q: str = "f32",
+def theoretical_blocks_per_sm(variant, cache: str = "f16", q: str = "f32",
                               arch: str = DEFAULT_ARCH) -> dict:
-    """Blocks/SM of attn<hpb, cache, q> on `arch`, from a real compile: a resource row."""
+    """Blocks/SM of the variant's attention kernel on `arch`, from a real compile: a
+    resource row. `variant` is a registry Variant, or an HPB for attn<hpb>."""
     from .ptxas import ptxas_report
 
-    inst = registry.attn_instance(hpb, cache, q)  # ValueError for a bad hpb or dtype pair
+    if isinstance(variant, int):
+        variant = resolve_variant("batched" if variant > 1 else "split", variant if variant > 1 else None)
+    inst = registry.attention_instance(variant, cache, q)  # ValueError for a bad dtype pair
     _occupancy_module().arch_limits(arch)
-    return resource_rows(arch, hpbs=(hpb,), caches=(cache,), q_dtypes=(q,), controls=False,
-                         kinds=("attn",), report=ptxas_report([inst], arch=arch))[0]
+    rep = ptxas_report([inst], arch=arch)
+    r = rep[inst.name]
+    occ = occupancy_of(arch, r.registers, inst.threads, r.smem_bytes + inst.smem_bytes)
+    return {"name": inst.name, **_parse_name(inst), "registers": r.registers,
+            "spill_stores": r.spill_stores, "spill_loads": r.spill_loads,
+            "stack_bytes": r.stack_bytes, "static_smem": r.smem_bytes,
+            "dynamic_smem": inst.smem_bytes, "threads": inst.threads, **occ, "step": False,
+            "cmem0_bytes": r.cmem0_bytes, "barriers": r.barriers, "arch": arch}
 
 
 def resolve_variant(name: str, hpb: int | None = None):
@@ -156,7 +165,7 @@ def grid_report(variant: str, heads: int, ctx: int, *, splits="auto", hpb: int |
             raise ValueError(f"{name} must be an integer >= 1, got {val!r}")
     occ_row = None
     if blocks_per_sm in (None, "auto"):
-        occ_row = theoretical_blocks_per_sm(v.hpb, cache, q, arch)
+        occ_row = theoretical_blocks_per_sm(v, cache, q, arch)
         bps = occ_row["blocks_per_sm"]
         if bps < 1:
             raise ValueError(f"{occ_row['name']} does not fit on an SM of {arch} "
@@ -168,8 +177,9 @@ def grid_report(variant: str, heads: int, ctx: int, *, splits="auto", hpb: int |
     else:
         bps = int(blocks_per_sm)
         bps_source = "given (--blocks-per-sm)"
+    inst = registry.attention_instance(v, cache, q)
     plan = plan_splits(int(ctx), int(heads), v.hpb, num_sms=int(sms), blocks_per_sm=bps,
-                       splits=splits, split=v.splits)
+                       splits=splits, split=v.splits, tile=inst.tile_rows)
     lengths = [e - s for s, e in (slice_bounds(plan.n_ctx, plan.splits, i)
                                   for i in range(plan.splits))]
     nonempty = [n for n in lengths if n > 0]
@@ -177,14 +187,13 @@ def grid_report(variant: str, heads: int, ctx: int, *, splits="auto", hpb: int |
     return {
         "variant": v.name, "family": v.family, "heads_per_block": v.hpb,
         "n_head": plan.n_head, "n_ctx": plan.n_ctx, "arch": arch, "cache": cache, "q": q,
-        "grid": list(plan.grid), "blocks": plan.blocks, "threads_per_block":
-            registry.ATTN_THREADS,
+        "grid": list(plan.grid), "blocks": plan.blocks, "threads_per_block": inst.threads,
         "splits": plan.splits, "splits_requested": str(splits),
         "num_sms": plan.num_sms, "blocks_per_sm": bps, "blocks_per_sm_source": bps_source,
         "slots": plan.slots, "waves": waves, "full_waves": math.ceil(waves),
         "idle_sms": plan.idle_sms,
         "positions_per_block": max(nonempty), "positions_min_block": min(nonempty),
-        "tiles_per_block": plan.tiles_per_block(), "tile": ATTN_TILE,
+        "tiles_per_block": plan.tiles_per_block(), "tile": plan.tile,
         "empty_slices": plan.empty_slices, "combine": plan.splits > 1,
         "estimated_tile_steps": plan.estimated_steps(), "reason": plan.reason,
         "registers": occ_row["registers"] if occ_row else None,

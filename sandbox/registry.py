@@ -21,7 +21,7 @@ from dataclasses import dataclass
 __all__ = [
     "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
     "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
-    "attn_instance", "mma_instance", "combine_instance", "MMA_HEADS", "q_absorb_instance", "all_instances",
+    "attn_instance", "mma_instance", "attention_instance", "combine_instance", "MMA_HEADS", "q_absorb_instance", "all_instances",
     "attn_smem_bytes", "CXX_TYPES",
 ]
 
@@ -101,6 +101,7 @@ class KernelInstance:
     name: str         # readable, every template value spelled out
     threads: int
     smem_bytes: int   # dynamic shared memory per block
+    tile_rows: int = 0  # cache rows per step (attention kernels only)
 
     def __str__(self) -> str:
         return self.name
@@ -139,7 +140,7 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
     _check_dtype("q", q, ("f32", cache))
     expr = f"mla::attn<{hpb}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>"
     return KernelInstance("mla_attn.cu", expr, f"attn<hpb={hpb},cache={cache},q={q}>",
-                          ATTN_THREADS, attn_smem_bytes(hpb))
+                          ATTN_THREADS, attn_smem_bytes(hpb), ATTN_TILE)
 
 
 def mma_smem_bytes() -> int:
@@ -157,7 +158,16 @@ def mma_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
     _check_dtype("q", q, ("f32", cache))
     return KernelInstance("mla_mma.cu", f"mla::mma_attn<{CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
                           f"mma_attn<heads={MMA_HEADS},cache={cache},q={q}>", MMA_THREADS,
-                          mma_smem_bytes())
+                          mma_smem_bytes(), MMA_TILE)
+
+
+def attention_instance(var: Variant, cache: str = "f16", q: str = "f32") -> KernelInstance:
+    """The attention kernel a CUDA variant launches."""
+    if var.family == "mma":
+        return mma_instance(cache, q)
+    if not var.is_cuda:
+        raise ValueError(f"variant {var.name} launches no attention kernel of its own")
+    return attn_instance(var.hpb, cache, q)
 
 
 def combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance:

@@ -40,6 +40,7 @@ class SplitPlan:
     slots: int           # blocks resident at once: blocks_per_sm x num_sms
     num_sms: int
     reason: str
+    tile: int = ATTN_TILE  # cache rows per step of the kernel the plan is for
 
     @property
     def grid(self) -> tuple[int, int]:
@@ -64,7 +65,7 @@ class SplitPlan:
         return max(0, self.num_sms - self.blocks)
 
     def tiles_per_block(self) -> int:
-        return math.ceil(min(self.slice_len, self.n_ctx) / ATTN_TILE)
+        return math.ceil(min(self.slice_len, self.n_ctx) / self.tile)
 
     def estimated_steps(self) -> int:
         """Tile-steps on the critical path: full waves times tiles per slice."""
@@ -81,7 +82,7 @@ def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
 def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
                 blocks_per_sm: int, splits: int | str | None = None, split: bool = True,
                 min_ctx: int = SPLIT_MIN_CTX, cap: int = SPLIT_CAP,
-                min_tiles: int = MIN_TILES_PER_SPLIT) -> SplitPlan:
+                min_tiles: int = MIN_TILES_PER_SPLIT, tile: int = ATTN_TILE) -> SplitPlan:
     """The split plan for one step. `split=False` is per_head: always one slice."""
     for name, value, low in (("n_ctx", n_ctx, 1), ("n_head", n_head, 1),
                              ("heads_per_block", heads_per_block, 1), ("num_sms", num_sms, 1),
@@ -93,7 +94,7 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
 
     def make(s: int, why: str) -> SplitPlan:
         return SplitPlan(n_ctx, n_head, heads_per_block, s, -(-n_ctx // s), head_blocks,
-                         slots, num_sms, why)
+                         slots, num_sms, why, tile)
 
     if splits not in (None, "auto"):
         if isinstance(splits, bool) or int(splits) != splits or splits < 1:
@@ -105,7 +106,7 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
         return make(1, "per_head: one block per head group walks all of n_ctx")
     if n_ctx < min_ctx:
         return make(1, f"below the split gate (n_ctx {n_ctx} < {min_ctx})")
-    max_s = max(1, min(cap, n_ctx // (min_tiles * ATTN_TILE)))
+    max_s = max(1, min(cap, n_ctx // (min_tiles * tile)))
     cost = {s: make(s, "").estimated_steps() for s in range(1, max_s + 1)}
     best = min(cost.values())
     s = min(k for k, v in cost.items() if v <= best * _TIE)
