@@ -463,5 +463,13 @@ def bench(arch, require_gpu, as_json):
         raise click.ClickException(f"--require-gpu: {why}")
 
 
+# ---------------------------------------------------------------------------- lab commands
+# (issue 4) The timed `bench` (it keeps the command above for the no-GPU case), `sweep` and
+# `repro` live in their own modules; see cli/lab.py.
+from .lab import register as _register_lab_commands  # noqa: E402
+
+_register_lab_commands(main)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

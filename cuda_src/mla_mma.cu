@@ -36,7 +36,7 @@ constexpr int kMmaLora = MLA_KV_LORA;
 constexpr int kMmaKey = MLA_KV_LORA + MLA_ROPE;
 constexpr int kMmaChunks = kMmaKey / 8;                   // 16-byte chunks per cache row (72)
 constexpr int kPChunks = kMmaTile / 8;                    // 16-byte chunks per p row (8)
-static_assert(kMmaKey % 16 == 0 && kMmaChunks % 8 == 0, "k16 steps and the 8-chunk swizzle");
+static_assert(kMmaKey % 32 == 0 && kMmaChunks % 8 == 0, "k16 steps and the 8-chunk swizzle");
 static_assert(kMmaTile == 16 * kMmaWarps, "score phase: 16 rows per warp");
 static_assert(kMmaLora == 128 * kMmaWarps, "value phase: 128 columns per warp");
 
@@ -172,24 +172,40 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
         const unsigned tile_base = smem_u32(tiles + buf * kMmaTile * kMmaChunks);
 
         // ---- scores for rows 16*warp .. +15: two n8 tiles ----
-        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        // Four independent accumulator sets (q_hi / q_lo x even / odd k steps) per n tile, so
+        // consecutive MMAs do not wait on each other: a chain of 72 dependent MMAs would
+        // leave the tensor pipe idle with only 4 warps per SM.
+        float s[2][4];
         {
+            float sp[2][4][4];
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int v = 0; v < 4; ++v) sp[n][v][0] = sp[n][v][1] = sp[n][v][2] = sp[n][v][3] = 0.f;
             // A (q): matrices (heads 0-7 | 8-15) x (k lo | k hi) -> head (lm_mat & 1)*8 + lm_row
             const int a_head = (lm_mat & 1) * 8 + lm_row, a_khalf = lm_mat >> 1;
             // B (cache rows): matrices (n tile 0 | 1) x (k lo | k hi)
             const int b_row = warp * 16 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
 #pragma unroll 4
-            for (int ks = 0; ks < kMmaKey / 16; ++ks) {
-                unsigned a_hi[4], a_lo[4], b[4];
-                const int qa = mma_swz(a_head, 2 * ks + a_khalf, kMmaChunks) * 16;
-                ldsm_x4(q_base + qa, a_hi);
-                ldsm_x4(q_base + kMmaHeads * kMmaKey * 2 + qa, a_lo);
-                ldsm_x4(tile_base + mma_swz(b_row, 2 * ks + b_khalf, kMmaChunks) * 16, b);
-                M::mma(s[0], a_hi, b[0], b[1]);
-                M::mma(s[1], a_hi, b[2], b[3]);
-                M::mma(s[0], a_lo, b[0], b[1]);
-                M::mma(s[1], a_lo, b[2], b[3]);
+            for (int ks = 0; ks < kMmaKey / 16; ks += 2) {
+#pragma unroll
+                for (int par = 0; par < 2; ++par) {
+                    unsigned a_hi[4], a_lo[4], b[4];
+                    const int qa = mma_swz(a_head, 2 * (ks + par) + a_khalf, kMmaChunks) * 16;
+                    ldsm_x4(q_base + qa, a_hi);
+                    ldsm_x4(q_base + kMmaHeads * kMmaKey * 2 + qa, a_lo);
+                    ldsm_x4(tile_base + mma_swz(b_row, 2 * (ks + par) + b_khalf, kMmaChunks) * 16, b);
+                    M::mma(sp[0][par], a_hi, b[0], b[1]);
+                    M::mma(sp[1][par], a_hi, b[2], b[3]);
+                    M::mma(sp[0][2 + par], a_lo, b[0], b[1]);
+                    M::mma(sp[1][2 + par], a_lo, b[2], b[3]);
+                }
             }
+#pragma unroll
+            for (int n = 0; n < 2; ++n)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    s[n][e] = (sp[n][0][e] + sp[n][1][e]) + (sp[n][2][e] + sp[n][3][e]);
         }
         // s[n][0..1]: head g, rows 16w + 8n + 2c4 + {0,1}; s[n][2..3]: head g+8, same rows.
         const int row0 = row_start + it * kMmaTile + warp * 16 + 2 * c4;

@@ -24,7 +24,9 @@ DEFAULT_BATCHED_HPB = 12
 
 # Scratch for the split partials, one pool per device (lecture section 2: a single static
 # pointer allocated by whichever rank arrives first is then dereferenced on devices it does
-# not belong to). Grown on demand, never shrunk.
+# not belong to). Grown on demand, never shrunk. Every DecodeStep on a device shares it, so
+# steps on one device must run on one stream (or be synchronized between), as a decode
+# loop's layers do; two concurrent streams would race on the partials and the tickets.
 _scratch: dict[int, dict[str, object]] = {}
 
 
@@ -35,6 +37,8 @@ def scratch_for_device(device_id: int, name: str, size: int, dtype="float32"):
 
     pool = _scratch.setdefault(device_id, {})
     buf = pool.get(name)
+    if buf is not None and buf.dtype != cupy.dtype(dtype):
+        raise TypeError(f"scratch {name!r} on device {device_id} holds {buf.dtype}, not {dtype}")
     if buf is None or buf.size < size:
         with cupy.cuda.Device(device_id):
             buf = cupy.zeros(max(size, 1), dtype)
@@ -141,11 +145,11 @@ class DecodeStep:
         import numpy as np
 
         if not self.variant.is_cuda:
-            from .cublas_engine import cublas_decode
+            from .cublas_engine import cublas_attention
 
-            self.out[...], self.latent[...], self.lse[...] = cublas_decode(
-                self.q, self.cache, self.wv_b, self.n_ctx, self.scale, self.cache_dtype,
-                guard=self.guard)
+            with self.guard.phase("attn"):
+                cublas_attention(self.q, self.cache, self.n_ctx, self.scale, self.cache_dtype,
+                                 self.latent, self.lse)
             return
         p = self.plan
         self.guard.launch(
@@ -159,7 +163,11 @@ class DecodeStep:
         import numpy as np
 
         if not self.variant.is_cuda:
-            return  # the engine's combine ran inside run_attn, under its own guard phase
+            from .cublas_engine import cublas_projection
+
+            with self.guard.phase("combine"):
+                cublas_projection(self.wv_b, self.latent, self.cache_dtype, self.out)
+            return
         self.guard.launch(
             "combine", self.combine_kernel, self.combine_grid, (self.combine_inst.threads, 1, 1),
             (self.part_acc, self.part_m, self.part_l, np.int32(self.dims.n_head),

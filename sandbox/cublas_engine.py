@@ -12,7 +12,9 @@ variants', which keep q and p in f32.
 """
 from __future__ import annotations
 
-__all__ = ["cublas_decode"]
+from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+
+__all__ = ["cublas_attention", "cublas_projection"]
 
 _CUDA_R_16F, _CUDA_R_32F, _CUDA_R_16BF = 2, 0, 14   # cudaDataType_t
 _COMPUTE_32F = 68                                   # cublasComputeType_t CUBLAS_COMPUTE_32F
@@ -37,48 +39,46 @@ def _gemm(transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc):
         cublas.setPointerMode(handle, mode)
 
 
-def cublas_decode(q, cache, wv_b, n_ctx: int, scale: float, cache_dtype: str, guard=None):
-    """(out, latent, lse) as CuPy f32 arrays. `guard` wraps each phase when given."""
-    import contextlib
-
+def _to_cache_dtype(x, cache_dtype):
     import cupy
 
-    from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+    if cache_dtype == "f16":
+        return x.astype(cupy.float16)
+    return f32_to_bf16_bits(x.astype(cupy.float32, copy=False))
+
+
+def cublas_attention(q, cache, n_ctx: int, scale: float, cache_dtype: str, latent, lse) -> None:
+    """The attn phase: scores, softmax, latent (written into `latent` [H, kv_lora] and
+    `lse` [H], both f32)."""
+    import cupy
 
     n_head, key_dim = q.shape
-    kv_lora = wv_b.shape[2]
-    v_head = wv_b.shape[1]
+    kv_lora = latent.shape[1]
     dtype_code = _CUDA_R_16F if cache_dtype == "f16" else _CUDA_R_16BF
+    q16 = q if q.dtype == cache.dtype else _to_cache_dtype(q, cache_dtype)
+    q16 = cupy.ascontiguousarray(q16)
+    scores = cupy.empty((n_head, n_ctx), cupy.float32)
+    # row-major scores[H, n] = q[H, K] cache[n, K]^T  <=>  column-major scores^T = cache q^T
+    _gemm(_OP_T, _OP_N, n_ctx, n_head, key_dim, cache, dtype_code, key_dim, q16, dtype_code,
+          key_dim, scores, n_ctx)
+    scores *= scale
+    m = scores.max(axis=1, keepdims=True)
+    p = cupy.exp(scores - m)
+    l = p.sum(axis=1, keepdims=True)
+    p /= l
+    lse[...] = (m + cupy.log(l)).ravel()
+    p16 = _to_cache_dtype(p, cache_dtype)
+    # latent[H, 512] = p[H, n] cache[n, :512]  <=>  column-major latent^T = cache_lora^T p^T
+    _gemm(_OP_N, _OP_N, kv_lora, n_head, n_ctx, cache, dtype_code, key_dim, p16, dtype_code,
+          n_ctx, latent, kv_lora)
 
-    def to_cache_dtype(x):
-        if cache_dtype == "f16":
-            return x.astype(cupy.float16)
-        return f32_to_bf16_bits(x.astype(cupy.float32, copy=False))
 
-    phase = guard.phase if guard is not None else (lambda name, launch=None: contextlib.nullcontext())
-    with phase("attn"):
-        q16 = q if q.dtype == cache.dtype else to_cache_dtype(q)
-        q16 = cupy.ascontiguousarray(q16)
-        scores = cupy.empty((n_head, n_ctx), cupy.float32)
-        # row-major scores[H, n] = q[H, K] cache[n, K]^T  <=>  column-major scores^T = cache q^T
-        _gemm(_OP_T, _OP_N, n_ctx, n_head, key_dim, cache, dtype_code, key_dim, q16, dtype_code,
-              key_dim, scores, n_ctx)
-        scores *= scale
-        m = scores.max(axis=1, keepdims=True)
-        p = cupy.exp(scores - m)
-        l = p.sum(axis=1, keepdims=True)
-        p /= l
-        lse = (m + cupy.log(l)).ravel()
-        p16 = to_cache_dtype(p)
-        latent = cupy.empty((n_head, kv_lora), cupy.float32)
-        # latent[H, 512] = p[H, n] cache[n, :512]  <=>  column-major latent^T = cache_lora^T p^T
-        _gemm(_OP_N, _OP_N, kv_lora, n_head, n_ctx, cache, dtype_code, key_dim, p16, dtype_code,
-              n_ctx, latent, kv_lora)
-    with phase("combine"):
-        lat16 = to_cache_dtype(latent)
-        if cache_dtype == "f16":
-            out = cupy.matmul(wv_b, lat16[:, :, None])[:, :, 0].astype(cupy.float32)
-        else:  # CuPy has no bf16 matmul: widen (the reference engine is not the fast path)
-            out = cupy.matmul(bf16_bits_to_f32(wv_b), bf16_bits_to_f32(lat16)[:, :, None])[:, :, 0]
-    assert out.shape == (n_head, v_head)
-    return out, latent, lse
+def cublas_projection(wv_b, latent, cache_dtype: str, out) -> None:
+    """The combine phase: out[h] = wv_b[h] @ latent[h] (batched cuBLAS), into `out` (f32)."""
+    import cupy
+
+    lat16 = _to_cache_dtype(latent, cache_dtype)
+    if cache_dtype == "f16":
+        out[...] = cupy.matmul(wv_b, lat16[:, :, None])[:, :, 0]
+    else:  # CuPy has no bf16 matmul: widen (the reference engine is not the fast path)
+        out[...] = cupy.matmul(bf16_bits_to_f32(wv_b), bf16_bits_to_f32(lat16)[:, :, None])[:, :, 0]

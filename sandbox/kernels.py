@@ -86,7 +86,9 @@ def get_kernel(inst: KernelInstance):
         kernel = module.get_function(inst.expression)
         if inst.smem_bytes > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = inst.smem_bytes
-            # Ask for the largest carveout so that two blocks of ~113 KB can share an SM.
+        if inst.smem_bytes:
+            # The largest carveout, so that the blocks the occupancy model counts (two of
+            # ~113 KB, or five of ~40 KB) really share an SM.
             kernel.preferred_shared_memory_carveout = 100
         _kernels[key] = kernel
     return kernel

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from gpu_support import device_inputs, fresh_seed, gpu, run_poisoned
+from gpu_support import device_inputs, gpu, run_poisoned
 from mlasandbox import reference, registry
 from mlasandbox.compare import Tolerance, compare, rel_l2
 from mlasandbox.dims import Dims

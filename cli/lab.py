@@ -1,0 +1,22 @@
+"""Register the lab commands (issue 4) on the `mlasandbox` group.
+
+* `bench`: the timed bench (cli/bench_cmd.py) replaces the group's no-GPU `bench` under the
+  same name, and hands the no-GPU case back to it, so that behaviour is unchanged;
+* `sweep` (cli/sweep_cmd.py) and `repro` (cli/repro_cmd.py) are new.
+"""
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register(group) -> None:
+    from .bench_cmd import bench, set_no_gpu_fallback
+    from .repro_cmd import repro
+    from .sweep_cmd import sweep
+
+    previous = group.commands.get("bench")
+    if previous is not None and previous is not bench:
+        set_no_gpu_fallback(previous)
+    group.add_command(bench)
+    group.add_command(sweep)
+    group.add_command(repro)

@@ -1,0 +1,256 @@
+"""Explicit byte and FLOP formulas per phase and variant, and the rates derived from a time.
+
+Every figure is a sum of named terms, each with its formula written out, so `mlasandbox bench
+--explain` can print exactly what a GB/s or TFLOP/s in the table was divided by.
+
+Bytes are counted two ways:
+
+* **ideal**: what the phase must move at least: one read of every input it needs, one write
+  of every output (for attn: ONE read of the cache, q, and the split partials). This is the
+  DRAM figure of a perfect kernel, the one to compare with the copy ceiling.
+* **as issued**: what the kernels ask the memory system for. Every head block of
+  per_head / split / batched<HPB> streams its slice of the cache itself, so the cache is
+  issued `head_blocks` times (96 times for per_head at 96 heads: the lecture's section 1.1).
+  How much of it reaches DRAM depends on L2 (blocks in lockstep share lines), so GB/s "as
+  issued" may exceed the copy ceiling: that is L2 serving the reuse, not a faster DRAM.
+
+FLOPs count multiply-adds as 2; exponentials, max and conversions are not counted.
+
+    attn       2 H n_ctx (576 + 512)            q.k over the 576-wide key, p.v over 512
+    combine    2 S H 512 + 2 H 128 512          the weighted merge, then wv_b
+    q_absorb   2 H 128 512                      q_nope[h] @ wk_b[h]
+
+The cuBLAS engine runs its own combine (wv_b) inside its attn phase (api.DecodeStep.run_attn),
+so its attn cost includes wv_b and it has no separate combine phase.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .dims import Dims
+
+__all__ = ["DTYPE_BYTES", "Term", "PhaseCost", "attn_cost", "combine_cost", "q_absorb_cost",
+           "step_cost", "phase_cost", "rates", "explain_lines", "head_blocks_of",
+           "CUBLAS_SCORE_BYTES"]
+
+DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+
+# Bytes the cuBLAS engine moves per element of its [H, n_ctx] score matrix, pass by pass
+# (cublas_engine.cublas_attention, f16): GEMM writes scores (4); `scores *= scale` reads and
+# writes (8); max reads (4); `scores - m` reads and writes a temporary (8); exp reads it and
+# writes p (8); sum reads (4); `p /= l` reads and writes (8); the cast to f16 reads 4 and
+# writes 2 (6); the second GEMM reads p16 (2). bf16's cast takes more passes (not counted).
+CUBLAS_SCORE_PASSES = (("GEMM writes scores", 4), ("scale (r+w)", 8), ("max (r)", 4),
+                       ("s - m (r+w)", 8), ("exp (r+w)", 8), ("sum (r)", 4),
+                       ("p /= l (r+w)", 8), ("cast p to 16 bits (r 4 + w 2)", 6),
+                       ("GEMM reads p16", 2))
+CUBLAS_SCORE_BYTES = sum(b for _, b in CUBLAS_SCORE_PASSES)  # 52
+
+
+@dataclass(frozen=True)
+class Term:
+    """One line of a byte count: its name, its formula, and what it adds to each total."""
+
+    name: str
+    formula: str
+    ideal: int
+    issued: int
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    phase: str
+    variant: str
+    flops: int
+    flops_formula: str
+    terms: tuple = field(default_factory=tuple)
+    note: str = ""
+
+    @property
+    def ideal_bytes(self) -> int:
+        return sum(t.ideal for t in self.terms)
+
+    @property
+    def issued_bytes(self) -> int:
+        return sum(t.issued for t in self.terms)
+
+    def as_dict(self) -> dict:
+        return {"phase": self.phase, "variant": self.variant, "flops": self.flops,
+                "flops_formula": self.flops_formula, "ideal_bytes": self.ideal_bytes,
+                "issued_bytes": self.issued_bytes, "note": self.note,
+                "terms": [{"name": t.name, "formula": t.formula, "ideal": t.ideal,
+                           "issued": t.issued} for t in self.terms]}
+
+
+def _b(dt: str) -> int:
+    try:
+        return DTYPE_BYTES[dt]
+    except KeyError:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dt!r}") from None
+
+
+def _q_bytes(q_dtype: str, cache_dtype: str) -> int:
+    return _b(cache_dtype if q_dtype == "cache" else q_dtype)
+
+
+def head_blocks_of(variant_family: str, n_head: int, hpb: int | None) -> int:
+    """Blocks that each stream the cache: H for per_head/split, ceil(H/HPB) for batched."""
+    if variant_family == "cublas":
+        return 1
+    return -(-n_head // (hpb or 1))
+
+
+def _family(variant: str) -> tuple[str, int | None]:
+    from . import registry
+
+    v = registry.variant(variant)
+    return v.family, v.hpb
+
+
+def attn_cost(variant: str, dims: Dims, n_ctx: int, cache_dtype: str = "f16",
+              q_dtype: str = "f32", splits: int = 1) -> PhaseCost:
+    """The attention phase of `variant` at `n_ctx` with `splits` slices."""
+    family, hpb = _family(variant)
+    H, n, K, L = dims.n_head, int(n_ctx), dims.key_dim, dims.kv_lora
+    cb, qb = _b(cache_dtype), _q_bytes(q_dtype, cache_dtype)
+    if n < 1 or splits < 1:
+        raise ValueError(f"n_ctx and splits must be >= 1, got {n_ctx}, {splits}")
+    flops = 2 * H * n * (K + L)
+    flops_formula = f"2 x H {H} x n_ctx {n} x ({K} + {L})"
+    if family == "cublas":
+        return _cublas_attn_cost(variant, dims, n, cache_dtype, q_dtype, flops, flops_formula)
+    hb = head_blocks_of(family, H, hpb)
+    S = int(splits)
+    cache_once = n * K * cb
+    terms = (
+        Term("cache rows", f"n_ctx {n} x {K} x {cb} B, once (ideal); x head_blocks {hb} "
+                           f"(as issued: every head block streams it)", cache_once,
+             cache_once * hb),
+        Term("q", f"H {H} x {K} x {qb} B; x splits {S} as issued (every slice loads its "
+                  f"heads' q)", H * K * qb, H * K * qb * S),
+        Term("partials written", f"splits {S} x H {H} x ({L} + 2) x 4 B (acc, m, l)",
+             S * H * (L + 2) * 4, S * H * (L + 2) * 4),
+    )
+    return PhaseCost("attn", variant, flops, flops_formula, terms)
+
+
+def _cublas_attn_cost(variant, dims, n, cache_dtype, q_dtype, flops, flops_formula):
+    H, K, L, V = dims.n_head, dims.key_dim, dims.kv_lora, dims.v_head
+    cb, qb = _b(cache_dtype), _q_bytes(q_dtype, cache_dtype)
+    wv = H * V * L * cb
+    flops += 2 * H * V * L
+    flops_formula += f" + 2 x H {H} x {V} x {L} (wv_b, in this phase)"
+    q_cast = H * K * (qb + cb) if qb != cb else 0
+    passes = ", ".join(f"{name} {b}" for name, b in CUBLAS_SCORE_PASSES)
+    terms = (
+        Term("cache rows", f"n_ctx {n} x {K} x {cb} B once (ideal); GEMM 1 reads {K} "
+                           f"columns and GEMM 2 reads {L} (as issued)", n * K * cb,
+             n * (K + L) * cb),
+        Term("q", f"H {H} x {K} x {qb} B" + (f"; cast to {cache_dtype} (r {qb} + w {cb} B)"
+                                            if q_cast else ""), H * K * qb, H * K * qb + q_cast),
+        Term("score matrix passes", f"H {H} x n_ctx {n} x {CUBLAS_SCORE_BYTES} B "
+                                    f"({passes}); 0 ideal", 0, H * n * CUBLAS_SCORE_BYTES),
+        Term("wv_b", f"H {H} x {V} x {L} x {cb} B", wv, wv),
+        Term("outputs", f"out H x {V} x 4 + latent H x {L} x 4 + lse H x 4",
+             H * (V + L + 1) * 4, H * (V + L + 1) * 4),
+    )
+    return PhaseCost("attn", variant, flops, flops_formula, terms,
+                     note="the cuBLAS engine's attn phase includes its wv_b projection")
+
+
+def combine_cost(variant: str, dims: Dims, cache_dtype: str = "f16",
+                 splits: int = 1) -> PhaseCost | None:
+    """The merge + wv_b phase; None for the cuBLAS engine (its combine runs inside attn)."""
+    family, _ = _family(variant)
+    if family == "cublas":
+        return None
+    H, L, V, S = dims.n_head, dims.kv_lora, dims.v_head, int(splits)
+    cb = _b(cache_dtype)
+    flops = 2 * S * H * L + 2 * H * V * L
+    terms = (
+        Term("partials read", f"splits {S} x H {H} x ({L} + 2) x 4 B", S * H * (L + 2) * 4,
+             S * H * (L + 2) * 4),
+        Term("wv_b", f"H {H} x {V} x {L} x {cb} B", H * V * L * cb, H * V * L * cb),
+        Term("outputs", f"out H x {V} x 4 + latent H x {L} x 4 + lse H x 4",
+             H * (V + L + 1) * 4, H * (V + L + 1) * 4),
+    )
+    return PhaseCost("combine", variant, flops,
+                     f"2 x splits {S} x H {H} x {L} + 2 x H {H} x {V} x {L}", terms)
+
+
+def q_absorb_cost(dims: Dims, cache_dtype: str = "f16", q_dtype: str = "f32") -> PhaseCost:
+    """The control phase: q[h] = q_nope[h] @ wk_b[h] || q_rope[h]."""
+    H, N, L, R, K = dims.n_head, dims.nope, dims.kv_lora, dims.rope, dims.key_dim
+    cb, qb = _b(cache_dtype), _q_bytes(q_dtype, cache_dtype)
+    terms = (
+        Term("wk_b", f"H {H} x {N} x {L} x {cb} B", H * N * L * cb, H * N * L * cb),
+        Term("q_nope, q_rope", f"H {H} x ({N} + {R}) x {cb} B", H * (N + R) * cb,
+             H * (N + R) * cb),
+        Term("q written", f"H {H} x {K} x {qb} B", H * K * qb, H * K * qb),
+    )
+    return PhaseCost("q_absorb", "-", 2 * H * N * L, f"2 x H {H} x {N} x {L}", terms)
+
+
+def step_cost(variant: str, dims: Dims, n_ctx: int, cache_dtype: str = "f16",
+              q_dtype: str = "f32", splits: int = 1) -> PhaseCost:
+    """q_absorb + attn + combine: the whole decode step of one layer."""
+    parts = [q_absorb_cost(dims, cache_dtype, q_dtype),
+             attn_cost(variant, dims, n_ctx, cache_dtype, q_dtype, splits),
+             combine_cost(variant, dims, cache_dtype, splits)]
+    parts = [p for p in parts if p is not None]
+    terms = tuple(Term(f"{p.phase}: {t.name}", t.formula, t.ideal, t.issued)
+                  for p in parts for t in p.terms)
+    return PhaseCost("step", variant, sum(p.flops for p in parts),
+                     " + ".join(f"{p.phase} {p.flops:,}" for p in parts), terms)
+
+
+def phase_cost(phase: str, variant: str, dims: Dims, n_ctx: int, cache_dtype: str = "f16",
+               q_dtype: str = "f32", splits: int = 1) -> PhaseCost | None:
+    if phase == "attn":
+        return attn_cost(variant, dims, n_ctx, cache_dtype, q_dtype, splits)
+    if phase == "combine":
+        return combine_cost(variant, dims, cache_dtype, splits)
+    if phase == "q_absorb":
+        return q_absorb_cost(dims, cache_dtype, q_dtype)
+    if phase == "step":
+        return step_cost(variant, dims, n_ctx, cache_dtype, q_dtype, splits)
+    raise ValueError(f"unknown phase {phase!r} (q_absorb, attn, combine, step)")
+
+
+def rates(cost: PhaseCost, median_us: float, ceilings: dict | None = None) -> dict:
+    """GB/s (ideal and as issued) and TFLOP/s at `median_us`, and their fractions of the
+    measured ceilings ({'copy_GBps', 'gemm_TFLOPs'}; absent keys give None)."""
+    if median_us is None or not median_us > 0:
+        return {"GBps_ideal": None, "GBps_issued": None, "TFLOPs": None,
+                "frac_copy_ideal": None, "frac_copy_issued": None, "frac_gemm": None}
+    s = median_us * 1e-6
+    out = {"GBps_ideal": cost.ideal_bytes / s / 1e9, "GBps_issued": cost.issued_bytes / s / 1e9,
+           "TFLOPs": cost.flops / s / 1e12}
+    copy = (ceilings or {}).get("copy_GBps")
+    gemm = (ceilings or {}).get("gemm_TFLOPs")
+    out["frac_copy_ideal"] = out["GBps_ideal"] / copy if copy else None
+    out["frac_copy_issued"] = out["GBps_issued"] / copy if copy else None
+    out["frac_gemm"] = out["TFLOPs"] / gemm if gemm else None
+    return out
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{n} B"
+
+
+def explain_lines(cost: PhaseCost) -> list[str]:
+    """The formulas of one phase, one line per term, with their values."""
+    lines = [f"{cost.phase} [{cost.variant}]: FLOPs = {cost.flops_formula} = {cost.flops:,}"]
+    for t in cost.terms:
+        same = t.ideal == t.issued
+        val = _fmt_bytes(t.ideal) if same else (f"ideal {_fmt_bytes(t.ideal)}, "
+                                                f"as issued {_fmt_bytes(t.issued)}")
+        lines.append(f"    {t.name}: {t.formula} -> {val}")
+    lines.append(f"    total: ideal {_fmt_bytes(cost.ideal_bytes)}, as issued "
+                 f"{_fmt_bytes(cost.issued_bytes)}")
+    if cost.note:
+        lines.append(f"    note: {cost.note}")
+    return lines

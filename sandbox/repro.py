@@ -1,0 +1,277 @@
+"""`mlasandbox repro`: write one self-contained Python script that reproduces a case.
+
+The script pins everything that decides what runs: the variant, its template values (the
+NVRTC name expressions), the shape, the dtypes, the contexts, the exact split count of each
+context, the seed and the scale. It embeds the include-expanded CUDA source of the kernels it
+launches (sources.read_source) and, for the `cublas` variant, the engine's code; it imports
+CuPy and NumPy only. Its launches are DecodeStep's (api.py): attn with (q, cache, n_head,
+n_ctx, splits, scale * log2(e), part_acc, part_m, part_l) over (head_blocks, splits) x 256
+threads and attn_smem_bytes(HPB) of dynamic shared memory; combine with (part_acc, part_m,
+part_l, n_head, splits, wv_b, v_head, out, latent, lse) over (H,) x COMBINE_THREADS.
+
+Split counts: `splits=S` pins S. `splits="auto"` applies the launcher's rule (splits.plan_splits)
+at generation time: with the device's SM count and the driver's blocks/SM when there is a
+GPU, otherwise with `num_sms` (default 132, H100/H200) and the occupancy model's blocks/SM from
+a ptxas compile for `arch`. The script then runs those counts on any device, and its header
+says where they came from.
+
+`--negative-control` builds the combine without its exp(m_i - m) rescale; with a single slice
+the rescale is the identity, so the control needs S >= 2 at every context (the generator
+refuses otherwise: a control that cannot fail proves nothing).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import inspect
+import os
+from dataclasses import dataclass
+
+from . import registry
+from .dims import PRESETS, Dims
+from .splits import SPLIT_MIN_CTX, plan_splits
+
+__all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_filename",
+           "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS"]
+
+REPRO_CONTEXTS = (4095, 4096, 20000)
+# The kernel arguments of api.DecodeStep.run_attn / run_combine, in order, by name (the
+# script maps each name to an array or a scalar). tests/test_repro.py parses api.py and
+# fails if these drift from it.
+ATTN_ARGS = ("q", "cache", "n_head", "n_ctx", "splits", "scale", "part_acc", "part_m",
+             "part_l")
+COMBINE_ARGS = ("part_acc", "part_m", "part_l", "n_head", "splits", "wv_b", "v_head", "out",
+                "latent", "lse", "out_part", "tickets")
+NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",
+                 f"-DMLA_ROPE={registry.ROPE}")
+_CUBLAS_TOL = {"f16": 3e-3, "bf16": 2e-2}  # mirrors bench_gpu.CUBLAS_TOLERANCE
+
+
+@dataclass(frozen=True)
+class ReproCase:
+    variant: str
+    dims: Dims
+    contexts: tuple
+    cache_dtype: str
+    q_dtype: str                 # resolved: f32, f16 or bf16
+    splits: dict                 # n_ctx -> S (None for cublas)
+    splits_from: str
+    seed: int
+    scale: float
+    negative_control: bool = False
+    command: str = ""
+
+    @property
+    def is_cuda(self) -> bool:
+        return registry.variant(self.variant).is_cuda
+
+    @property
+    def attn_instance(self):
+        v = registry.variant(self.variant)
+        return (registry.attention_instance(v, self.cache_dtype, self.q_dtype) if v.is_cuda
+                else None)
+
+    @property
+    def combine_instance(self):
+        return (registry.combine_instance(self.cache_dtype, not self.negative_control)
+                if self.is_cuda else None)
+
+
+def _auto_blocks_per_sm(var, inst, cache, q, arch, num_sms):
+    """(num_sms, blocks/SM, how) for the 'auto' split rule."""
+    from . import toolkit
+
+    ok, why = toolkit.device_available()
+    if ok:
+        from .kernels import blocks_per_sm, device_info
+
+        info = device_info()
+        bps = blocks_per_sm(inst)
+        return info.num_sms, bps, (f"the launcher's rule on {info.name}: {info.num_sms} SMs, "
+                                   f"{bps} blocks/SM from the driver")
+    arch = arch or "sm_90"
+    num_sms = num_sms or 132
+    from .geometry import theoretical_blocks_per_sm
+
+    row = theoretical_blocks_per_sm(var, cache, q, arch)
+    return num_sms, row["blocks_per_sm"], (
+        f"the launcher's rule with {num_sms} SMs and {row['blocks_per_sm']} blocks/SM from the "
+        f"occupancy model of {arch} ({row['registers']} registers; no GPU at generation)")
+
+
+def make_case(variant: str, *, preset: str = "lecture", heads: int | None = None,
+              contexts=REPRO_CONTEXTS, cache: str = "f16", q: str = "f32", splits="auto",
+              seed: int = 0, negative_control: bool = False, num_sms: int | None = None,
+              blocks_per_sm="auto", arch: str | None = None, min_ctx: int = SPLIT_MIN_CTX,
+              command: str = "") -> ReproCase:
+    """Resolve a case (ValueError naming any bad value)."""
+    v = registry.variant(variant)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    dims = PRESETS[preset] if heads is None else PRESETS[preset].with_heads(int(heads))
+    if dims.n_head < 1:
+        raise ValueError("heads must be >= 1")
+    contexts = tuple(sorted({int(c) for c in contexts}))
+    if not contexts or contexts[0] < 1:
+        raise ValueError(f"contexts must be >= 1, got {contexts}")
+    if cache not in ("f16", "bf16"):
+        raise ValueError(f"cache dtype must be f16 or bf16, got {cache!r}")
+    q = cache if q == "cache" else q
+    if q not in ("f32", cache):
+        raise ValueError(f"q dtype must be f32 or the cache dtype ({cache}), got {q!r}")
+    if splits not in ("auto", None):
+        if isinstance(splits, bool) or int(splits) != splits or splits < 1:
+            raise ValueError(f"splits must be 'auto' or an integer >= 1, got {splits!r}")
+        splits = int(splits)
+    else:
+        splits = "auto"
+    if not v.is_cuda:
+        if negative_control:
+            raise ValueError("the negative control is a CUDA combine; the cublas engine has none")
+        if splits != "auto":
+            raise ValueError("the cublas engine does not split; leave splits at 'auto'")
+        plan = {n: None for n in contexts}
+        how = "the cuBLAS engine does not split"
+    else:
+        inst = registry.attention_instance(v, cache, q)  # ValueError for a bad dtype pair
+        if splits != "auto":
+            if not v.splits:
+                raise ValueError(f"{variant} does not split over context; splits must be 'auto'")
+            plan = {n: splits for n in contexts}
+            how = f"pinned: splits={splits}"
+        elif not v.splits:
+            plan = {n: 1 for n in contexts}
+            how = "per_head: one block per head walks all of n_ctx"
+        else:
+            if blocks_per_sm in (None, "auto"):
+                sms, bps, how = _auto_blocks_per_sm(v, inst, cache, q, arch, num_sms)
+            else:
+                sms, bps = num_sms or 132, int(blocks_per_sm)
+                how = f"the launcher's rule with {sms} SMs and {bps} blocks/SM (given)"
+            plan = {n: plan_splits(n, dims.n_head, v.hpb, num_sms=sms, blocks_per_sm=bps,
+                                   split=True, min_ctx=min_ctx, tile=inst.tile_rows).splits
+                    for n in contexts}
+            how += f"; split gate {min_ctx}"
+    if negative_control:
+        single = [n for n, s in plan.items() if s < 2]
+        if single:
+            raise ValueError(
+                f"the negative control needs a split (S >= 2) at every context, but n_ctx "
+                f"{', '.join(map(str, single))} runs one slice, where dropping the rescale "
+                f"changes nothing and the script would pass; use split or batched<HPB> with "
+                f"n_ctx >= {min_ctx}, or --splits S >= 2")
+    return ReproCase(variant=v.name, dims=dims, contexts=contexts, cache_dtype=cache,
+                     q_dtype=q, splits=plan, splits_from=how, seed=int(seed),
+                     scale=dims.default_scale, negative_control=bool(negative_control),
+                     command=command)
+
+
+def default_filename(case: ReproCase) -> str:
+    ctx = "-".join(str(n) for n in case.contexts)
+    neg = "_negctl" if case.negative_control else ""
+    return (f"repro_{case.variant}_H{case.dims.n_head}_{case.cache_dtype}_q{case.q_dtype}"
+            f"_n{ctx}{neg}.py")
+
+
+def _engine_source() -> str:
+    """cublas_engine.py, pasted into the script: only its two imports change."""
+    from . import cublas_engine
+
+    src = inspect.getsource(cublas_engine)
+    future = "from __future__ import annotations\n"
+    rel = "from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits\n"
+    for needle in (future, rel):
+        if needle not in src:
+            raise RuntimeError(f"cublas_engine.py changed: {needle.strip()!r} not found; "
+                               "update repro._engine_source")
+    src = src.replace(future, "")
+    return src.replace(rel, "# (bf16 helpers f32_to_bf16_bits, bf16_bits_to_f32: defined "
+                            "above in this script)\n")
+
+
+def _check_embeddable(name: str, text: str) -> str:
+    if '"""' in text or text.rstrip().endswith("\\"):
+        raise RuntimeError(f"{name} cannot be embedded in a raw triple-quoted string")
+    return text
+
+
+def render_script(case: ReproCase, filename: str | None = None) -> str:
+    """The script's text."""
+    from importlib import metadata
+
+    from .repro_template import ENGINE_WRAPPER, NO_ENGINE, TEMPLATE
+    from .sources import read_source
+
+    try:
+        version = metadata.version("mlasandbox")
+    except metadata.PackageNotFoundError:
+        version = "unknown"
+    filename = filename or default_filename(case)
+    d = case.dims
+    ai, ci = case.attn_instance, case.combine_instance
+    if ai is not None:
+        attn = {"source": ai.source, "expression": ai.expression, "name": ai.name,
+                "threads": ai.threads,
+                "smem_bytes": ai.smem_bytes, "heads_per_block": registry.variant(case.variant).hpb,
+                "args": ATTN_ARGS}
+        combine = {"expression": ci.expression, "name": ci.name, "threads": ci.threads,
+                   "col_blocks": getattr(registry, "COMBINE_COL_BLOCKS", 1),
+                   "args": COMBINE_ARGS}
+        attn_src = _check_embeddable(ai.source, read_source(ai.source))
+        combine_src = _check_embeddable(ci.source, read_source(ci.source))
+        engine = NO_ENGINE
+        tol = {"out": 1e-4, "latent": 1e-4, "lse": 1e-4}
+        kernels = f"{ai.name} + {ci.name}"
+    else:
+        attn = combine = None
+        attn_src = combine_src = ""
+        engine = ENGINE_WRAPPER.replace("@@ENGINE_SOURCE@@", _engine_source())
+        t = _CUBLAS_TOL[case.cache_dtype]
+        tol = {"out": t, "latent": t, "lse": t}
+        kernels = "CuPy matmuls (cuBLAS) + softmax"
+    title = (f"mlasandbox repro: {case.variant} ({kernels}), H={d.n_head}, "
+             f"n_ctx={list(case.contexts)}, cache {case.cache_dtype}, q {case.q_dtype}, "
+             f"seed {case.seed}" + (" [NEGATIVE CONTROL: must FAIL]" if case.negative_control
+                                    else ""))
+    stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    header = (f"Generated by mlasandbox {version} on {stamp}"
+              + (f":\n    {case.command}" if case.command else ".")
+              + f"\nSplit counts: {case.splits_from}."
+              + ("\nTolerances: relL2 1e-4 (out, latent), 1e-4 absolute (lse): f32 arithmetic "
+                 "on inputs exact in float64." if ai is not None else
+                 f"\nTolerance {tol['out']:g}: the engine rounds q, p and latent to "
+                 f"{case.cache_dtype} for its tensor-core GEMMs."))
+    if case.negative_control:
+        header += ("\nThis is the NEGATIVE CONTROL: the combine drops the exp(m_i - m) rescale "
+                   "of the slice merge, so the comparison must FAIL (exit 1). If it passes, the "
+                   "check has no power at this shape.")
+    values = {
+        "@@TITLE@@": title, "@@HEADER@@": header, "@@FILENAME@@": filename,
+        "@@VARIANT@@": repr(case.variant),
+        "@@DIMS@@": repr((d.n_head, d.kv_lora, d.rope, d.v_head, d.nope)),
+        "@@CACHE@@": repr(case.cache_dtype), "@@Q@@": repr(case.q_dtype),
+        "@@CONTEXTS@@": repr(tuple(case.contexts)), "@@SPLITS@@": repr(dict(case.splits)),
+        "@@SPLITS_FROM@@": repr(case.splits_from), "@@SEED@@": repr(case.seed),
+        "@@SCALE@@": repr(float(case.scale)), "@@NEGATIVE@@": repr(case.negative_control),
+        "@@TOLERANCE@@": repr(tol), "@@EXPECT@@": repr("FAIL" if case.negative_control
+                                                       else "PASS"),
+        "@@OPTIONS@@": repr(NVRTC_OPTIONS), "@@ATTN@@": repr(attn),
+        "@@COMBINE@@": repr(combine), "@@ENGINE@@": engine,
+    }
+    text = TEMPLATE
+    for k, v in values.items():
+        if k not in text:
+            raise RuntimeError(f"the repro template lost its {k} marker")
+        text = text.replace(k, v)
+    # The sources last, so nothing inside them is taken for a marker.
+    text = text.replace("@@ATTN_SOURCE@@", attn_src).replace("@@COMBINE_SOURCE@@", combine_src)
+    return text
+
+
+def write_script(case: ReproCase, path: str | None = None) -> str:
+    """Write the script (executable); return its path."""
+    path = path or default_filename(case)
+    text = render_script(case, os.path.basename(path))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+    return path

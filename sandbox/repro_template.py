@@ -1,0 +1,387 @@
+'''The text of the script `mlasandbox repro` writes (see repro.py for how it is filled in).
+
+It is a template, not code this package runs: `@@NAME@@` markers are replaced by repr()'d
+values or, for the CUDA sources and the cuBLAS engine, by verbatim text. The generated
+script imports CuPy and NumPy only.
+'''
+
+TEMPLATE = r'''#!/usr/bin/env python3
+"""@@TITLE@@
+
+@@HEADER@@
+
+Self-contained: CuPy and NumPy only (no mlasandbox). Run:
+
+    python @@FILENAME@@            [--include DIR_WITH_cuda_fp16.h] [--quiet]
+
+It prints the GPU, driver, CUDA, NVRTC, CuPy and NumPy versions; draws the inputs from the
+seed (the same arrays as mlasandbox.inputs.make_inputs(..., xp=cupy): rows past n_ctx are
+NaN, so a kernel that reads past the context fails); compiles the embedded CUDA source with
+NVRTC (cupy.RawModule, name_expressions) and launches attn, then combine, with exactly the
+arguments of mlasandbox.api.DecodeStep, each phase synchronized and checked so that an error
+names its phase; compares out, latent and lse with a float64 NumPy reference (two-pass
+softmax); prints the error figures and one PASS/FAIL line.
+
+Exit status: 0 PASS, 1 FAIL (wrong numbers), 2 error (no device, compile, launch or fault).
+"""
+import argparse
+import contextlib
+import os
+import platform
+import sys
+
+import numpy as np
+
+# ==== the case: every value that decides what runs ============================================
+VARIANT = @@VARIANT@@
+N_HEAD, KV_LORA, ROPE, V_HEAD, NOPE = @@DIMS@@
+KEY_DIM = KV_LORA + ROPE
+CACHE_DTYPE = @@CACHE@@            # bf16 travels as uint16 words holding bf16 bit patterns
+Q_DTYPE = @@Q@@
+CONTEXTS = @@CONTEXTS@@
+SPLITS = @@SPLITS@@                # n_ctx -> split count S, exact (None: the cuBLAS engine)
+SPLITS_FROM = @@SPLITS_FROM@@
+SEED = @@SEED@@
+EXTRA_ROWS = 7                     # NaN-filled cache rows past n_ctx
+SCALE = @@SCALE@@
+NEGATIVE_CONTROL = @@NEGATIVE@@
+TOLERANCE = @@TOLERANCE@@          # relL2 for out and latent, max |error| for lse
+EXPECT = @@EXPECT@@
+REFERENCE_CHUNK = 8192             # cache rows widened to float64 at once
+
+# ==== the kernels ==============================================================================
+NVRTC_OPTIONS = @@OPTIONS@@
+ATTN = @@ATTN@@
+COMBINE = @@COMBINE@@
+LOG2E = 1.4426950408889634
+# (file, source, name expressions): what NVRTC compiles. Empty for the cuBLAS engine.
+ATTN_SOURCE = r"""@@ATTN_SOURCE@@"""
+COMBINE_SOURCE = r"""@@COMBINE_SOURCE@@"""
+CUDA_PROGRAMS = (
+    [(ATTN["source"], ATTN_SOURCE, [ATTN["expression"]]),
+     ("mla_combine.cu", COMBINE_SOURCE, [COMBINE["expression"]])] if ATTN else [])
+
+
+# ==== bf16 as uint16 bit patterns (round to nearest even; NaN -> quiet NaN) ===================
+def _xp(a):
+    import cupy
+
+    return cupy.get_array_module(a)
+
+
+def f32_to_bf16_bits(x):
+    xp = _xp(x)
+    bits = xp.ascontiguousarray(xp.asarray(x, dtype=xp.float32)).view(xp.uint32)
+    lsb = (bits >> 16) & 1
+    rounded = ((bits + 0x7FFF + lsb) >> 16).astype(xp.uint16)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    quiet_nan = (((bits >> 16) & 0x8000) | 0x7FC0).astype(xp.uint16)
+    return xp.where(is_nan, quiet_nan, rounded)
+
+
+def bf16_bits_to_f32(u16):
+    xp = _xp(u16)
+    return (xp.asarray(u16).astype(xp.uint32) << 16).view(xp.float32)
+
+
+def to_storage(x, dtype):
+    xp = _xp(x)
+    if dtype == "f32":
+        return xp.asarray(x, dtype=xp.float32)
+    if dtype == "f16":
+        return xp.asarray(x).astype(xp.float16)
+    return f32_to_bf16_bits(xp.asarray(x, dtype=xp.float32))
+
+
+def as_f64(a):
+    a = np.asarray(a)
+    if a.dtype == np.uint16:
+        return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    return a.astype(np.float64)
+
+
+# ==== inputs ===================================================================================
+def make_inputs(n_ctx):
+    """q [H, 576], cache [n_ctx + EXTRA_ROWS, 576] (NaN past n_ctx), wv_b [H, 128, 512]: the
+    draws of mlasandbox.inputs.make_inputs(dims, n_ctx + 7, n_ctx, CACHE_DTYPE, Q_DTYPE,
+    seed=SEED, nan_fill=True, xp=cupy), in the same order."""
+    import cupy
+
+    rng = cupy.random.RandomState(SEED)
+
+    def normal(shape, std=1.0):
+        out = rng.standard_normal(shape, dtype=cupy.float32)
+        if std != 1.0:
+            out *= np.float32(std)
+        return out
+
+    n_alloc = n_ctx + EXTRA_ROWS
+    q_nope = to_storage(normal((N_HEAD, NOPE)), CACHE_DTYPE)
+    q_rope = to_storage(normal((N_HEAD, ROPE)), CACHE_DTYPE)
+    wk_b = to_storage(normal((N_HEAD, NOPE, KV_LORA), NOPE ** -0.5), CACHE_DTYPE)
+    wv_b = to_storage(normal((N_HEAD, V_HEAD, KV_LORA), KV_LORA ** -0.5), CACHE_DTYPE)
+    cache = to_storage(normal((n_alloc, KEY_DIM)), CACHE_DTYPE)
+    cache[n_ctx:] = 0x7FC0 if CACHE_DTYPE == "bf16" else np.nan
+    # q = q_nope @ wk_b || q_rope, in float64 on the host, rounded once to the q dtype
+    qn, qr, wk = (as_f64(cupy.asnumpy(a)) for a in (q_nope, q_rope, wk_b))
+    q64 = np.concatenate([np.einsum("hn,hnk->hk", qn, wk), qr], axis=1)
+    q = to_storage(cupy.asarray(q64), Q_DTYPE)
+    return q, cache, wv_b
+
+
+# ==== the float64 reference: two passes over the rows t < n_ctx ===============================
+def reference(q, cache, wv_b, n_ctx):
+    import cupy
+
+    q64, wv64 = as_f64(cupy.asnumpy(q)), as_f64(cupy.asnumpy(wv_b))
+    live = cupy.asnumpy(cache[:n_ctx])  # rows past n_ctx are NaN on purpose: never read
+    chunks = [(t0, min(n_ctx, t0 + REFERENCE_CHUNK)) for t0 in range(0, n_ctx, REFERENCE_CHUNK)]
+    scores = np.empty((N_HEAD, n_ctx))
+    for t0, t1 in chunks:
+        scores[:, t0:t1] = q64 @ as_f64(live[t0:t1]).T
+    scores *= SCALE
+    m = scores.max(axis=1)
+    np.exp(scores - m[:, None], out=scores)
+    l = scores.sum(axis=1)
+    acc = np.zeros((N_HEAD, KV_LORA))
+    for t0, t1 in chunks:
+        acc += scores[:, t0:t1] @ as_f64(live[t0:t1])[:, :KV_LORA]
+    latent = acc / l[:, None]
+    return {"out": np.einsum("hvk,hk->hv", wv64, latent), "latent": latent,
+            "lse": m + np.log(l)}
+
+
+# ==== the phase guard ==========================================================================
+class PhaseError(RuntimeError):
+    """A CUDA error, located: which phase of which variant, which launch."""
+
+
+@contextlib.contextmanager
+def phase(name, launch=""):
+    """Run one phase, then synchronize: a launch error or an asynchronous fault is reported
+    here, naming this phase, not at some later call."""
+    import cupy
+
+    try:
+        yield
+        cupy.cuda.get_current_stream().synchronize()
+    except PhaseError:
+        raise
+    except Exception as exc:
+        raise PhaseError(f"phase {name!r} of variant {VARIANT!r} failed: {launch}: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
+class Guard:
+    """What the cuBLAS engine calls: guard.phase(name)."""
+
+    def phase(self, name, launch=None):
+        return phase(name, launch or "CuPy/cuBLAS calls")
+
+
+# ==== compile and launch (the CUDA variants) ===================================================
+def include_dirs(extra):
+    """Where cuda_fp16.h and cuda_bf16.h are: --include, $MLASANDBOX_CUDA_INCLUDE, $CUDA_PATH,
+    $CUDA_HOME, the NVIDIA pip wheels, /usr/local/cuda; the first directory holding both."""
+    cands = list(extra)
+    cands += [p for p in os.environ.get("MLASANDBOX_CUDA_INCLUDE", "").split(os.pathsep) if p]
+    cands += [os.path.join(os.environ[v], "include") for v in ("CUDA_PATH", "CUDA_HOME")
+              if os.environ.get(v)]
+    for root in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include",
+                    "nvidia/cuda_nvrtc/include"):
+            cands.append(os.path.join(root or ".", sub))
+    cands.append("/usr/local/cuda/include")
+    for d in cands:
+        if all(os.path.isfile(os.path.join(d, h)) for h in ("cuda_fp16.h", "cuda_bf16.h")):
+            return [d]
+    return []  # let CuPy find them, or fail at compile saying which header is missing
+
+
+def compile_kernels(inc):
+    import cupy
+
+    opts = tuple(NVRTC_OPTIONS) + tuple(f"-I{d}" for d in inc)
+    attn = cupy.RawModule(code=ATTN_SOURCE, options=opts,
+                          name_expressions=[ATTN["expression"]]).get_function(ATTN["expression"])
+    if ATTN["smem_bytes"] > 48 * 1024:  # past the default 48 KB: the kernel must opt in
+        attn.max_dynamic_shared_size_bytes = ATTN["smem_bytes"]
+        attn.preferred_shared_memory_carveout = 100
+    combine = cupy.RawModule(code=COMBINE_SOURCE, options=opts,
+                             name_expressions=[COMBINE["expression"]]).get_function(
+                                 COMBINE["expression"])
+    return attn, combine
+
+
+def run_cuda(kernels, q, cache, wv_b, n_ctx, splits):
+    """attn over grid (head blocks, S), then combine over grid (H, col blocks): the launches
+    of mlasandbox.api.DecodeStep, arguments in the order ATTN["args"] / COMBINE["args"].
+    Outputs and partials start as NaN, so an element a kernel fails to write shows up; the
+    combine's per-head tickets start at 0, as the kernel requires."""
+    import cupy
+
+    attn, combine = kernels
+    H = N_HEAD
+    head_blocks = -(-H // ATTN["heads_per_block"])
+    nan = np.float32(np.nan)
+    values = {
+        "q": q, "cache": cache, "wv_b": wv_b,
+        "n_head": np.int32(H), "n_ctx": np.int32(n_ctx), "splits": np.int32(splits),
+        "v_head": np.int32(V_HEAD), "scale": np.float32(SCALE * LOG2E),
+        "part_acc": cupy.full(splits * H * KV_LORA, nan, cupy.float32),
+        "part_m": cupy.full(splits * H, nan, cupy.float32),
+        "part_l": cupy.full(splits * H, nan, cupy.float32),
+        "out": cupy.full((H, V_HEAD), nan, cupy.float32),
+        "latent": cupy.full((H, KV_LORA), nan, cupy.float32),
+        "lse": cupy.full((H,), nan, cupy.float32),
+        "out_part": cupy.full(H * COMBINE["col_blocks"] * V_HEAD, nan, cupy.float32),
+        "tickets": cupy.zeros(H, cupy.uint32),
+    }
+    grid, block, smem = (head_blocks, splits, 1), (ATTN["threads"], 1, 1), ATTN["smem_bytes"]
+    with phase("attn", f"kernel {ATTN['name']}, grid {grid}, block {block}, dynamic shared "
+                       f"memory {smem} B"):
+        attn(grid, block, tuple(values[a] for a in ATTN["args"]), shared_mem=smem)
+    grid, block = (H, COMBINE["col_blocks"], 1), (COMBINE["threads"], 1, 1)
+    with phase("combine", f"kernel {COMBINE['name']}, grid {grid}, block {block}, dynamic "
+                          f"shared memory 0 B"):
+        combine(grid, block, tuple(values[a] for a in COMBINE["args"]), shared_mem=0)
+    return {k: cupy.asnumpy(values[k]) for k in ("out", "latent", "lse")}
+
+
+@@ENGINE@@
+
+
+# ==== comparison ===============================================================================
+def compare(got, want):
+    """(ok, lines): relL2 for out and latent, max |error| for lse; any NaN/inf fails."""
+    ok, lines = True, []
+    for name, metric in (("out", "relL2"), ("latent", "relL2"), ("lse", "max abs")):
+        g, w = np.asarray(got[name], np.float64), np.asarray(want[name], np.float64)
+        nonfinite = int(np.count_nonzero(~np.isfinite(g)))
+        err = np.abs(g - w)
+        if metric == "relL2":
+            value = float(np.linalg.norm((g - w).ravel()) / np.linalg.norm(w.ravel()))
+        else:
+            value = float(err.max())
+        if nonfinite:
+            value = float("nan")
+        limit = TOLERANCE[name]
+        good = nonfinite == 0 and value <= limit
+        ok &= good
+        text = (f"  {'ok  ' if good else 'FAIL'} {name:<6} {metric} {value:.3e} "
+                f"(limit {limit:.1e})" + (f", {nonfinite} NaN/inf" if nonfinite else ""))
+        if not good:
+            rank = np.where(np.isfinite(err), err, np.inf).ravel()
+            worst = np.argsort(-rank, kind="stable")[:3]
+            text += "; worst at " + "; ".join(
+                f"{tuple(int(i) for i in np.unravel_index(k, g.shape))}: "
+                f"{g.ravel()[k]:.6g} vs {w.ravel()[k]:.6g}" for k in worst)
+        lines.append(text)
+    return ok, lines
+
+
+def versions():
+    import cupy
+    from cupy.cuda import runtime
+
+    dev = cupy.cuda.Device()
+    props = runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+    def v(x):
+        return f"{x // 1000}.{(x % 1000) // 10}"
+
+    try:
+        nvrtc = "%d.%d" % cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:
+        nvrtc = f"unknown ({exc})"
+    return [("GPU", f"{name} (sm_{props['major']}{props['minor']}, "
+                    f"{props['multiProcessorCount']} SMs)"),
+            ("driver", v(runtime.driverGetVersion())),
+            ("CUDA runtime", v(runtime.runtimeGetVersion())), ("NVRTC", nvrtc),
+            ("CuPy", cupy.__version__), ("NumPy", np.__version__),
+            ("Python", platform.python_version())]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--include", action="append", default=[],
+                    help="directory holding cuda_fp16.h and cuda_bf16.h (repeatable)")
+    ap.add_argument("--quiet", action="store_true", help="print only the PASS/FAIL line")
+    args = ap.parse_args(argv)
+    say = (lambda *a: None) if args.quiet else print
+    say(__doc__.splitlines()[0])
+    say(f"  variant {VARIANT}: H={N_HEAD}, kv_lora={KV_LORA}, rope={ROPE}, v_head={V_HEAD}, "
+        f"cache {CACHE_DTYPE}, q {Q_DTYPE}, seed {SEED}")
+    say(f"  contexts and splits: {SPLITS}  ({SPLITS_FROM})")
+    if ATTN:
+        say(f"  kernels: {ATTN['name']} (block {ATTN['threads']}, dynamic smem "
+            f"{ATTN['smem_bytes']} B), {COMBINE['name']} (block {COMBINE['threads']})")
+    if NEGATIVE_CONTROL:
+        say("  NEGATIVE CONTROL: the combine drops its exp(m_i - m) rescale; the check must FAIL")
+    try:
+        for k, v in versions():
+            say(f"  {k:<13} {v}")
+    except Exception as exc:
+        print(f"FAIL: no usable CUDA device ({type(exc).__name__}: {exc})")
+        return 2
+    kernels = None
+    if ATTN:
+        inc = include_dirs(args.include)
+        say(f"  CUDA headers  {inc[0] if inc else '(not found here; leaving it to CuPy)'}")
+        try:
+            kernels = compile_kernels(inc)
+        except Exception as exc:
+            print(f"FAIL: compile error ({type(exc).__name__}): {exc}")
+            return 2
+    all_ok = True
+    for n_ctx in CONTEXTS:
+        splits = SPLITS[n_ctx]
+        say(f"n_ctx {n_ctx}, splits {splits}:")
+        try:
+            q, cache, wv_b = make_inputs(n_ctx)
+            if ATTN:
+                got = run_cuda(kernels, q, cache, wv_b, n_ctx, splits)
+            else:
+                got = run_engine(q, cache, wv_b, n_ctx)
+        except PhaseError as exc:
+            print(f"  error: {exc}")
+            print(f"FAIL: {VARIANT} raised a CUDA error at n_ctx={n_ctx} (see above)")
+            return 2
+        ok, lines = compare(got, reference(q, cache, wv_b, n_ctx))
+        for line in lines:
+            say(line)
+        all_ok &= ok
+    what = f"{VARIANT} H={N_HEAD} cache={CACHE_DTYPE} q={Q_DTYPE} n_ctx={list(CONTEXTS)}"
+    note = ("  (negative control: FAIL is the expected outcome; a PASS would mean the check "
+            "has no power)") if NEGATIVE_CONTROL else ""
+    print(("PASS: " if all_ok else "FAIL: ") + what + " against the float64 reference" + note)
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+NO_ENGINE = '''def run_engine(q, cache, wv_b, n_ctx):
+    raise RuntimeError("this script reproduces a CUDA variant; the cuBLAS engine is not embedded")
+'''
+
+ENGINE_WRAPPER = '''# ==== the cuBLAS reference engine: mlasandbox/cublas_engine.py, verbatim except its imports ====
+@@ENGINE_SOURCE@@
+
+
+def run_engine(q, cache, wv_b, n_ctx):
+    import cupy
+
+    n_head, v_head, kv_lora = wv_b.shape
+    latent = cupy.empty((n_head, kv_lora), cupy.float32)
+    lse = cupy.empty((n_head,), cupy.float32)
+    out = cupy.empty((n_head, v_head), cupy.float32)
+    guard = Guard()
+    with guard.phase("attn"):
+        cublas_attention(q, cache, n_ctx, SCALE, CACHE_DTYPE, latent, lse)
+    with guard.phase("combine"):
+        cublas_projection(wv_b, latent, CACHE_DTYPE, out)
+    return {"out": cupy.asnumpy(out), "latent": cupy.asnumpy(latent), "lse": cupy.asnumpy(lse)}
+'''

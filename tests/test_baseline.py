@@ -1,0 +1,94 @@
+"""`bench --vs`: phase-by-phase verdicts, the control phase before/after (CPU)."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from lab_fakes import FakeBackend
+from mlasandbox.baseline import SchemaError, compare_runs, load_result
+from mlasandbox.bench import run_bench
+from mlasandbox.noise import NO_DIFFERENCE
+
+OPTS = dict(contexts=(64, 131072), variants=("per_head", "split", "batched12"))
+
+
+@pytest.fixture(scope="module")
+def base():
+    return run_bench(backend=FakeBackend(seed=1), **OPTS)
+
+
+def test_a_rerun_of_the_same_code_is_no_measurable_difference(base):
+    again = run_bench(backend=FakeBackend(seed=2), **OPTS)
+    cmp = compare_runs(again, base)
+    assert cmp["floor"] == max(base["noise_floor"]["floor"], again["noise_floor"]["floor"])
+    assert cmp["rows"] and all(r["text"] == NO_DIFFERENCE for r in cmp["rows"])
+    assert cmp["summary"]["same"] == len(cmp["rows"])
+    assert cmp["control"]["moved"] is False and cmp["control"]["text"] == NO_DIFFERENCE
+    assert not cmp["warnings"]
+
+
+def test_a_real_change_is_reported_with_its_ratio(base):
+    faster = copy.deepcopy(base)
+    for r in faster["rows"]:
+        if r["variant"] == "batched12" and r["n_ctx"] == 131072 and r["phase"] == "attn":
+            r["median_us"] /= 2
+    cmp = compare_runs(faster, base)
+    row = next(r for r in cmp["rows"] if (r["variant"], r["n_ctx"], r["phase"]) ==
+               ("batched12", 131072, "attn"))
+    assert row["verdict"] == "faster" and row["text"] == "2.00x faster"
+    assert cmp["summary"]["faster"] == 1
+
+
+def test_the_control_moving_between_runs_is_a_warning(base):
+    box_changed = copy.deepcopy(base)
+    for s in box_changed["control"]["series"]:
+        s["median_us"] *= 1.5
+    cmp = compare_runs(box_changed, base)
+    assert cmp["control"]["moved"] is True and "moved" in cmp["control"]["text"]
+    assert any("control phase q_absorb moved" in w for w in cmp["warnings"])
+
+
+def test_mismatches_are_listed(base):
+    other = run_bench(backend=FakeBackend(), contexts=(64, 8192),
+                      variants=("per_head", "split"))
+    other["meta"]["device"] = "Another GPU"
+    cmp = compare_runs(other, base)
+    assert ["per_head", "f16", "f32", 8192, "attn"] in cmp["only_in_current"]
+    assert ["batched12", "f16", "f32", 64, "step"] in cmp["only_in_baseline"]
+    assert any("device differs" in w for w in cmp["warnings"])
+
+
+def test_no_floor_means_no_verdicts(base):
+    a, b = copy.deepcopy(base), copy.deepcopy(base)
+    a["noise_floor"]["floor"] = b["noise_floor"]["floor"] = None
+    cmp = compare_runs(a, b)
+    assert cmp["floor"] is None and all(r["verdict"] is None for r in cmp["rows"])
+    assert any("neither run has a noise floor" in w for w in cmp["warnings"])
+
+
+def test_load_result(tmp_path, base):
+    good = tmp_path / "b.json"
+    good.write_text(json.dumps(base))
+    assert load_result(good)["schema"] == base["schema"]
+    for text, words in (("{", "not JSON"), ('{"schema": "x"}', "not a saved"),
+                        ('{"schema": "mlasandbox.bench/1"}', "lacks")):
+        p = tmp_path / "bad.json"
+        p.write_text(text)
+        with pytest.raises(SchemaError, match=words):
+            load_result(p)
+    with pytest.raises(SchemaError, match="cannot read"):
+        load_result(tmp_path / "missing.json")
+
+
+def test_a_variant_that_failed_its_check_is_not_judged(base):
+    wrong = run_bench(backend=FakeBackend(fail_check={"batched12"}, scale=0.5), **OPTS)
+    cmp = compare_runs(wrong, base)
+    rows = [r for r in cmp["rows"] if r["variant"] == "batched12"]
+    assert rows and all(r["verdict"] == "invalid" for r in rows)
+    assert all(r["verdict"] == "faster" for r in cmp["rows"] if r["variant"] == "split"
+               and r["n_ctx"] == 131072)
+    # rows follow the run's variant order, then context, then phase
+    assert [r["variant"] for r in cmp["rows"]][:1] == ["per_head"]
+    assert [r["phase"] for r in cmp["rows"][:3]] == ["attn", "combine", "step"]

@@ -1,0 +1,203 @@
+"""run_bench driven by a fake backend (CPU): the work plan, the estimate, the A/A floor, the
+control phase, the depth term, the fastest variant, the check gate, the CSV."""
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from lab_fakes import FakeBackend
+from mlasandbox import registry
+from mlasandbox.bench import SCHEMA, run_bench, write_csv
+from mlasandbox.bench_config import (DEFAULT_CONTEXTS, estimate_seconds, make_config,
+                                     plan_work, use_graph)
+from mlasandbox.noise import NO_DIFFERENCE
+
+SMALL = dict(contexts=(64, 4096, 131072), variants=("per_head", "split", "batched12", "cublas"))
+
+
+def bench(backend=None, **kw):
+    opts = {**SMALL, **kw}
+    return run_bench(backend=backend or FakeBackend(), **opts)
+
+
+# ---------------------------------------------------------------------------- config
+
+def test_defaults_are_the_lecture_run():
+    cfg = make_config()
+    assert cfg.dims.n_head == 96 and cfg.dims.key_dim == 576
+    assert cfg.contexts == DEFAULT_CONTEXTS == (64, 512, 4096, 8192, 32768, 131072)
+    assert set(cfg.variants) == set(registry.variant_names()) and "cublas" in cfg.variants
+    assert cfg.cache_dtypes == ("f16",) and cfg.aa_context == 4095
+
+
+def test_config_options():
+    cfg = make_config(preset="dsv3", heads=16, contexts=(8192, 64, 64), hpbs=(1, 12),
+                      cache_dtypes=("f16", "bf16"), q_dtype="cache", splits=7)
+    assert cfg.dims.n_head == 16 and cfg.contexts == (64, 8192) and cfg.splits == 7
+    # --hpb narrows the batched family only: the other families stay
+    others = {n for n in registry.variant_names()
+              if registry.variant(n).family not in ("batched", "split")}
+    assert set(cfg.variants) == {"split", "batched12"} | others
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"preset": "nope"}, "unknown preset"), ({"contexts": (0, 5)}, ">= 1"),
+    ({"variants": ("warp",)}, "unknown variant"), ({"hpbs": (3,)}, "heads_per_block"),
+    ({"aa_ctx": 4096}, "below the split gate"), ({"aa_rounds": 1}, "2 rounds"),
+    ({"q_dtype": "f8"}, "q dtype"), ({"cache_dtypes": ("f32",)}, "cache dtype"),
+    ({"graph": "sometimes"}, "graph"), ({"min_repeats": 20, "max_repeats": 10}, "min_repeats"),
+    ({"splits": 0}, "splits")])
+def test_config_rejects_bad_options(kw, words):
+    with pytest.raises(ValueError, match=words):
+        make_config(**kw)
+
+
+def test_work_plan_covers_every_measurement_once():
+    cfg = make_config(**SMALL, aa_rounds=4)
+    items = plan_work(cfg)
+    times = [i for i in items if i.kind == "time"]
+    # 3 CUDA variants x 3 contexts x 3 phases + cublas x 3 contexts x (attn, step)
+    assert len(times) == 3 * 3 * 3 + 3 * 2
+    assert not any(i.variant == "cublas" and i.phase == "combine" for i in times)
+    assert [i.variant for i in items if i.kind == "aa"] == ["per_head", "split"] * 4
+    assert sum(i.kind == "control" for i in items) == 1 + 4 + 1
+    assert sum(i.kind == "check" for i in items) == 4
+
+
+def test_graph_mode_choice():
+    cfg = make_config(**SMALL)
+    assert use_graph(cfg, "split", 4096) and not use_graph(cfg, "split", 8192)
+    assert not use_graph(cfg, "cublas", 64)            # the engine allocates per call
+    assert use_graph(make_config(graph="always"), "per_head", 131072)
+    assert not use_graph(make_config(graph="never"), "per_head", 64)
+
+
+def test_default_estimate_fits_the_budget():
+    est = estimate_seconds(make_config(), copy_GBps=4000.0)
+    assert 1 < est["seconds"] < 480, est
+    assert "n_ctx=131072" in est["slowest"]  # the longest context costs most
+
+
+# ---------------------------------------------------------------------------- the run
+
+def test_run_is_json_and_complete():
+    res = bench()
+    json.dumps(res)  # plain values only
+    assert res["schema"] == SCHEMA and res["ok"] is True and res["harness_stable"] is True
+    assert res["meta"]["device"] == "Fake H200"
+    phases = {(r["variant"], r["n_ctx"], r["phase"]) for r in res["rows"] if r["variant"] != "-"}
+    assert ("cublas", 64, "combine") not in phases and ("split", 131072, "combine") in phases
+    row = next(r for r in res["rows"] if (r["variant"], r["n_ctx"], r["phase"]) ==
+               ("per_head", 131072, "attn"))
+    assert row["splits"] == 1 and row["head_blocks"] == 96 and row["mode"] == "events"
+    assert row["issued_bytes"] == 96 * 131072 * 576 * 2 + 96 * 576 * 4 + 96 * 514 * 4
+    assert row["GBps_issued"] == pytest.approx(row["issued_bytes"] / row["median_us"] / 1e3)
+    assert row["frac_copy_ideal"] == pytest.approx(row["GBps_ideal"] / 4000.0)
+    short = next(r for r in res["rows"] if (r["variant"], r["n_ctx"], r["phase"]) ==
+                 ("split", 64, "step"))
+    assert short["mode"] == "graph"
+
+
+def test_the_aa_runs_identical_code_interleaved():
+    fake = FakeBackend()
+    res = bench(fake, aa_rounds=4)
+    aa = [c for c in fake.calls if c[0] == "time" and c[2] == 4095]
+    assert [c[1] for c in aa] == ["per_head", "split", "split", "per_head"] * 2
+    run = res["noise_floor"]["runs"][0]
+    assert run["same_code"] and run["kernel"] == "attn<hpb=1,cache=f16,q=f32>"
+    assert run["rounds"] == 4 and res["noise_floor"]["floor"] == run["floor"] > 0
+
+
+def test_an_aa_that_is_not_aa_gives_no_floor():
+    fake = FakeBackend(aa_kernels={"split": "attn<hpb=2,cache=f16,q=f32>"})
+    res = bench(fake)
+    assert res["noise_floor"]["floor"] is None and res["harness_stable"] is None
+    assert any("is not A/A" in w for w in res["warnings"])
+
+
+def test_depth_term_and_its_share():
+    res = bench()
+    d = {x["variant"]: x for x in res["depth"]}
+    ph = d["per_head"]
+    assert ph["short_ctx"] == 64 and ph["long_ctx"] == 131072
+    assert ph["depth_us"] == pytest.approx(ph["t_long_us"] - ph["t_short_us"])
+    assert ph["share"] > 0.95 and ph["measurable"] is True
+    assert d["batched12"]["depth_us"] < ph["depth_us"]
+
+
+def test_a_flat_curve_prints_no_measurable_difference():
+    class Flat(FakeBackend):
+        def _attn_us(self, variant, n_ctx, splits):
+            return 1000.0
+    res = bench(Flat(jitter=0.0))
+    d = {x["variant"]: x for x in res["depth"]}
+    assert d["per_head"]["measurable"] is False and d["per_head"]["text"] == NO_DIFFERENCE
+
+
+def test_fastest_names_ties_within_the_floor():
+    res = bench()
+    f = {(x["n_ctx"]): x for x in res["fastest"]}
+    assert f[131072]["variant"] == "batched12"
+    # at 64, per_head / split / batched12 all run one slice: same model time -> ties
+    assert set(f[64]["ties"]) | {f[64]["variant"]} >= {"per_head", "split"}
+
+
+def test_a_wrong_kernel_is_never_the_fastest():
+    res = bench(FakeBackend(fail_check={"batched12"}))
+    assert res["ok"] is False
+    assert all(x["variant"] != "batched12" for x in res["fastest"])
+    assert any("batched12" in w and "FAILED" in w for w in res["warnings"])
+    assert all(r["check_ok"] is False for r in res["rows"] if r["variant"] == "batched12")
+    assert all(r["check_ok"] is True for r in res["rows"] if r["variant"] == "split")
+
+
+def test_the_control_phase_moving_warns_that_the_harness_is_unstable():
+    res = bench(FakeBackend(drift=0.05))
+    assert res["harness_stable"] is False
+    assert any("harness is unstable" in w for w in res["warnings"])
+    labels = [s["label"] for s in res["control"]["series"]]
+    assert labels[0] == "start" and labels[-1] == "end"
+    assert labels[1:-1] == [f"before {v}" for v in SMALL["variants"]]
+
+
+def test_inputs_allocated_once_per_dtype_at_the_largest_context():
+    fake = FakeBackend()
+    bench(fake, cache_dtypes=("f16", "bf16"), q_dtype="cache")
+    prep = [c for c in fake.calls if c[0] == "prepare"]
+    assert prep == [("prepare", 96, 131072, "f16", "f16"), ("prepare", 96, 131072, "bf16", "bf16")]
+    checks = [c for c in fake.calls if c[0] == "check"]
+    assert checks and all(c[2] == 16 and c[3] == 20000 for c in checks)
+
+
+def test_over_budget_cuts_the_target_and_says_so():
+    logs = []
+    res = bench(budget_s=2.0, log=logs.append)
+    assert any("exceeds the budget" in w for w in res["warnings"])
+    assert res["config"]["target_ms"] < 150 and res["estimate"]["seconds"] <= 480
+    assert logs and logs[0].startswith("estimate:")
+
+
+def test_progress_counts_every_unit_of_work():
+    seen = []
+    cfg = make_config(**SMALL)
+    run_bench(backend=FakeBackend(), config=cfg, progress=lambda label, adv=1: seen.append(adv))
+    assert sum(seen) == len(plan_work(cfg))
+
+
+def test_csv_has_one_line_per_row(tmp_path):
+    res = bench()
+    path = tmp_path / "b.csv"
+    write_csv(res, path)
+    with open(path) as f:
+        lines = list(csv.DictReader(f))
+    assert len(lines) == len(res["rows"])
+    assert {"variant", "n_ctx", "phase", "median_us", "GBps_ideal", "mode"} <= set(lines[0])
+    assert any(r["phase"] == "q_absorb" and r["control_label"] == "start" for r in lines)
+
+
+def test_the_allocation_also_covers_the_aa_context():
+    fake = FakeBackend()
+    run_bench(backend=fake, contexts=(64, 512), variants=("per_head", "split"))
+    assert [c for c in fake.calls if c[0] == "prepare"] == [("prepare", 96, 4095, "f16", "f32")]

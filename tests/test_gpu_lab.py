@@ -1,0 +1,192 @@
+"""The lab tools on the device: timing (events, graph replay, L2 flush, fallback), the
+ceilings, a small bench and sweep end to end, the CLI writing its files, and the repro
+scripts run in a subprocess (every variant passes; the negative control fails)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from gpu_support import gpu
+from mlasandbox import registry
+from mlasandbox.dims import Dims
+
+pytestmark = gpu
+
+SMALL_TIMING = {"warmup": 2, "min_repeats": 5, "max_repeats": 20, "target_s": 0.01}
+
+
+@pytest.fixture(scope="module")
+def stream():
+    import cupy
+
+    return cupy.cuda.Stream(non_blocking=True)
+
+
+def test_time_gpu_events_graph_and_fallback(stream):
+    import cupy
+
+    from mlasandbox.kernels import device_info
+    from mlasandbox.timing import L2Flush, Spinner, time_gpu
+
+    a = cupy.ones(1 << 22, cupy.float32)
+    b = cupy.empty_like(a)
+
+    def fn():
+        cupy.multiply(a, 2, out=b)
+
+    flush = L2Flush(device_info().l2_bytes)
+    assert flush.nbytes >= 2 * device_info().l2_bytes
+    t = time_gpu(fn, stream=stream, flush=flush, spinner=Spinner(), **SMALL_TIMING)
+    assert t.mode == "events" and 5 <= t.stats.n <= 20 and 0 < t.median_us < 5000
+    assert t.preroll_us >= 20
+    g = time_gpu(fn, stream=stream, flush=flush, graph_fn=fn, **SMALL_TIMING)
+    assert g.mode == "graph" and 0 < g.median_us < 5000
+    stream.synchronize()
+    assert float(b[0]) == 2.0
+
+    def broken():
+        raise RuntimeError("planted")
+    f = time_gpu(fn, stream=stream, graph_fn=broken, **SMALL_TIMING)
+    assert f.mode == "events" and "planted" in f.note
+
+
+def test_a_captured_step_replays_the_same_work(stream):
+    import cupy
+
+    from mlasandbox.bench_gpu import CupyBackend, no_poll_guard
+    from mlasandbox.timing import capture_graph
+
+    be = CupyBackend()
+    be.prepare(Dims(n_head=16), 8192, "f16", "f32", seed=3)
+    step = be._step("batched12", 8192, "auto")
+    with be.stream:
+        be.qa.run()
+        step.run()
+    be.stream.synchronize()
+    want = (step.out.copy(), step.latent.copy(), step.lse.copy())
+    for arr in (step.out, step.latent, step.lse):
+        arr.fill(cupy.nan)
+
+    def phases():
+        with no_poll_guard(step, be.qa):
+            be.qa.run()
+            step.run_attn()
+            step.run_combine()
+    graph = capture_graph(phases, be.stream)
+    graph.launch(be.stream)
+    be.stream.synchronize()
+    for got, ref in zip((step.out, step.latent, step.lse), want):
+        np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(ref))
+    be.release()
+
+
+def test_ceilings_are_plausible(stream):
+    from mlasandbox.ceilings import measure_ceilings
+
+    c = measure_ceilings(copy_bytes=256 << 20, gemm_n=4096, stream=stream, **SMALL_TIMING)
+    assert 100 < c["copy_GBps"] < 20_000, c
+    assert 1 < c["gemm_TFLOPs"] < 5_000, c
+
+
+def test_a_small_bench_end_to_end():
+    from mlasandbox.bench import run_bench
+
+    variants = ("per_head", "split", "batched12", "cublas") + (
+        ("mma",) if "mma" in registry.variant_names() else ())
+    res = run_bench(heads=16, contexts=(64, 8192), variants=variants, max_repeats=20,
+                    min_repeats=5, target_ms=10, aa_rounds=3, check_ctx=5000)
+    json.dumps(res)
+    assert res["ok"], res["warnings"]
+    assert all(c["ok"] for c in res["checks"]), res["checks"]
+    aa = res["noise_floor"]["runs"][0]
+    assert aa["same_code"] and res["noise_floor"]["floor"] > 0
+    modes = {(r["variant"], r["n_ctx"]): r["mode"] for r in res["rows"] if r["phase"] == "attn"}
+    assert modes[("split", 64)] == "graph" and modes[("split", 8192)] == "events"
+    assert modes[("cublas", 64)] == "events"
+    assert res["ceilings"]["copy_GBps"] > 100
+    assert {d["variant"] for d in res["depth"]} == set(variants)
+
+
+def test_a_small_sweep_matches_the_driver():
+    from mlasandbox.sweep import run_sweep
+
+    res = run_sweep(hpbs=(8, 12), n_ctx=32768, timing_kw=SMALL_TIMING)
+    assert res["timed"] and not res["warnings"], res["warnings"]  # ptxas == num_regs
+    for r in res["rows"]:
+        assert r["median_us"] > 0 and r["blocks_per_sm_driver"] >= 1
+        assert r["driver_num_regs"] == r["registers"]
+    assert sum(r["fastest"] for r in res["rows"]) == 1
+
+
+def test_the_bench_command_writes_its_files(tmp_path):
+    from click.testing import CliRunner
+
+    from mlasandbox.cli.main import main
+
+    js, cs, png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
+    args = ["bench", "--heads", "16", "--ctx", "64,8192", "--variants",
+            "per_head,split,batched12,cublas", "--repeats", "20", "--min-repeats", "5",
+            "--target-ms", "10", "--aa-rounds", "3", "--check-ctx", "5000",
+            "--json", str(js), "--csv", str(cs), "--plot", str(png)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, (res.stdout, res.stderr, res.exception)
+    assert json.loads(js.read_text())["ok"] and cs.stat().st_size and png.stat().st_size
+    res = CliRunner().invoke(main, args[:-6] + ["--vs", str(js)])
+    assert res.exit_code == 0 and "against the baseline" in res.stdout
+
+
+# ---------------------------------------------------------------------------- repro
+
+def _run(path):
+    return subprocess.run([sys.executable, str(path)], capture_output=True, text=True,
+                          timeout=600)
+
+
+@pytest.mark.parametrize("variant", registry.variant_names())
+def test_the_repro_script_passes_on_the_device(tmp_path, variant):
+    from mlasandbox.repro import make_case, write_script
+
+    case = make_case(variant, heads=16, contexts=(4095, 4096, 20000), seed=11)
+    path = write_script(case, str(tmp_path / "r.py"))
+    out = _run(path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("PASS:") and variant in last
+    for word in ("GPU", "driver", "CUDA runtime", "CuPy", "NumPy"):
+        assert word in out.stdout
+
+
+def test_the_repro_bf16_script_passes(tmp_path):
+    from mlasandbox.repro import make_case, write_script
+
+    case = make_case("batched12", heads=12, contexts=(12289,), cache="bf16", q="cache")
+    out = _run(write_script(case, str(tmp_path / "r.py")))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_the_repro_negative_control_fails(tmp_path):
+    from mlasandbox.repro import make_case, write_script
+
+    case = make_case("split", heads=16, contexts=(20000,), negative_control=True)
+    out = _run(write_script(case, str(tmp_path / "neg.py")))
+    assert out.returncode == 1, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAIL:") and "negative control" in last
+
+
+def test_repro_auto_splits_are_the_launchers():
+    from mlasandbox.api import DecodeStep
+    from mlasandbox.inputs import make_inputs
+    from mlasandbox.repro import make_case
+
+    import cupy
+
+    case = make_case("batched12", heads=96, contexts=(20000, 131072))
+    for n in case.contexts:
+        inp = make_inputs(Dims(n_head=96), n, n, xp=cupy, nan_fill=False)
+        step = DecodeStep(**inp.decode_args(), variant="batched12")
+        assert step.plan.splits == case.splits[n]

@@ -1,0 +1,192 @@
+"""The lab commands through click's CliRunner: `bench` (with a fake GPU backend and without a
+GPU), `sweep`, `repro`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from lab_fakes import FakeBackend
+from mlasandbox import bench_gpu, registry, toolkit
+from mlasandbox.cli.main import main
+
+HAVE_GPU, GPU_REASON = toolkit.device_available()
+SMALL = ["--ctx", "64,8192", "--variants", "per_head,split,batched12,cublas"]
+
+
+def run(*args, ok=True):
+    res = CliRunner().invoke(main, [str(a) for a in args])
+    if ok and res.exit_code != 0:
+        raise AssertionError(f"exit {res.exit_code}\nstdout:\n{res.stdout}\nstderr:\n"
+                             f"{res.stderr}\n{res.exception!r}")
+    return res
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A 'GPU' whose timings come from lab_fakes.FakeBackend."""
+    made = []
+
+    def factory(*a, **k):
+        made.append(FakeBackend(*a, **k))
+        return made[-1]
+
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: Fake H200"))
+    monkeypatch.setattr(bench_gpu, "CupyBackend", factory)
+    return made
+
+
+def test_help_lists_the_lab_commands():
+    out = run("--help").stdout
+    for cmd in ("bench", "sweep", "repro"):
+        assert cmd in out
+
+
+# ---------------------------------------------------------------------------- bench
+
+def test_bench_tables_and_files(fake_gpu, tmp_path):
+    js, cs, png = tmp_path / "b.json", tmp_path / "b.csv", tmp_path / "b.png"
+    res = run("bench", *SMALL, "--json", js, "--csv", cs, "--plot", png, "--explain")
+    out = " ".join(res.stdout.split())
+    assert "step time (us, median)" in out and "depth term" in out and "share" in out
+    assert "phases at n_ctx 8192" in out and "phases at n_ctx 64" in out
+    assert "A/A noise floor" in out and "control q_absorb" in out and "stable" in out
+    assert "FLOPs = 2 x H 96 x n_ctx 8192 x (576 + 512)" in out  # --explain
+    assert "correctness: every variant matches" in out
+    data = json.loads(js.read_text())
+    assert data["schema"] == "mlasandbox.bench/1" and data["ok"]
+    assert cs.read_text().startswith("variant,cache,q,n_ctx,phase")
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert "estimate:" in res.stderr and f"wrote {js}" in " ".join(res.stderr.split())
+
+
+def test_bench_json_on_stdout(fake_gpu):
+    res = run("bench", *SMALL, "--json")
+    data = json.loads(res.stdout)
+    assert data["config"]["contexts"] == [64, 8192]
+    assert {r["variant"] for r in data["rows"]} == {"-", "per_head", "split", "batched12",
+                                                    "cublas"}
+    assert data["noise_floor"]["floor"] > 0
+
+
+def test_bench_vs_a_baseline(fake_gpu, tmp_path):
+    base = tmp_path / "base.json"
+    run("bench", *SMALL, "--json", base)
+    res = run("bench", *SMALL, "--vs", base)
+    out = " ".join(res.stdout.split())
+    assert "against the baseline" in out and "control" in out
+    assert "no measurable difference" in out
+    res = run("bench", *SMALL, "--vs", base, "--json")
+    data = json.loads(res.stdout)
+    assert data["vs"]["baseline"] == str(base) and data["vs"]["control"]["moved"] is False
+
+
+def test_bench_bad_baseline_is_bad_input(fake_gpu, tmp_path):
+    res = run("bench", "--vs", tmp_path / "missing.json", ok=False)
+    assert res.exit_code == 2 and "cannot read baseline" in res.stderr
+    assert not fake_gpu  # rejected before anything ran
+
+
+@pytest.mark.parametrize("args,words", [(["--aa-ctx", "5000"], "below the split gate"),
+                                        (["--variants", "warp"], "not among"),
+                                        (["--hpb", "3"], "heads_per_block"),
+                                        (["--ctx", "x"], "not an integer")])
+def test_bench_bad_input_exits_2(fake_gpu, args, words):
+    res = run("bench", *args, ok=False)
+    assert res.exit_code == 2 and words in " ".join(res.stderr.split())
+
+
+def test_a_wrong_kernel_fails_the_bench(monkeypatch):
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: Fake H200"))
+    monkeypatch.setattr(bench_gpu, "CupyBackend",
+                        lambda *a, **k: FakeBackend(fail_check={"batched12"}))
+    res = run("bench", *SMALL, ok=False)
+    assert res.exit_code == 1
+    out = " ".join(res.stdout.split())
+    assert "WRONG: not a result" in out and "planted failure" in out
+
+
+def test_an_unstable_harness_is_a_warning(monkeypatch):
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: Fake H200"))
+    monkeypatch.setattr(bench_gpu, "CupyBackend", lambda *a, **k: FakeBackend(drift=0.1))
+    out = " ".join(run("bench", *SMALL).stdout.split())
+    assert "UNSTABLE" in out and "harness is unstable" in out
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(fake_gpu, tmp_path, monkeypatch):
+    from mlasandbox import plot
+
+    def missing():
+        raise plot.PlotUnavailable("--plot needs matplotlib (x); install the plot extra: "
+                                   "pip install 'mlasandbox[plot]'")
+    monkeypatch.setattr(plot, "_pyplot", missing)
+    res = run("bench", *SMALL, "--plot", tmp_path / "p.png", ok=False)
+    assert res.exit_code == 1 and "mlasandbox[plot]" in res.stderr
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
+def test_bench_without_a_gpu_explains_and_keeps_the_old_behaviour(monkeypatch):
+    from mlasandbox.cli import main as main_module
+
+    # the no-GPU command's own content is test_cli.py's business: keep it cheap here
+    monkeypatch.setattr(main_module, "cpu_accuracy", lambda *a, **k: ([], {
+        "ok": True, "problems": [], "median_gain": 1.0, "tolerance": 1e-4}))
+    monkeypatch.setattr(main_module, "_regs_rows", lambda *a, **k: [])
+    res = run("bench", "--explain", "--variants", "per_head,batched12")
+    out = " ".join(res.stdout.split())
+    assert "Byte and FLOP formulas" in out and "No GPU here" in out and "blocks/SM" in out
+    assert "x head_blocks 8" in out  # batched12 at 96 heads
+    data = json.loads(run("bench", "--json").stdout)
+    assert data["timings"] is None and data["no_device_reason"] == GPU_REASON
+
+
+# ---------------------------------------------------------------------------- sweep
+
+def test_sweep_with_a_gpu(fake_gpu, tmp_path):
+    js = tmp_path / "s.json"
+    res = run("sweep", "--hpb", "8,12,16", "--ctx", "32768", "--json", js)
+    out = " ".join(res.stdout.split())
+    assert "heads-per-block sweep at n_ctx 32768" in out and "*" in out
+    data = json.loads(js.read_text())
+    assert data["timed"] and [r["hpb"] for r in data["rows"]] == [8, 12, 16]
+
+
+def test_sweep_without_a_gpu_json():
+    data = json.loads(run("sweep", "--hpb", "1,12", "--no-gpu", "--json").stdout)
+    assert data["timed"] is False and data["config"]["num_sms"] == 132
+    assert all(r["median_us"] is None for r in data["rows"])
+    out = " ".join(run("sweep", "--hpb", "12", "--no-gpu").stdout.split())
+    assert "NO GPU" in out and "property of the compile" in out
+
+
+def test_sweep_bad_input():
+    res = run("sweep", "--hpb", "3", "--no-gpu", ok=False)
+    assert res.exit_code == 2 and "heads_per_block" in " ".join(res.stderr.split())
+
+
+# ---------------------------------------------------------------------------- repro
+
+def test_repro_writes_a_script(tmp_path):
+    path = tmp_path / "r.py"
+    res = run("repro", "--variant", "batched12", "--ctx", "20000", "--blocks-per-sm", "2",
+              "-o", path)
+    assert f"wrote {path}" in res.stdout and "expect PASS" in res.stdout
+    assert "mla::attn<12, __half, float>" in path.read_text()
+    info = json.loads(run("repro", "--variant", "split", "--ctx", "20000", "--blocks-per-sm",
+                          "2", "--negative-control", "-o", tmp_path / "n.py", "--json").stdout)
+    assert info["expect"] == "FAIL" and info["negative_control"] is True
+
+
+def test_repro_refuses_a_control_that_cannot_fail(tmp_path):
+    res = run("repro", "--variant", "per_head", "--negative-control", "-o", tmp_path / "x.py",
+              ok=False)
+    assert res.exit_code == 2 and "needs a split" in " ".join(res.stderr.split())
+    assert not (tmp_path / "x.py").exists()
+
+
+@pytest.mark.parametrize("variant", registry.variant_names())
+def test_repro_every_variant(tmp_path, variant):
+    path = tmp_path / f"{variant}.py"
+    run("repro", "--variant", variant, "--heads", "16", "--blocks-per-sm", "2", "-o", path)
+    compile(path.read_text(), str(path), "exec")

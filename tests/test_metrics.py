@@ -1,0 +1,95 @@
+"""The byte and FLOP formulas, term by term (CPU)."""
+from __future__ import annotations
+
+import pytest
+
+from mlasandbox import metrics
+from mlasandbox.dims import PRESETS, Dims
+
+LECTURE = PRESETS["lecture"]  # 96 heads
+N = 131072
+
+
+def test_attn_per_head_streams_the_cache_once_per_head():
+    c = metrics.attn_cost("per_head", LECTURE, N, "f16", "f32", splits=1)
+    cache_once = N * 576 * 2
+    assert cache_once == 150_994_944            # the lecture's "302 MB" is 2 layers' worth
+    terms = {t.name: t for t in c.terms}
+    assert terms["cache rows"].ideal == cache_once
+    assert terms["cache rows"].issued == 96 * cache_once   # section 1.1: 96 times
+    assert terms["q"].ideal == 96 * 576 * 4
+    assert terms["partials written"].ideal == 96 * 514 * 4
+    assert c.ideal_bytes == cache_once + 96 * 576 * 4 + 96 * 514 * 4
+    assert c.flops == 2 * 96 * N * (576 + 512)
+
+
+def test_attn_batched_divides_the_issued_cache_by_heads_per_block():
+    c = metrics.attn_cost("batched12", LECTURE, N, "f16", "f32", splits=33)
+    terms = {t.name: t for t in c.terms}
+    assert terms["cache rows"].issued == 8 * N * 576 * 2   # ceil(96 / 12) head blocks
+    assert terms["q"].issued == 33 * 96 * 576 * 4
+    assert terms["partials written"].ideal == 33 * 96 * 514 * 4
+    # a partial head group still streams the whole cache
+    c13 = metrics.attn_cost("batched12", Dims(n_head=13), 100, "f16", "f16", splits=1)
+    assert {t.name: t for t in c13.terms}["cache rows"].issued == 2 * 100 * 576 * 2
+    assert {t.name: t for t in c13.terms}["q"].ideal == 13 * 576 * 2
+
+
+def test_combine_and_q_absorb():
+    c = metrics.combine_cost("split", LECTURE, "bf16", splits=4)
+    assert c.flops == 2 * 4 * 96 * 512 + 2 * 96 * 128 * 512
+    assert c.ideal_bytes == 4 * 96 * 514 * 4 + 96 * 128 * 512 * 2 + 96 * (128 + 512 + 1) * 4
+    assert metrics.combine_cost("cublas", LECTURE) is None
+    qa = metrics.q_absorb_cost(LECTURE, "f16", "f32")
+    assert qa.flops == 2 * 96 * 128 * 512
+    assert qa.ideal_bytes == 96 * 128 * 512 * 2 + 96 * 192 * 2 + 96 * 576 * 4
+
+
+def test_cublas_attn_includes_wv_b_and_its_score_passes():
+    c = metrics.attn_cost("cublas", LECTURE, 1000, "f16", "f32")
+    assert c.flops == 2 * 96 * 1000 * 1088 + 2 * 96 * 128 * 512
+    terms = {t.name: t for t in c.terms}
+    assert terms["cache rows"].issued == 1000 * (576 + 512) * 2
+    assert terms["score matrix passes"].issued == 96 * 1000 * metrics.CUBLAS_SCORE_BYTES
+    assert terms["score matrix passes"].ideal == 0
+    assert metrics.CUBLAS_SCORE_BYTES == 52
+    assert "wv_b" in c.note
+
+
+def test_step_is_the_sum_of_its_phases():
+    s = metrics.step_cost("split", LECTURE, 8192, "f16", "f32", splits=16)
+    parts = [metrics.q_absorb_cost(LECTURE), metrics.attn_cost("split", LECTURE, 8192, splits=16),
+             metrics.combine_cost("split", LECTURE, splits=16)]
+    assert s.flops == sum(p.flops for p in parts)
+    assert s.ideal_bytes == sum(p.ideal_bytes for p in parts)
+    assert s.issued_bytes == sum(p.issued_bytes for p in parts)
+    assert metrics.phase_cost("step", "split", LECTURE, 8192, splits=16).flops == s.flops
+    with pytest.raises(ValueError):
+        metrics.phase_cost("nope", "split", LECTURE, 1)
+    with pytest.raises(ValueError):
+        metrics.attn_cost("split", LECTURE, 0)
+    with pytest.raises(ValueError):
+        metrics.attn_cost("split", LECTURE, 1, cache_dtype="f8")
+
+
+def test_rates_and_fractions_of_the_ceilings():
+    c = metrics.attn_cost("per_head", LECTURE, N, splits=1)
+    r = metrics.rates(c, 6000.0, {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0})
+    assert r["GBps_ideal"] == pytest.approx(c.ideal_bytes / 6e-3 / 1e9)
+    assert r["GBps_issued"] == pytest.approx(c.issued_bytes / 6e-3 / 1e9)
+    assert r["TFLOPs"] == pytest.approx(c.flops / 6e-3 / 1e12)
+    assert r["frac_copy_ideal"] == pytest.approx(r["GBps_ideal"] / 4000.0)
+    assert r["frac_gemm"] == pytest.approx(r["TFLOPs"] / 700.0)
+    # as issued beyond the copy ceiling: L2 served the reuse
+    assert r["frac_copy_issued"] > 0.5
+    assert metrics.rates(c, 6000.0)["frac_copy_ideal"] is None
+    assert metrics.rates(c, None)["GBps_ideal"] is None
+
+
+def test_explain_lines_spell_out_every_term():
+    lines = metrics.explain_lines(metrics.attn_cost("batched12", LECTURE, N, splits=33))
+    text = "\n".join(lines)
+    assert "FLOPs = 2 x H 96 x n_ctx 131072 x (576 + 512)" in text
+    assert "x head_blocks 8" in text and "as issued" in text and "total: ideal" in text
+    assert metrics.explain_lines(metrics.attn_cost("cublas", LECTURE, 64))[-1].startswith(
+        "    note:")

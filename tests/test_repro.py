@@ -1,0 +1,204 @@
+"""`mlasandbox repro` scripts, on the CPU: generated for every variant, valid Python, their
+embedded CUDA compiles with NVRTC, their launches match api.DecodeStep's, and their reference,
+bf16 and comparison code agree with the library's. Running them is test_gpu_lab.py's job."""
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+import re
+import runpy
+import textwrap
+
+import numpy as np
+import pytest
+
+from mlasandbox import api, bf16, cublas_engine, reference, registry, repro, toolkit
+from mlasandbox.dims import Dims
+from mlasandbox.inputs import make_inputs
+from mlasandbox.sources import read_source
+
+HAVE_GPU, GPU_REASON = toolkit.device_available()
+VARIANTS = registry.variant_names()
+
+
+def script_ns(tmp_path, case, name="r.py"):
+    path = repro.write_script(case, str(tmp_path / name))
+    text = open(path).read()
+    compile(text, path, "exec")  # valid Python
+    return runpy.run_path(path, run_name="not_main"), text, path
+
+
+@pytest.fixture(scope="module")
+def scripts(tmp_path_factory):
+    """One script per variant (blocks/SM given, so no compile is needed to plan splits)."""
+    d = tmp_path_factory.mktemp("repro")
+    out = {}
+    for v in VARIANTS:
+        case = repro.make_case(v, heads=16, contexts=(4095, 20000), blocks_per_sm=2,
+                               seed=5)
+        out[v] = (case, *script_ns(d, case, f"{v}.py"))
+    return out
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_script_per_variant_pins_the_case(scripts, variant):
+    case, ns, text, path = scripts[variant]
+    assert os.access(path, os.X_OK)
+    assert ns["VARIANT"] == variant and ns["N_HEAD"] == 16 and ns["SEED"] == 5
+    assert ns["CONTEXTS"] == (4095, 20000) and ns["SPLITS"] == case.splits
+    assert ns["SCALE"] == Dims(n_head=16).default_scale
+    assert ns["EXPECT"] == "PASS" and not ns["NEGATIVE_CONTROL"]
+    assert "import mlasandbox" not in text and "from mlasandbox" not in text
+    imports = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(text))
+               if isinstance(n, ast.Import)}
+    imports |= {n.module.split(".")[0] for n in ast.walk(ast.parse(text))
+                if isinstance(n, ast.ImportFrom) and n.module}
+    assert imports <= {"argparse", "contextlib", "os", "platform", "sys", "numpy", "cupy",
+                       "cupy_backends"}, imports
+    if registry.variant(variant).is_cuda:
+        inst = case.attn_instance
+        assert ns["ATTN"]["expression"] == inst.expression
+        assert ns["ATTN"]["smem_bytes"] == inst.smem_bytes
+        assert ns["ATTN"]["threads"] == inst.threads
+        assert ns["ATTN_SOURCE"] == read_source(inst.source)
+        assert ns["COMBINE_SOURCE"] == read_source("mla_combine.cu")
+        assert ns["COMBINE"]["expression"] == registry.combine_instance("f16").expression
+        assert ns["COMBINE"]["threads"] == registry.COMBINE_THREADS
+        assert ns["COMBINE"]["col_blocks"] == registry.COMBINE_COL_BLOCKS
+        assert ns["NVRTC_OPTIONS"] == ("-std=c++17", "-DMLA_KV_LORA=512", "-DMLA_ROPE=64")
+        assert ns["TOLERANCE"] == {"out": 1e-4, "latent": 1e-4, "lse": 1e-4}
+    else:
+        assert ns["CUDA_PROGRAMS"] == [] and callable(ns["cublas_attention"])
+        assert ns["TOLERANCE"]["out"] == 3e-3
+
+
+def test_splits_are_the_launchers_rule():
+    from mlasandbox.splits import plan_splits
+
+    case = repro.make_case("batched12", contexts=(4095, 4096, 131072), blocks_per_sm=2)
+    assert case.splits[4095] == 1  # below the gate
+    assert case.splits[131072] == plan_splits(131072, 96, 12, num_sms=132,
+                                              blocks_per_sm=2).splits
+    assert repro.make_case("per_head", contexts=(131072,)).splits == {131072: 1}
+    assert repro.make_case("split", splits=7, contexts=(64,)).splits == {64: 7}
+    auto = repro.make_case("batched16", contexts=(20000,))  # occupancy model: a real compile
+    assert "occupancy model of sm_90" in auto.splits_from or "driver" in auto.splits_from
+
+
+def test_every_embedded_cuda_source_compiles_with_nvrtc(scripts):
+    """One NVRTC program per distinct embedded source, every script's name expressions in
+    it, with the scripts' own options (PTX for compute_90: no GPU needed)."""
+    from cupy.cuda import nvrtc
+
+    programs: dict[str, set] = {}
+    options = None
+    for _, ns, _, _ in scripts.values():
+        for _, src, exprs in ns["CUDA_PROGRAMS"]:
+            programs.setdefault(src, set()).update(exprs)
+        options = options or ns["NVRTC_OPTIONS"]
+    assert len(programs) >= 2
+    inc = [f"-I{d}" for d in toolkit.cuda_include_dirs()]
+    for src, exprs in programs.items():
+        prog = nvrtc.createProgram(src, "repro.cu", [], [])
+        try:
+            for e in sorted(exprs):
+                nvrtc.addNameExpression(prog, e)
+            try:
+                nvrtc.compileProgram(prog, list(options) + inc + ["--gpu-architecture=compute_90"])
+            except Exception as exc:
+                pytest.fail(f"{exc}\n{nvrtc.getProgramLog(prog)}")
+            for e in exprs:
+                assert nvrtc.getLoweredName(prog, e).startswith("_Z")
+        finally:
+            nvrtc.destroyProgram(prog)
+
+
+def _launch_arg_names(method) -> list[str]:
+    """The kernel arguments of the guard.launch call in an api.DecodeStep method, by name."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(method)))
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute) and n.func.attr == "launch")
+    skip = {"np", "int32", "float32", "self", "dims", "p", "plan", "_LOG2E"}
+    names = []
+    for elt in call.args[4].elts:
+        tokens = [t for t in re.findall(r"[A-Za-z_]\w*", ast.unparse(elt)) if t not in skip]
+        names.append(tokens[0])
+    return names
+
+
+def test_the_scripts_launch_arguments_are_decodesteps():
+    assert tuple(_launch_arg_names(api.DecodeStep.run_attn)) == repro.ATTN_ARGS
+    assert tuple(_launch_arg_names(api.DecodeStep.run_combine)) == repro.COMBINE_ARGS
+    grid = inspect.getsource(api.DecodeStep.combine_grid.fget)
+    assert "n_head" in grid and "COMBINE_COL_BLOCKS" in grid
+
+
+def test_the_negative_control():
+    case = repro.make_case("split", contexts=(20000,), blocks_per_sm=2, negative_control=True)
+    text = repro.render_script(case)
+    assert "mla::combine<__half, false>" in text and "EXPECT = 'FAIL'" in text
+    assert "NEGATIVE CONTROL" in text
+    assert repro.default_filename(case).endswith("_negctl.py")
+    for variant, kw in (("per_head", {}), ("split", {"contexts": (4095, 20000)}),
+                        ("cublas", {})):
+        with pytest.raises(ValueError, match="negative control"):
+            repro.make_case(variant, blocks_per_sm=2, negative_control=True, **kw)
+
+
+@pytest.mark.parametrize("kw,words", [({"preset": "x"}, "unknown preset"),
+                                      ({"contexts": (0,)}, ">= 1"),
+                                      ({"cache": "f32"}, "cache dtype"),
+                                      ({"q": "bf16"}, "q dtype"),
+                                      ({"splits": 0}, "splits")])
+def test_bad_cases(kw, words):
+    with pytest.raises(ValueError, match=words):
+        repro.make_case("split", blocks_per_sm=2, **kw)
+    with pytest.raises(ValueError, match="does not split"):
+        repro.make_case("per_head", splits=4)
+    with pytest.raises(ValueError, match="unknown variant"):
+        repro.make_case("warp")
+
+
+def test_the_cublas_engine_is_embedded_verbatim(scripts):
+    _, _, text, _ = scripts["cublas"]
+    src = inspect.getsource(cublas_engine)
+    # everything from the first function on is pasted unchanged (only imports differ)
+    assert src[src.index("def _gemm("):] in text
+
+
+@pytest.mark.parametrize("cache", ["f16", "bf16"])
+def test_the_scripts_reference_and_compare_agree_with_the_library(tmp_path, cache, seeds):
+    case = repro.make_case("split", heads=3, contexts=(300,), cache=cache, blocks_per_sm=2)
+    ns, _, _ = script_ns(tmp_path, case)
+    inp = make_inputs(Dims(n_head=3), 307, 300, cache, "f32", seed=seeds.one(), nan_fill=True)
+    want = reference.decode(**inp.decode_args())
+    got = ns["reference"](inp.q, inp.cache, inp.wv_b, 300)
+    for f in ("out", "latent", "lse"):
+        np.testing.assert_allclose(got[f], getattr(want, f), rtol=1e-12, atol=1e-12)
+    ok, lines = ns["compare"](got, got)
+    assert ok and all(ln.strip().startswith("ok") for ln in lines)
+    broken = dict(got, latent=got["latent"] * 1.01)
+    broken["lse"] = got["lse"].copy()
+    broken["lse"][1] = np.nan
+    ok, lines = ns["compare"](broken, got)
+    assert not ok
+    assert "FAIL latent" in lines[1] and "worst at" in lines[1] and "NaN/inf" in lines[2]
+
+
+def test_the_scripts_bf16_helpers_are_the_librarys(tmp_path, seeds):
+    ns, _, _ = script_ns(tmp_path, repro.make_case("split", blocks_per_sm=2))
+    x = np.random.default_rng(seeds.one()).standard_normal(1000).astype(np.float32) * 100
+    x[:4] = [np.nan, np.inf, -np.inf, -0.0]
+    np.testing.assert_array_equal(ns["f32_to_bf16_bits"](x), bf16.f32_to_bf16_bits(x))
+    bits = bf16.f32_to_bf16_bits(x)
+    np.testing.assert_array_equal(ns["bf16_bits_to_f32"](bits), bf16.bf16_bits_to_f32(bits))
+    np.testing.assert_array_equal(ns["as_f64"](bits), bf16.as_f64(bits))
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
+def test_without_a_gpu_the_script_says_so_and_exits_2(tmp_path, capsys):
+    ns, _, _ = script_ns(tmp_path, repro.make_case("split", blocks_per_sm=2))
+    assert ns["main"]([]) == 2
+    out = capsys.readouterr().out
+    assert "FAIL: no usable CUDA device" in out and "variant split" in out
