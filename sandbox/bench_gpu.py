@@ -18,6 +18,7 @@ stream), under the project's phase guard:
 from __future__ import annotations
 
 import datetime as _dt
+import os
 import platform
 import subprocess
 from contextlib import contextmanager
@@ -74,7 +75,11 @@ def _version(dist: str):
 
 
 def _git_commit() -> str | None:
+    """HEAD of the checkout (with -dirty), or $MLASANDBOX_COMMIT where the tree was copied
+    without its .git (a remote GPU machine)."""
     root = Path(__file__).resolve().parent.parent
+    if os.environ.get("MLASANDBOX_COMMIT"):
+        return os.environ["MLASANDBOX_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=5)

@@ -18,6 +18,9 @@ is not understood, raises PtxasParseError naming the function and the line, neve
 """
 from __future__ import annotations
 
+import itertools
+import os
+
 import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -193,6 +196,9 @@ def parse_ptxas_log(log: str) -> dict[str, dict]:
 
 # ---------------------------------------------------------------------------- compiling
 
+_NONCE = itertools.count()
+
+
 def compile_log(source: str, name_expressions: Iterable[str] = (), *, arch: str = "sm_90",
                 extra_options=(), filename: str = "kernel.cu") -> tuple[str, dict[str, str]]:
     """Compile `source` for `arch` with -Xptxas -v; return (log, {expression: lowered name}).
@@ -203,7 +209,11 @@ def compile_log(source: str, name_expressions: Iterable[str] = (), *, arch: str 
     nvrtc = toolkit._nvrtc()
     toolkit.nvrtc_version()  # a clear error if the library is missing
     exprs = list(dict.fromkeys(name_expressions))
-    opts = list(toolkit.compile_options(arch, extra=("-Xptxas", "-v", *extra_options)))
+    # A cached compile prints no ptxas log. A define no one reads, new on every call, keeps any
+    # cache keyed on the source and options (seen on the H200's NVRTC: the second identical
+    # compile in a process came back with an empty log) from answering.
+    nonce = f"-DMLASANDBOX_PTXAS_REPORT_NONCE={next(_NONCE)}_{os.getpid()}"
+    opts = list(toolkit.compile_options(arch, extra=("-Xptxas", "-v", nonce, *extra_options)))
     prog = nvrtc.createProgram(source, filename, [], [])
     try:
         for e in exprs:
