@@ -1,52 +1,59 @@
-// mla_mma.cu: the tensor-core attention variant, mla::mma_attn<CacheT, QT>.
+// mla_mma.cu: the tensor-core attention variants, mla::mma_attn<HM, CacheT, QT>.
 //
 // Template parameters
+//   HM      head m-tiles per block: the block serves 16*HM heads (mma16: 1, mma32: 2), so one
+//           pass over the cache (and one ldmatrix of each cache fragment) serves 16*HM heads
 //   CacheT  cache element: __half or __nv_bfloat16 (also the MMA operand type)
 //   QT      query element: float, or CacheT
-// Fixed geometry
-//   kHeads = 16 heads per block (the M dimension of mma.m16n8k16), kThreads = 128 (4 warps),
-//   kTile = 64 cache rows per step, two stages; MLA_KV_LORA = 512, MLA_ROPE = 64.
+// Fixed geometry (sandbox/registry.py mirrors it)
+//   kThreads = 256 (8 warps), kTile = 64 cache rows per step, two stages;
+//   MLA_KV_LORA = 512, MLA_ROPE = 64.
 //
-// Launch: grid = (ceil(H / 16), S), block = 128, dynamic smem = mma_smem_bytes().
+// Launch: grid = (ceil(H / (16*HM)), S), block = 256, dynamic smem = MmaSmem<HM>::bytes.
 // Same slices and same partial (m, l, acc[512]) in the log2 domain as mla_attn.cu, so the
 // same combine merges it.
 //
-// Why it is exact to f32 level although the tensor cores take 16-bit operands: q and p are
-// split into hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each
-// product is done twice, so q.c = q_hi.c + q_lo.c to ~2^-22 (f16) / 2^-16 (bf16) relative;
-// the cache itself is already 16-bit and exact. Accumulation is f32.
+// Exact to f32 level although the tensor cores take 16-bit operands: q and p are split into
+// hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each product is
+// done twice, so q.c = q_hi.c + q_lo.c to ~2^-22 (f16) / 2^-16 (bf16) relative; the cache is
+// already 16-bit and exact, and every accumulation is f32.
 //
 // One tile of 64 rows:
-//   scores: S[16 heads x 64 rows] = Q[16 x 576] C[64 x 576]^T; warp w computes rows
-//           16w .. 16w+15 (two n8 tiles) over all 36 k16 steps, q and cache fragments from
-//           swizzled shared memory through ldmatrix.
-//   softmax: per head, the tile max and row sums are reduced over the 4 warps through
-//           shared memory; p = 2^(s - m_new) is written as hi/lo halves [head][row].
-//   values: warp w owns latent columns 128w .. 128w+127 (16 n8 tiles, 64 f32 registers);
+//   scores: S[16HM heads x 64 rows] = Q C^T. Warp w computes rows 16*(w%4) .. +15 (two n8
+//           tiles) over k16 steps 18*(w/4) .. +17; the two k halves meet in shared memory
+//           (in the spare tile buffer: the next tile is issued after the softmax).
+//   softmax: warp w owns heads w, w+8, ... (one lane per two rows): tile max, p = 2^(s - m),
+//           written as hi/lo halves [head][row] for ldmatrix; (m, l, alpha) per head.
+//   values: warp w owns latent columns 64w .. 64w+63 (8 n8 tiles) for all heads,
 //           A = p (ldmatrix), B = cache rows (ldmatrix.trans), 4 k16 steps per tile.
 #include "mla_common.cuh"
 
 namespace mla {
 
-constexpr int kMmaHeads = 16;
-constexpr int kMmaThreads = 128;
+constexpr int kMmaThreads = 256;
 constexpr int kMmaWarps = kMmaThreads / 32;
 constexpr int kMmaTile = 64;
 constexpr int kMmaLora = MLA_KV_LORA;
 constexpr int kMmaKey = MLA_KV_LORA + MLA_ROPE;
 constexpr int kMmaChunks = kMmaKey / 8;                   // 16-byte chunks per cache row (72)
+constexpr int kKSteps = kMmaKey / 16;                     // 36
 constexpr int kPChunks = kMmaTile / 8;                    // 16-byte chunks per p row (8)
-static_assert(kMmaKey % 32 == 0 && kMmaChunks % 8 == 0, "k16 steps and the 8-chunk swizzle");
-static_assert(kMmaTile == 16 * kMmaWarps, "score phase: 16 rows per warp");
-static_assert(kMmaLora == 128 * kMmaWarps, "value phase: 128 columns per warp");
+static_assert(kKSteps % 2 == 0 && kMmaChunks % 8 == 0, "two k halves and the 8-chunk swizzle");
+static_assert(kMmaTile == 16 * (kMmaWarps / 2), "score phase: 4 row pairs x 2 k halves");
+static_assert(kMmaLora == 64 * kMmaWarps, "value phase: 64 columns per warp");
 
-struct MmaSmem {
+template <int HM> struct MmaSmem {
+    static constexpr int heads = 16 * HM;
     static constexpr int tile_bytes = kMmaTile * kMmaKey * 2;
     static constexpr int tiles = 0;                                   // 2 x [64][72 chunks]
-    static constexpr int q = tiles + 2 * tile_bytes;                  // hi, lo: [16][72 chunks]
-    static constexpr int p = q + 2 * kMmaHeads * kMmaKey * 2;         // hi, lo: [16][8 chunks]
-    static constexpr int red = p + 2 * kMmaHeads * kMmaTile * 2;      // max, sum: [4 warps][16]
-    static constexpr int bytes = red + 2 * kMmaWarps * kMmaHeads * 4;
+    static constexpr int q = tiles + 2 * tile_bytes;                  // hi, lo: [heads][72 chunks]
+    static constexpr int p = q + 2 * heads * kMmaKey * 2;             // hi, lo: [heads][8 chunks]
+    static constexpr int m = p + 2 * heads * kMmaTile * 2;            // [heads] f32 each
+    static constexpr int l = m + heads * 4;
+    static constexpr int alpha = l + heads * 4;
+    static constexpr int bytes = alpha + heads * 4;
+    static constexpr int red_bytes = 2 * heads * kMmaTile * 4;        // [k half][heads][64] f32
+    static_assert(red_bytes <= tile_bytes, "the score halves live in the spare tile");
 };
 
 // Chunk c of row r at chunk (c ^ (r & 7)): the 8 rows an ldmatrix reads at one column land
@@ -93,23 +100,26 @@ __device__ __forceinline__ void split_hi_lo(float x, T& hi, T& lo) {
     lo = from_f32<T>(x - to_f32(hi));
 }
 
-template <typename CacheT, typename QT>
+template <int HM, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
          int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
          float* __restrict__ part_l) {
     using M = MmaType<CacheT>;
-    require_dynamic_smem(MmaSmem::bytes);
+    using Smem = MmaSmem<HM>;
+    constexpr int kHeads = Smem::heads;
+    require_dynamic_smem(Smem::bytes);
     extern __shared__ __align__(128) unsigned char smem[];
-    uint4* tiles = reinterpret_cast<uint4*>(smem + MmaSmem::tiles);
-    CacheT* q_hl = reinterpret_cast<CacheT*>(smem + MmaSmem::q);      // [2][16][576], swizzled
-    CacheT* p_hl = reinterpret_cast<CacheT*>(smem + MmaSmem::p);      // [2][16][64], swizzled
-    float* red_max = reinterpret_cast<float*>(smem + MmaSmem::red);   // [4][16]
-    float* red_sum = red_max + kMmaWarps * kMmaHeads;                 // [4][16]
+    uint4* tiles = reinterpret_cast<uint4*>(smem + Smem::tiles);
+    CacheT* q_hl = reinterpret_cast<CacheT*>(smem + Smem::q);      // [2][heads][576], swizzled
+    CacheT* p_hl = reinterpret_cast<CacheT*>(smem + Smem::p);      // [2][heads][64], swizzled
+    float* m_s = reinterpret_cast<float*>(smem + Smem::m);
+    float* l_s = reinterpret_cast<float*>(smem + Smem::l);
+    float* alpha_s = reinterpret_cast<float*>(smem + Smem::alpha);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c4 = lane & 3;  // fragment row group and column pair
-    const int head0 = blockIdx.x * kMmaHeads;
+    const int head0 = blockIdx.x * kHeads;
     const int split = blockIdx.y;
     const int slice_len = (n_ctx + splits - 1) / splits;
     const int row_start = min(split * slice_len, n_ctx);
@@ -117,15 +127,15 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     const size_t part_base = static_cast<size_t>(split) * n_head;
 
     if (row_start >= row_end) {  // empty slice: a neutral partial
-        for (int j = 0; j < kMmaHeads && head0 + j < n_head; ++j) {
-            float4* dst = reinterpret_cast<float4*>(part_acc + (part_base + head0 + j) * kMmaLora);
-            dst[tid] = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int j = 0; j < kHeads && head0 + j < n_head; ++j) {
+            float2* dst = reinterpret_cast<float2*>(part_acc + (part_base + head0 + j) * kMmaLora);
+            dst[tid] = make_float2(0.f, 0.f);
             if (tid == 0) { part_m[part_base + head0 + j] = -INFINITY; part_l[part_base + head0 + j] = 0.f; }
         }
         return;
     }
 
-    // Tile copy: 128 threads, 64 rows x 72 chunks = 36 chunks each.
+    // Tile copy: 256 threads, 64 rows x 72 chunks = 18 chunks each.
     auto load_tile = [&](int tile_index, int buf) {
         const int row0 = row_start + tile_index * kMmaTile;
         uint4* dst = tiles + buf * kMmaTile * kMmaChunks;
@@ -140,7 +150,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     load_tile(0, 0);
 
     // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
-    for (int idx = tid; idx < kMmaHeads * kMmaKey; idx += kMmaThreads) {
+    for (int idx = tid; idx < kHeads * kMmaKey; idx += kMmaThreads) {
         const int j = idx / kMmaKey, k = idx - j * kMmaKey;
         const int h = head0 + j;
         const float x = (h < n_head) ? to_f32(q[static_cast<size_t>(h) * kMmaKey + k]) * scale_log2 : 0.f;
@@ -148,160 +158,160 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
         split_hi_lo(x, hi, lo);
         const int off = mma_swz(j, k >> 3, kMmaChunks) * 8 + (k & 7);
         q_hl[off] = hi;
-        q_hl[kMmaHeads * kMmaKey + off] = lo;
+        q_hl[kHeads * kMmaKey + off] = lo;
     }
+    for (int j = tid; j < kHeads; j += kMmaThreads) { m_s[j] = -INFINITY; l_s[j] = 0.f; }
 
-    // Per-thread state: running max and sum for heads g and g+8 (identical in every warp),
-    // and the value accumulators: 16 n8 tiles x {row g: cols 2c4, 2c4+1; row g+8: same}.
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-    float acc[16][4];
+    // Value accumulators: [m tile][n8 tile][{row g: cols 2c4, 2c4+1; row g+8: same}]
+    float acc[HM][8][4];
 #pragma unroll
-    for (int t = 0; t < 16; ++t) acc[t][0] = acc[t][1] = acc[t][2] = acc[t][3] = 0.f;
+    for (int mt = 0; mt < HM; ++mt)
+#pragma unroll
+        for (int t = 0; t < 8; ++t) acc[mt][t][0] = acc[mt][t][1] = acc[mt][t][2] = acc[mt][t][3] = 0.f;
 
     const unsigned q_base = smem_u32(q_hl);
     const unsigned p_base = smem_u32(p_hl);
     const int n_tiles = (row_end - row_start + kMmaTile - 1) / kMmaTile;
     // ldmatrix row addresses: lane l feeds row (l & 7) of matrix (l >> 3).
     const int lm_mat = lane >> 3, lm_row = lane & 7;
+    const int row_pair = warp & 3, k_half = warp >> 2;
 
     for (int it = 0; it < n_tiles; ++it) {
         const int buf = it & 1;
         cp_async_wait<0>();
         __syncthreads();  // tile `it` visible; everyone is done with the other buffer
-        if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
         const unsigned tile_base = smem_u32(tiles + buf * kMmaTile * kMmaChunks);
+        float* red = reinterpret_cast<float*>(tiles + (buf ^ 1) * kMmaTile * kMmaChunks);
 
-        // ---- scores for rows 16*warp .. +15: two n8 tiles ----
-        // Four independent accumulator sets (q_hi / q_lo x even / odd k steps) per n tile, so
-        // consecutive MMAs do not wait on each other: a chain of 72 dependent MMAs would
-        // leave the tensor pipe idle with only 4 warps per SM.
-        float s[2][4];
+        // ---- scores: rows 16*row_pair .. +15 (two n8 tiles), k16 steps of this k half ----
         {
-            float sp[2][4][4];
+            float sp[HM][2][2][4];  // [m tile][n tile][q hi, q lo][fragment]
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int mt = 0; mt < HM; ++mt)
 #pragma unroll
-                for (int v = 0; v < 4; ++v) sp[n][v][0] = sp[n][v][1] = sp[n][v][2] = sp[n][v][3] = 0.f;
-            // A (q): matrices (heads 0-7 | 8-15) x (k lo | k hi) -> head (lm_mat & 1)*8 + lm_row
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int v = 0; v < 2; ++v) sp[mt][n][v][0] = sp[mt][n][v][1] = sp[mt][n][v][2] = sp[mt][n][v][3] = 0.f;
+            // A (q): matrices (heads 0-7 | 8-15 of the m tile) x (k lo | k hi)
             const int a_head = (lm_mat & 1) * 8 + lm_row, a_khalf = lm_mat >> 1;
             // B (cache rows): matrices (n tile 0 | 1) x (k lo | k hi)
-            const int b_row = warp * 16 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
-#pragma unroll 4
-            for (int ks = 0; ks < kMmaKey / 16; ks += 2) {
+            const int b_row = row_pair * 16 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
+#pragma unroll 3
+            for (int s = 0; s < kKSteps / 2; ++s) {
+                const int ks = k_half * (kKSteps / 2) + s;
+                unsigned b[4];
+                ldsm_x4(tile_base + mma_swz(b_row, 2 * ks + b_khalf, kMmaChunks) * 16, b);
 #pragma unroll
-                for (int par = 0; par < 2; ++par) {
-                    unsigned a_hi[4], a_lo[4], b[4];
-                    const int qa = mma_swz(a_head, 2 * (ks + par) + a_khalf, kMmaChunks) * 16;
+                for (int mt = 0; mt < HM; ++mt) {
+                    unsigned a_hi[4], a_lo[4];
+                    const int qa = mma_swz(16 * mt + a_head, 2 * ks + a_khalf, kMmaChunks) * 16;
                     ldsm_x4(q_base + qa, a_hi);
-                    ldsm_x4(q_base + kMmaHeads * kMmaKey * 2 + qa, a_lo);
-                    ldsm_x4(tile_base + mma_swz(b_row, 2 * (ks + par) + b_khalf, kMmaChunks) * 16, b);
-                    M::mma(sp[0][par], a_hi, b[0], b[1]);
-                    M::mma(sp[1][par], a_hi, b[2], b[3]);
-                    M::mma(sp[0][2 + par], a_lo, b[0], b[1]);
-                    M::mma(sp[1][2 + par], a_lo, b[2], b[3]);
+                    ldsm_x4(q_base + kHeads * kMmaKey * 2 + qa, a_lo);
+                    M::mma(sp[mt][0][0], a_hi, b[0], b[1]);
+                    M::mma(sp[mt][1][0], a_hi, b[2], b[3]);
+                    M::mma(sp[mt][0][1], a_lo, b[0], b[1]);
+                    M::mma(sp[mt][1][1], a_lo, b[2], b[3]);
                 }
             }
+            // red[k_half][head][row]; fragment e: head 16mt + g + 8*(e >> 1), row 8n + 2c4 + (e & 1)
 #pragma unroll
-            for (int n = 0; n < 2; ++n)
+            for (int mt = 0; mt < HM; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    s[n][e] = (sp[n][0][e] + sp[n][1][e]) + (sp[n][2][e] + sp[n][3][e]);
+                for (int n = 0; n < 2; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int head = 16 * mt + g + 8 * (e >> 1);
+                        const int row = row_pair * 16 + 8 * n + 2 * c4 + (e & 1);
+                        red[(k_half * kHeads + head) * kMmaTile + row] = sp[mt][n][0][e] + sp[mt][n][1][e];
+                    }
         }
-        // s[n][0..1]: head g, rows 16w + 8n + 2c4 + {0,1}; s[n][2..3]: head g+8, same rows.
-        const int row0 = row_start + it * kMmaTile + warp * 16 + 2 * c4;
-        float wmax[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int row = row0 + 8 * n + (e & 1);
-                if (row >= row_end) s[n][e] = -INFINITY;
-                wmax[e >> 1] = fmaxf(wmax[e >> 1], s[n][e]);
-            }
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            wmax[hh] = fmaxf(wmax[hh], __shfl_xor_sync(0xffffffffu, wmax[hh], 1));
-            wmax[hh] = fmaxf(wmax[hh], __shfl_xor_sync(0xffffffffu, wmax[hh], 2));
-        }
-        if (c4 == 0) { red_max[warp * kMmaHeads + g] = wmax[0]; red_max[warp * kMmaHeads + g + 8] = wmax[1]; }
         __syncthreads();
-        float m_new[2], alpha[2], wsum[2] = {0.f, 0.f};
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float t = red_max[g + 8 * hh];
-#pragma unroll
-            for (int w = 1; w < kMmaWarps; ++w) t = fmaxf(t, red_max[w * kMmaHeads + g + 8 * hh]);
-            m_new[hh] = fmaxf(m_run[hh], t);  // finite: the tile's first row is valid
-            alpha[hh] = exp2f(m_run[hh] - m_new[hh]);
-        }
-#pragma unroll
-        for (int n = 0; n < 2; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; e += 2) {
-                const int hh = e >> 1, head = g + 8 * hh;
-                const float p0 = exp2f(s[n][e] - m_new[hh]), p1 = exp2f(s[n][e + 1] - m_new[hh]);
-                wsum[hh] += p0 + p1;
-                CacheT h0, l0, h1, l1;
-                split_hi_lo(p0, h0, l0);
-                split_hi_lo(p1, h1, l1);
-                const int col = warp * 16 + 8 * n + 2 * c4;  // row within the tile = column of p
-                const int off = mma_swz(head, col >> 3, kPChunks) * 8 + (col & 7);
-                p_hl[off] = h0; p_hl[off + 1] = h1;
-                p_hl[kMmaHeads * kMmaTile + off] = l0; p_hl[kMmaHeads * kMmaTile + off + 1] = l1;
-            }
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            wsum[hh] += __shfl_xor_sync(0xffffffffu, wsum[hh], 1);
-            wsum[hh] += __shfl_xor_sync(0xffffffffu, wsum[hh], 2);
-        }
-        if (c4 == 0) { red_sum[warp * kMmaHeads + g] = wsum[0]; red_sum[warp * kMmaHeads + g + 8] = wsum[1]; }
-        __syncthreads();
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            float t = 0.f;
-#pragma unroll
-            for (int w = 0; w < kMmaWarps; ++w) t += red_sum[w * kMmaHeads + g + 8 * hh];
-            l_run[hh] = l_run[hh] * alpha[hh] + t;
-            m_run[hh] = m_new[hh];
-        }
 
-        // ---- values: acc = acc * alpha + p @ cache[:, 128w .. 128w+127] ----
+        // ---- softmax: warp w owns heads w, w+8, ...; lane owns rows lane and lane+32 ----
+        const int row_a = row_start + it * kMmaTile + lane;
+        for (int h = warp; h < kHeads; h += kMmaWarps) {
+            float s0 = red[h * kMmaTile + lane] + red[(kHeads + h) * kMmaTile + lane];
+            float s1 = red[h * kMmaTile + lane + 32] + red[(kHeads + h) * kMmaTile + lane + 32];
+            s0 = (row_a < row_end) ? s0 : -INFINITY;
+            s1 = (row_a + 32 < row_end) ? s1 : -INFINITY;
+            const float m_old = m_s[h];
+            const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));  // the first row is valid
+            const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
+            const float p_sum = warp_sum(p0 + p1);
 #pragma unroll
-        for (int t = 0; t < 16; ++t) {
-            acc[t][0] *= alpha[0]; acc[t][1] *= alpha[0];
-            acc[t][2] *= alpha[1]; acc[t][3] *= alpha[1];
+            for (int half = 0; half < 2; ++half) {
+                const int col = lane + 32 * half;
+                CacheT hi, lo;
+                split_hi_lo(half ? p1 : p0, hi, lo);
+                const int off = mma_swz(h, col >> 3, kPChunks) * 8 + (col & 7);
+                p_hl[off] = hi;
+                p_hl[kHeads * kMmaTile + off] = lo;
+            }
+            if (lane == 0) {
+                const float alpha = exp2f(m_old - m_new);  // m_old = -inf on the first tile: 0
+                alpha_s[h] = alpha;
+                l_s[h] = l_s[h] * alpha + p_sum;
+                m_s[h] = m_new;
+            }
+        }
+        __syncthreads();
+        // The score halves are consumed: the spare buffer takes the next tile, which lands
+        // while this tile's value phase runs.
+        if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
+
+        // ---- values: acc = acc * alpha + p @ cache[:, 64w .. 64w+63] ----
+#pragma unroll
+        for (int mt = 0; mt < HM; ++mt) {
+            const float a0 = alpha_s[16 * mt + g], a1 = alpha_s[16 * mt + g + 8];
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+                acc[mt][t][0] *= a0; acc[mt][t][1] *= a0;
+                acc[mt][t][2] *= a1; acc[mt][t][3] *= a1;
+            }
         }
 #pragma unroll
         for (int ks = 0; ks < kMmaTile / 16; ++ks) {
-            unsigned pa_hi[4], pa_lo[4];
-            const int pa = mma_swz((lm_mat & 1) * 8 + lm_row, 2 * ks + (lm_mat >> 1), kPChunks) * 16;
-            ldsm_x4(p_base + pa, pa_hi);
-            ldsm_x4(p_base + kMmaHeads * kMmaTile * 2 + pa, pa_lo);
+            unsigned pa_hi[HM][4], pa_lo[HM][4];
+#pragma unroll
+            for (int mt = 0; mt < HM; ++mt) {
+                const int pa = mma_swz(16 * mt + (lm_mat & 1) * 8 + lm_row, 2 * ks + (lm_mat >> 1), kPChunks) * 16;
+                ldsm_x4(p_base + pa, pa_hi[mt]);
+                ldsm_x4(p_base + kHeads * kMmaTile * 2 + pa, pa_lo[mt]);
+            }
             // B: matrices (rows 16ks + 0-7 | 8-15) x (column tile 2j | 2j+1), transposed
             const int b_row = 16 * ks + (lm_mat & 1) * 8 + lm_row;
 #pragma unroll
-            for (int j = 0; j < 8; ++j) {
+            for (int j = 0; j < 4; ++j) {
                 unsigned b[4];
-                const int col_chunk = warp * 16 + 2 * j + (lm_mat >> 1);
+                const int col_chunk = warp * 8 + 2 * j + (lm_mat >> 1);
                 ldsm_x4_trans(tile_base + mma_swz(b_row, col_chunk, kMmaChunks) * 16, b);
-                M::mma(acc[2 * j], pa_hi, b[0], b[1]);
-                M::mma(acc[2 * j + 1], pa_hi, b[2], b[3]);
-                M::mma(acc[2 * j], pa_lo, b[0], b[1]);
-                M::mma(acc[2 * j + 1], pa_lo, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < HM; ++mt) {
+                    M::mma(acc[mt][2 * j], pa_hi[mt], b[0], b[1]);
+                    M::mma(acc[mt][2 * j + 1], pa_hi[mt], b[2], b[3]);
+                    M::mma(acc[mt][2 * j], pa_lo[mt], b[0], b[1]);
+                    M::mma(acc[mt][2 * j + 1], pa_lo[mt], b[2], b[3]);
+                }
             }
         }
     }
 
-    // acc[t][0..1]: head g, columns 128w + 8t + 2c4 + {0,1}; acc[t][2..3]: head g+8.
+    // acc[mt][t][0..1]: head 16mt + g, columns 64w + 8t + 2c4 + {0,1}; [2..3]: head + 8.
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-        const int h = head0 + g + 8 * hh;
-        if (h >= n_head) continue;
-        float* dst = part_acc + (part_base + h) * kMmaLora + warp * 128 + 2 * c4;
+    for (int mt = 0; mt < HM; ++mt)
 #pragma unroll
-        for (int t = 0; t < 16; ++t)
-            *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(acc[t][2 * hh], acc[t][2 * hh + 1]);
-        if (warp == 0 && c4 == 0) { part_m[part_base + h] = m_run[hh]; part_l[part_base + h] = l_run[hh]; }
+        for (int hh = 0; hh < 2; ++hh) {
+            const int h = head0 + 16 * mt + g + 8 * hh;
+            if (h >= n_head) continue;
+            float* dst = part_acc + (part_base + h) * kMmaLora + warp * 64 + 2 * c4;
+#pragma unroll
+            for (int t = 0; t < 8; ++t)
+                *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
+        }
+    // (m, l) of the last softmax step are visible since the barrier before the value phase.
+    if (tid < kHeads && head0 + tid < n_head) {
+        part_m[part_base + head0 + tid] = m_s[tid];
+        part_l[part_base + head0 + tid] = l_s[tid];
     }
 }
 

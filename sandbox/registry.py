@@ -21,7 +21,7 @@ from dataclasses import dataclass
 __all__ = [
     "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
     "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
-    "attn_instance", "mma_instance", "attention_instance", "combine_instance", "MMA_HEADS", "q_absorb_instance", "all_instances",
+    "attn_instance", "mma_instance", "attention_instance", "combine_instance", "MMA_M_TILES", "q_absorb_instance", "all_instances",
     "attn_smem_bytes", "CXX_TYPES",
 ]
 
@@ -34,8 +34,8 @@ ATTN_TILE = 32
 KV_LORA = 512
 ROPE = 64
 KEY_DIM = KV_LORA + ROPE
-MMA_HEADS = 16        # kMmaHeads in cuda_src/mla_mma.cu
-MMA_THREADS = 128
+MMA_M_TILES = (1, 2)  # HM of mla_mma.cu: 16 or 32 heads per block
+MMA_THREADS = 256
 MMA_TILE = 64
 COMBINE_THREADS = 256
 COMBINE_COL_BLOCKS = 4  # blocks per head in the combine (kColBlocks in mla_combine.cu)
@@ -72,8 +72,10 @@ def _make_variants() -> dict[str, Variant]:
         out[f"batched{hpb}"] = Variant(
             f"batched{hpb}", "batched", hpb, True,
             f"one pass over the cache serves {hpb} heads, split over context (section 4)")
-    out["mma"] = Variant("mma", "mma", MMA_HEADS, True,
-                         "tensor cores: 16 heads as the M of mma.m16n8k16, split over context")
+    for hm in MMA_M_TILES:
+        out[f"mma{16 * hm}"] = Variant(
+            f"mma{16 * hm}", "mma", 16 * hm, True,
+            f"tensor cores: {16 * hm} heads as {hm} M tile(s) of mma.m16n8k16, split over context")
     out["cublas"] = Variant("cublas", "cublas", None, False,
                             "CuPy matmuls (cuBLAS) + softmax: the reference engine")
     return out
@@ -143,28 +145,33 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
                           ATTN_THREADS, attn_smem_bytes(hpb), ATTN_TILE)
 
 
-def mma_smem_bytes() -> int:
-    """Dynamic shared memory of mma_attn: mirrors MmaSmem in mla_mma.cu (two 64-row tiles,
-    q and p as hi/lo 16-bit halves, the per-warp max/sum exchange)."""
+def mma_smem_bytes(heads: int) -> int:
+    """Dynamic shared memory of mma_attn<heads/16>: mirrors MmaSmem in mla_mma.cu (two 64-row
+    tiles, whose spare one also holds the score halves; q and p as hi/lo 16-bit halves;
+    m, l, alpha)."""
     tiles = 2 * MMA_TILE * KEY_DIM * 2
-    q = 2 * MMA_HEADS * KEY_DIM * 2
-    p = 2 * MMA_HEADS * MMA_TILE * 2
-    red = 2 * (MMA_THREADS // 32) * MMA_HEADS * 4
-    return tiles + q + p + red
+    q = 2 * heads * KEY_DIM * 2
+    p = 2 * heads * MMA_TILE * 2
+    stats = 3 * heads * 4
+    return tiles + q + p + stats
 
 
-def mma_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
+def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:
+    if heads % 16 or heads // 16 not in MMA_M_TILES:
+        raise ValueError(f"the mma kernels serve {', '.join(str(16 * m) for m in MMA_M_TILES)} "
+                         f"heads per block, got {heads}")
     _check_dtype("cache", cache, ("f16", "bf16"))
     _check_dtype("q", q, ("f32", cache))
-    return KernelInstance("mla_mma.cu", f"mla::mma_attn<{CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
-                          f"mma_attn<heads={MMA_HEADS},cache={cache},q={q}>", MMA_THREADS,
-                          mma_smem_bytes(), MMA_TILE)
+    return KernelInstance("mla_mma.cu",
+                          f"mla::mma_attn<{heads // 16}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
+                          f"mma_attn<heads={heads},cache={cache},q={q}>", MMA_THREADS,
+                          mma_smem_bytes(heads), MMA_TILE)
 
 
 def attention_instance(var: Variant, cache: str = "f16", q: str = "f32") -> KernelInstance:
     """The attention kernel a CUDA variant launches."""
     if var.family == "mma":
-        return mma_instance(cache, q)
+        return mma_instance(var.hpb, cache, q)
     if not var.is_cuda:
         raise ValueError(f"variant {var.name} launches no attention kernel of its own")
     return attn_instance(var.hpb, cache, q)
@@ -196,7 +203,8 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
             q = cache if qd == "cache" else qd
             for hpb in HPB_VALUES:
                 out.append(attn_instance(hpb, cache, q))
-            out.append(mma_instance(cache, q))
+            for hm in MMA_M_TILES:
+                out.append(mma_instance(16 * hm, cache, q))
             out.append(q_absorb_instance(cache, q))
         out.append(combine_instance(cache, True))
         if negative_controls:

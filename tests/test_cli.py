@@ -66,7 +66,7 @@ def test_regs_json_rows():
     rows = {r["name"]: r for r in data["rows"]}
     assert data["ok"] and data["arch"] == "sm_90"
     assert set(rows) == {"attn<hpb=1,cache=f16,q=f32>", "attn<hpb=12,cache=f16,q=f32>",
-                         "mma_attn<heads=16,cache=f16,q=f32>",
+                         "mma_attn<heads=16,cache=f16,q=f32>", "mma_attn<heads=32,cache=f16,q=f32>",
                          "q_absorb<in=f16,q=f32>", "combine<wv_b=f16,rescale=true>",
                          "combine<wv_b=f16,rescale=false>"}
     a12 = rows["attn<hpb=12,cache=f16,q=f32>"]

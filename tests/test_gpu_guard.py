@@ -166,7 +166,8 @@ def test_ptxas_registers_match_the_loaded_kernels_and_the_driver_occupancy():
 
     arch = device_info().arch
     insts = [registry.attn_instance(h, "f16", "f32") for h in registry.HPB_VALUES]
-    insts += [registry.mma_instance("f16", "f32"), registry.combine_instance("f16"),
+    insts += [registry.mma_instance(16, "f16", "f32"), registry.mma_instance(32, "f16", "f32"),
+              registry.combine_instance("f16"),
               registry.q_absorb_instance("f16", "f32")]
     report = ptxas_report(insts, arch=arch)
     for inst in insts:

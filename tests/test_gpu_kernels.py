@@ -100,7 +100,7 @@ def test_variant_at_131072(variant):
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 33, 64, 129, 200])
-@pytest.mark.parametrize("variant", ["split", "batched12", "batched16", "mma"])
+@pytest.mark.parametrize("variant", ["split", "batched12", "batched16", "mma16", "mma32"])
 def test_every_split_count_matches_one_reference(variant, splits):
     """One reference, every S, including S > n_ctx (empty slices must be neutral)."""
     from mlasandbox.api import DecodeStep
@@ -136,7 +136,7 @@ def test_split_is_at_least_as_accurate_as_unsplit_at_20000():
     assert np.median(ratios) >= 1.0, f"split less accurate than unsplit: ratios {ratios}"
 
 
-@pytest.mark.parametrize("variant", ["split", "batched12", "mma"])
+@pytest.mark.parametrize("variant", ["split", "batched12", "mma16", "mma32"])
 def test_negative_control_combine_without_rescale_fails_the_check(variant):
     """The same check, with a combine that drops exp(m_i - m), must fail: it has power."""
     from mlasandbox.api import DecodeStep

@@ -96,7 +96,7 @@ def test_a_small_bench_end_to_end():
     from mlasandbox.bench import run_bench
 
     variants = ("per_head", "split", "batched12", "cublas") + (
-        ("mma",) if "mma" in registry.variant_names() else ())
+        ("mma16",) if "mma16" in registry.variant_names() else ())
     res = run_bench(heads=16, contexts=(64, 8192), variants=variants, max_repeats=20,
                     min_repeats=5, target_ms=10, aa_rounds=3, check_ctx=5000)
     json.dumps(res)
