@@ -14,6 +14,7 @@ import click
 from mlasandbox.dims import PRESETS
 
 from . import render
+from .lab_options import auto_or_int, int_list, str_list
 
 PRESET_NAMES = tuple(PRESETS)
 
@@ -44,50 +45,6 @@ def _failure(msg: str, as_json: bool, payload: dict | None = None):
     if as_json:
         render.emit_json({**(payload or {}), "ok": False, "error": msg})
     raise click.ClickException(msg)
-
-
-def _int_list(ctx, param, value):
-    if value is None:
-        return None
-    out = []
-    for part in str(value).split(","):
-        part = part.strip()
-        if not part:
-            continue
-        try:
-            out.append(int(part))
-        except ValueError:
-            raise click.BadParameter(f"{part!r} is not an integer") from None
-    if not out:
-        raise click.BadParameter("give at least one value")
-    return tuple(out)
-
-
-def _str_list(choices):
-    def cb(ctx, param, value):
-        if value is None:
-            return None
-        out = tuple(p.strip() for p in str(value).split(",") if p.strip())
-        bad = [p for p in out if p not in choices]
-        if bad or not out:
-            raise click.BadParameter(
-                f"{', '.join(bad) or 'nothing'} not among {', '.join(choices)}")
-        return out
-    return cb
-
-
-def _auto_or_int(name):
-    def cb(ctx, param, value):
-        if value in (None, "auto"):
-            return "auto"
-        try:
-            v = int(value)
-        except ValueError:
-            raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {value!r}") from None
-        if v < 1:
-            raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {v}")
-        return v
-    return cb
 
 
 def _version(dist: str) -> str | None:
@@ -219,11 +176,11 @@ def _compile_errors():
 @main.command()
 @click.option("--arch", default="sm_90", show_default=True,
               help="Real architecture to compile for (sm_80, sm_86, sm_89, sm_90, ...).")
-@click.option("--hpb", "hpbs", callback=_int_list, default=None,
+@click.option("--hpb", "hpbs", callback=int_list, default=None,
               help="Heads per block to show, comma-separated (default: all instantiated).")
-@click.option("--cache", "caches", callback=_str_list(("f16", "bf16")), default="f16,bf16",
+@click.option("--cache", "caches", callback=str_list(("f16", "bf16")), default="f16,bf16",
               show_default=True, help="Cache dtypes.")
-@click.option("--q", "qs", callback=_str_list(("f32", "cache")), default="f32,cache",
+@click.option("--q", "qs", callback=str_list(("f32", "cache")), default="f32,cache",
               show_default=True, help="q dtypes: f32 and/or the cache dtype.")
 @click.option("--no-controls", is_flag=True,
               help="Leave out the negative-control combine (no rescale).")
@@ -255,12 +212,12 @@ def regs(arch, hpbs, caches, qs, no_controls, as_json):
               help="per_head, split, batched<HPB> (or batched with --hpb).")
 @click.option("--heads", type=click.IntRange(min=1), required=True, help="Query heads.")
 @click.option("--ctx", type=click.IntRange(min=1), required=True, help="Context length n_ctx.")
-@click.option("--splits", callback=_auto_or_int("splits"), default="auto", show_default=True,
+@click.option("--splits", callback=auto_or_int, default="auto", show_default=True,
               help="'auto' (the split rule) or a split count S >= 1.")
 @click.option("--hpb", type=int, default=None, help="Heads per block (for --variant batched).")
 @click.option("--sms", type=click.IntRange(min=1), default=132, show_default=True,
               help="SM count (132: H100 SXM / H200).")
-@click.option("--blocks-per-sm", "bps", callback=_auto_or_int("blocks-per-sm"), default="auto",
+@click.option("--blocks-per-sm", "bps", callback=auto_or_int, default="auto",
               show_default=True,
               help="Resident blocks per SM: 'auto' compiles the instance and takes its "
                    "theoretical occupancy (~0.3 s, no GPU), or give k.")
@@ -336,11 +293,11 @@ def _gpu_checks(as_json: bool) -> list[dict]:
 
 
 @main.command()
-@click.option("--ctx", "ctxs", callback=_int_list, default=",".join(map(str, CHECK_CTXS)),
+@click.option("--ctx", "ctxs", callback=int_list, default=",".join(map(str, CHECK_CTXS)),
               show_default=True, help="Context lengths, comma-separated.")
 @click.option("--seeds", type=click.IntRange(min=1), default=CHECK_SEEDS, show_default=True,
               help="Seeds per context.")
-@click.option("--splits", callback=_auto_or_int("splits"), default="auto", show_default=True,
+@click.option("--splits", callback=auto_or_int, default="auto", show_default=True,
               help="Split count of the split schedule ('auto': the launch plan's).")
 @click.option("--preset", type=click.Choice(sorted(PRESET_NAMES)), default=None,
               help="Head dims preset (default: lecture-tp8, 12 heads, as the lecture's tests).")

@@ -277,12 +277,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
             const float p = exp2f(s - m_new);
             const float p_sum = warp_sum(p);
             p_s[j * kTile + lane] = p;
-            if (lane == 0) {
-                const float alpha = exp2f(m_old - m_new);  // m_old = -inf on the first tile: 0
-                alpha_s[j] = alpha;
-                l_s[j] = l_s[j] * alpha + p_sum;
-                m_s[j] = m_new;
-            }
+            if (lane == 0) online_softmax_step(m_s, l_s, alpha_s, j, m_old, m_new, p_sum);
         }
         __syncthreads();
         // The partials are consumed: the spare buffer can take the next tile, which lands

@@ -63,6 +63,18 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// One online-softmax step of head h for one tile (one lane calls it): rescale the running sum
+// to the new max and add the tile's sum. alpha = 2^(m_old - m_new) also rescales the value
+// accumulators; m_old = -inf on the first tile gives alpha = 0, never NaN (m_new is finite:
+// every tile holds at least one valid row).
+__device__ __forceinline__ void online_softmax_step(float* m_s, float* l_s, float* alpha_s, int h,
+                                                    float m_old, float m_new, float p_sum) {
+    const float alpha = exp2f(m_old - m_new);
+    alpha_s[h] = alpha;
+    l_s[h] = l_s[h] * alpha + p_sum;
+    m_s[h] = m_new;
+}
+
 // A kernel that needs `need` bytes of dynamic shared memory traps when launched with less,
 // so a launcher whose smem formula drifted from the kernel fails loudly, not wrongly.
 __device__ __forceinline__ void require_dynamic_smem(unsigned int need) {

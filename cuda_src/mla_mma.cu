@@ -247,12 +247,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
                 p_hl[off] = hi;
                 p_hl[kHeads * kMmaTile + off] = lo;
             }
-            if (lane == 0) {
-                const float alpha = exp2f(m_old - m_new);  // m_old = -inf on the first tile: 0
-                alpha_s[h] = alpha;
-                l_s[h] = l_s[h] * alpha + p_sum;
-                m_s[h] = m_new;
-            }
+            if (lane == 0) online_softmax_step(m_s, l_s, alpha_s, h, m_old, m_new, p_sum);
         }
         __syncthreads();
         // The score halves are consumed: the spare buffer takes the next tile, which lands
