@@ -209,11 +209,12 @@ def compile_log(source: str, name_expressions: Iterable[str] = (), *, arch: str 
     nvrtc = toolkit._nvrtc()
     toolkit.nvrtc_version()  # a clear error if the library is missing
     exprs = list(dict.fromkeys(name_expressions))
-    # A cached compile prints no ptxas log. A define no one reads, new on every call, keeps any
-    # cache keyed on the source and options (seen on the H200's NVRTC: the second identical
-    # compile in a process came back with an empty log) from answering.
-    nonce = f"-DMLASANDBOX_PTXAS_REPORT_NONCE={next(_NONCE)}_{os.getpid()}"
-    opts = list(toolkit.compile_options(arch, extra=("-Xptxas", "-v", nonce, *extra_options)))
+    # A cached compile prints no ptxas log. The H200 image's NVRTC (13.0) returned an empty
+    # log for a second compile of the same PTX in one process, even with a new -D: the cache
+    # is keyed on the PTX. A device variable with a new name on every call changes the PTX.
+    nonce = f"{next(_NONCE)}_{os.getpid()}"
+    source = f"{source}\n__device__ int mlasandbox_ptxas_report_nonce_{nonce};\n"
+    opts = list(toolkit.compile_options(arch, extra=("-Xptxas", "-v", *extra_options)))
     prog = nvrtc.createProgram(source, filename, [], [])
     try:
         for e in exprs:
