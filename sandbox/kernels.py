@@ -33,24 +33,20 @@ _device_infos: dict[int, DeviceInfo] = {}
 
 
 def device_info(device_id: int | None = None) -> DeviceInfo:
+    """The launch-relevant limits of a device (the current one by default), read once."""
     import cupy
+
+    from .toolkit import device_info as read_device
 
     if device_id is None:
         device_id = cupy.cuda.Device().id
     info = _device_infos.get(device_id)
     if info is None:
-        props = cupy.cuda.runtime.getDeviceProperties(device_id)
-        name = props["name"]
-        info = DeviceInfo(
-            device_id=device_id,
-            name=name.decode() if isinstance(name, bytes) else str(name),
-            arch=f"sm_{props['major']}{props['minor']}",
-            num_sms=int(props["multiProcessorCount"]),
-            l2_bytes=int(props["l2CacheSize"]),
-            smem_per_block_optin=int(props["sharedMemPerBlockOptin"]),
-            smem_per_sm=int(props["sharedMemPerMultiprocessor"]),
-            max_grid_y=int(props["maxGridSize"][1]),
-        )
+        d = read_device(device_id)
+        info = DeviceInfo(device_id=d["index"], name=d["name"], arch=d["arch"],
+                          num_sms=d["sms"], l2_bytes=d["l2_bytes"],
+                          smem_per_block_optin=d["smem_per_block_optin"],
+                          smem_per_sm=d["smem_per_sm"], max_grid_y=d["max_grid_y"])
         _device_infos[device_id] = info
     return info
 

@@ -219,34 +219,15 @@ class DeviceLimits:
 
 
 def device_limits(device_id: int | None = None) -> DeviceLimits:
-    """Read SM count, L2 size and shared-memory limits of a CUDA device through CuPy.
+    """SM count, L2 size and shared-memory limits of a CUDA device (toolkit.device_info).
 
-    Raises RuntimeError when CuPy or a device is missing, saying which."""
-    try:
-        import cupy
-        from cupy.cuda import runtime
-    except Exception as exc:  # ImportError, or a CUDA library that fails to load
-        raise RuntimeError(f"device_limits needs CuPy with a CUDA device: {exc}") from exc
-    try:
-        count = runtime.getDeviceCount()
-    except Exception as exc:  # cupy_backends...CUDARuntimeError without a driver
-        raise RuntimeError(f"no CUDA device is available: {exc}") from exc
-    if count < 1:
-        raise RuntimeError("no CUDA device is available (device count is 0)")
-    if device_id is None:
-        device_id = cupy.cuda.Device().id
-    props = runtime.getDeviceProperties(device_id)
-    name = props.get("name", b"?")
-    name = name.decode(errors="replace") if isinstance(name, bytes) else str(name)
+    Raises RuntimeError (toolkit.NoDeviceError) when CuPy or a device is missing, saying which."""
+    from .toolkit import device_info
+
+    d = device_info(device_id)
     return DeviceLimits(
-        name=name,
-        arch=f"sm_{props['major']}{props['minor']}",
-        num_sms=int(props["multiProcessorCount"]),
-        l2_bytes=int(props.get("l2CacheSize", 0)),
-        smem_per_sm=int(props.get("sharedMemPerMultiprocessor", 0)),
-        smem_per_block_optin=int(props.get("sharedMemPerBlockOptin", 0)),
-        smem_per_block=int(props.get("sharedMemPerBlock", 0)),
-        smem_reserved_per_block=int(props.get("reservedSharedMemPerBlock", KB)),
-        regs_per_sm=int(props.get("regsPerMultiprocessor", 0)),
-        max_threads_per_sm=int(props.get("maxThreadsPerMultiProcessor", 0)),
+        name=d["name"], arch=d["arch"], num_sms=d["sms"], l2_bytes=d["l2_bytes"],
+        smem_per_sm=d["smem_per_sm"], smem_per_block_optin=d["smem_per_block_optin"],
+        smem_per_block=d["smem_per_block"], smem_reserved_per_block=d["smem_reserved_per_block"],
+        regs_per_sm=d["regs_per_sm"], max_threads_per_sm=d["max_threads_per_sm"],
     )

@@ -257,13 +257,18 @@ def arch_of_device(device: int | None = None) -> str:
     return f"sm_{dev.compute_capability}"
 
 
-def device_info(device: int = 0) -> dict:
-    """Name, SMs, L2, arch, memory and driver/runtime versions; NoDeviceError without one."""
+def device_info(device: int | None = None) -> dict:
+    """Everything this project reads off a device (the current one by default): name, arch,
+    SMs, L2, memory, the shared-memory and thread limits, and driver/runtime versions. The one
+    place that calls getDeviceProperties; NoDeviceError without a device."""
     ok, why = device_available()
     if not ok:
         raise NoDeviceError(why)
+    import cupy
     from cupy.cuda import runtime
 
+    if device is None:
+        device = cupy.cuda.Device().id
     p = runtime.getDeviceProperties(device)
     name = p["name"].decode() if isinstance(p["name"], bytes) else str(p["name"])
 
@@ -277,9 +282,13 @@ def device_info(device: int = 0) -> dict:
         "sms": int(p["multiProcessorCount"]),
         "l2_bytes": int(p["l2CacheSize"]),
         "global_mem_bytes": int(p["totalGlobalMem"]),
+        "smem_per_block": int(p.get("sharedMemPerBlock", 0)),
         "smem_per_block_optin": int(p.get("sharedMemPerBlockOptin", 0)),
         "smem_per_sm": int(p.get("sharedMemPerMultiprocessor", 0)),
+        "smem_reserved_per_block": int(p.get("reservedSharedMemPerBlock", 1024)),
         "regs_per_sm": int(p.get("regsPerMultiprocessor", 0)),
+        "max_threads_per_sm": int(p.get("maxThreadsPerMultiProcessor", 0)),
+        "max_grid_y": int(p["maxGridSize"][1]),
         "clock_khz": int(p.get("clockRate", 0)),
         "driver_version": ver(runtime.driverGetVersion()),
         "runtime_version": ver(runtime.runtimeGetVersion()),

@@ -1,7 +1,8 @@
 """Shared pieces of the GPU tests: the skip marker, fresh seeds, poisoned runs.
 
 Every GPU check draws fresh random inputs (the seed is printed in every failure message, so a
-failure can be replayed with MLASANDBOX_SEED), NaN-fills the cache past n_ctx, and poisons
+failure can be replayed with MLASANDBOX_GPU_SEED=<that seed>; MLASANDBOX_SEED is the CPU tests'
+run entropy, see conftest.py), NaN-fills the cache past n_ctx, and poisons
 the outputs and the split scratch before each launch, so an element the kernel failed to
 write shows up as NaN instead of as last run's value.
 """
@@ -19,7 +20,7 @@ gpu = pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {GPU_REASON}")
 
 
 def fresh_seed() -> int:
-    fixed = os.environ.get("MLASANDBOX_SEED")
+    fixed = os.environ.get("MLASANDBOX_GPU_SEED")
     return int(fixed) if fixed else secrets.randbits(31)
 
 
