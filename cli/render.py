@@ -19,7 +19,7 @@ def console() -> Console:
     """A console on the current stdout (CliRunner swaps it), wide enough when piped."""
     out = sys.stdout
     tty = hasattr(out, "isatty") and out.isatty()
-    wide = None if tty or os.environ.get("COLUMNS") else 150
+    wide = None if tty or os.environ.get("COLUMNS") else 200
     return Console(file=out, width=wide, soft_wrap=False,
                    highlight=False, emoji=False)
 

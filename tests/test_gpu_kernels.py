@@ -20,8 +20,6 @@ from mlasandbox import reference, registry
 from mlasandbox.compare import Tolerance, compare, rel_l2
 from mlasandbox.dims import Dims
 
-pytestmark = gpu
-
 CUBLAS_TOL = {"f16": Tolerance(3e-3, 3e-3, 3e-3), "bf16": Tolerance(2e-2, 2e-2, 2e-2)}
 CUDA_VARIANTS = [n for n in registry.variant_names() if registry.variant(n).is_cuda]
 
@@ -80,6 +78,7 @@ def test_the_case_grid_covers_every_value():
     assert {c.q for c in CASES} >= {"f32", "f16", "bf16"}
 
 
+@gpu
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_variant_matches_the_float64_reference(case):
     from mlasandbox.api import DecodeStep
@@ -89,6 +88,7 @@ def test_variant_matches_the_float64_reference(case):
     check_step(step, inp, seed, tolerance(case.variant, case.cache), str(case))
 
 
+@gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_variant_at_131072(variant):
     from mlasandbox.api import DecodeStep
@@ -99,6 +99,7 @@ def test_variant_at_131072(variant):
     print(f"{variant} @131072: {cmp.summary()}")
 
 
+@gpu
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 33, 64, 129, 200])
 @pytest.mark.parametrize("variant", ["split", "batched12", "batched16", "mma16", "mma32"])
 def test_every_split_count_matches_one_reference(variant, splits):
@@ -117,6 +118,7 @@ def test_every_split_count_matches_one_reference(variant, splits):
         assert np.all(l[l == 0] == 0) and not np.isnan(m).any(), "empty partials must be neutral"
 
 
+@gpu
 def test_split_is_at_least_as_accurate_as_unsplit_at_20000():
     """Lecture 2.1: per-slice partials are effectively pairwise summation."""
     from mlasandbox.api import DecodeStep
@@ -136,6 +138,7 @@ def test_split_is_at_least_as_accurate_as_unsplit_at_20000():
     assert np.median(ratios) >= 1.0, f"split less accurate than unsplit: ratios {ratios}"
 
 
+@gpu
 @pytest.mark.parametrize("variant", ["split", "batched12", "mma16", "mma32"])
 def test_negative_control_combine_without_rescale_fails_the_check(variant):
     """The same check, with a combine that drops exp(m_i - m), must fail: it has power."""
@@ -152,6 +155,7 @@ def test_negative_control_combine_without_rescale_fails_the_check(variant):
     print(f"negative control ({variant}): {cmp.summary()}")
 
 
+@gpu
 @pytest.mark.parametrize("n_ctx", [1, 64, 4095])
 def test_below_the_gate_split_and_per_head_are_bit_identical(n_ctx):
     """The A/A case: below the split gate both run the same kernel with one slice."""
@@ -168,6 +172,7 @@ def test_below_the_gate_split_and_per_head_are_bit_identical(n_ctx):
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), f"{f} differs, seed={seed}"
 
 
+@gpu
 def test_q_absorb_matches_the_reference():
     import cupy
 
@@ -184,6 +189,7 @@ def test_q_absorb_matches_the_reference():
         assert rel_l2(got, want) < limit, f"{cache}/{q_dtype} seed={seed}"
 
 
+@gpu
 def test_a_torch_bf16_tensor_is_used_without_a_host_copy():
     torch = pytest.importorskip("torch")
     import cupy
