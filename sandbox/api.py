@@ -19,7 +19,9 @@ from .splits import SPLIT_MIN_CTX, SplitPlan, plan_splits
 __all__ = ["DecodeResult", "DecodeStep", "decode", "q_absorb", "scratch_for_device"]
 
 _LOG2E = 1.4426950408889634
-DEFAULT_BATCHED_HPB = 12
+# variant="batched" without heads_per_block: the fastest of the H200 sweep at 131072 context
+# (results/h200-2026-11-29/sweep.txt), the largest HPB that keeps two blocks per SM.
+DEFAULT_BATCHED_HPB = 16
 
 
 # Scratch for the split partials, one pool per device (lecture section 2: a single static
