@@ -135,11 +135,8 @@ def attn_cost(variant: str, dims: Dims, n_ctx: int, cache_dtype: str = "f16",
 
 
 def _cublas_attn_cost(variant, dims, n, cache_dtype, q_dtype, flops, flops_formula):
-    H, K, L, V = dims.n_head, dims.key_dim, dims.kv_lora, dims.v_head
+    H, K, L = dims.n_head, dims.key_dim, dims.kv_lora
     cb, qb = _b(cache_dtype), _q_bytes(q_dtype, cache_dtype)
-    wv = H * V * L * cb
-    flops += 2 * H * V * L
-    flops_formula += f" + 2 x H {H} x {V} x {L} (wv_b, in this phase)"
     q_cast = H * K * (qb + cb) if qb != cb else 0
     passes = ", ".join(f"{name} {b}" for name, b in CUBLAS_SCORE_PASSES)
     terms = (
@@ -150,20 +147,26 @@ def _cublas_attn_cost(variant, dims, n, cache_dtype, q_dtype, flops, flops_formu
                                             if q_cast else ""), H * K * qb, H * K * qb + q_cast),
         Term("score matrix passes", f"H {H} x n_ctx {n} x {CUBLAS_SCORE_BYTES} B "
                                     f"({passes}); 0 ideal", 0, H * n * CUBLAS_SCORE_BYTES),
-        Term("wv_b", f"H {H} x {V} x {L} x {cb} B", wv, wv),
-        Term("outputs", f"out H x {V} x 4 + latent H x {L} x 4 + lse H x 4",
-             H * (V + L + 1) * 4, H * (V + L + 1) * 4),
+        Term("outputs", f"latent H x {L} x 4 + lse H x 4", H * (L + 1) * 4, H * (L + 1) * 4),
     )
     return PhaseCost("attn", variant, flops, flops_formula, terms,
-                     note="the cuBLAS engine's attn phase includes its wv_b projection")
+                     note="the cuBLAS engine's wv_b projection is its combine phase")
 
 
 def combine_cost(variant: str, dims: Dims, cache_dtype: str = "f16",
-                 splits: int = 1) -> PhaseCost | None:
-    """The merge + wv_b phase; None for the cuBLAS engine (its combine runs inside attn)."""
+                 splits: int = 1) -> PhaseCost:
+    """The merge + wv_b phase (for the cuBLAS engine: the wv_b projection alone)."""
     family, _ = _family(variant)
     if family == "cublas":
-        return None
+        H, L, V = dims.n_head, dims.kv_lora, dims.v_head
+        cb = _b(cache_dtype)
+        terms = (
+            Term("latent", f"H {H} x {L} x 4 B read, cast to {cache_dtype} (w + r {cb} B "
+                           f"each; 0 ideal)", H * L * 4, H * L * (4 + 2 * cb)),
+            Term("wv_b", f"H {H} x {V} x {L} x {cb} B", H * V * L * cb, H * V * L * cb),
+            Term("out", f"H x {V} x 4 B", H * V * 4, H * V * 4),
+        )
+        return PhaseCost("combine", variant, 2 * H * V * L, f"2 x H {H} x {V} x {L}", terms)
     H, L, V, S = dims.n_head, dims.kv_lora, dims.v_head, int(splits)
     cb = _b(cache_dtype)
     flops = 2 * S * H * L + 2 * H * V * L

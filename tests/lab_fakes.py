@@ -83,7 +83,7 @@ class FakeBackend:
         mode = "graph" if use_graph else "events"
         attn = self._attn_us(variant, n_ctx, splits)
         s = self.plan(variant, n_ctx, splits)["splits"] or 1
-        combine = 2.0 + 0.05 * s if registry.variant(variant).is_cuda else 0.0
+        combine = 2.0 + 0.05 * s if registry.variant(variant).is_cuda else 9.0  # engine: wv_b
         us = {"attn": attn, "combine": combine, "step": 5.0 + attn + combine}[phase]
         return self._timing(us, mode)
 

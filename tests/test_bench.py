@@ -58,9 +58,9 @@ def test_work_plan_covers_every_measurement_once():
     cfg = make_config(**SMALL, aa_rounds=4)
     items = plan_work(cfg)
     times = [i for i in items if i.kind == "time"]
-    # 3 CUDA variants x 3 contexts x 3 phases + cublas x 3 contexts x (attn, step)
-    assert len(times) == 3 * 3 * 3 + 3 * 2
-    assert not any(i.variant == "cublas" and i.phase == "combine" for i in times)
+    # 4 variants (the cuBLAS engine too) x 3 contexts x (attn, combine, step)
+    assert len(times) == 4 * 3 * 3
+    assert any(i.variant == "cublas" and i.phase == "combine" for i in times)
     assert [i.variant for i in items if i.kind == "aa"] == ["per_head", "split"] * 4
     assert sum(i.kind == "control" for i in items) == 1 + 4 + 1
     assert sum(i.kind == "check" for i in items) == 4
@@ -88,7 +88,7 @@ def test_run_is_json_and_complete():
     assert res["schema"] == SCHEMA and res["ok"] is True and res["harness_stable"] is True
     assert res["meta"]["device"] == "Fake H200"
     phases = {(r["variant"], r["n_ctx"], r["phase"]) for r in res["rows"] if r["variant"] != "-"}
-    assert ("cublas", 64, "combine") not in phases and ("split", 131072, "combine") in phases
+    assert ("cublas", 64, "combine") in phases and ("split", 131072, "combine") in phases
     row = next(r for r in res["rows"] if (r["variant"], r["n_ctx"], r["phase"]) ==
                ("per_head", 131072, "attn"))
     assert row["splits"] == 1 and row["head_blocks"] == 96 and row["mode"] == "events"
