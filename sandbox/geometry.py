@@ -78,6 +78,16 @@ def instances_for(hpbs=HPB_VALUES, caches=("f16", "bf16"), q_dtypes=("f32", "cac
     return keep
 
 
+def _resource_row(inst, r, arch: str) -> dict:
+    """One instance's ptxas resources (`r`), block size, shared memory and occupancy."""
+    occ = occupancy_of(arch, r.registers, inst.threads, r.smem_bytes + inst.smem_bytes)
+    return {"name": inst.name, **_parse_name(inst), "registers": r.registers,
+            "spill_stores": r.spill_stores, "spill_loads": r.spill_loads,
+            "stack_bytes": r.stack_bytes, "static_smem": r.smem_bytes,
+            "dynamic_smem": inst.smem_bytes, "threads": inst.threads, **occ, "step": False,
+            "cmem0_bytes": r.cmem0_bytes, "barriers": r.barriers, "arch": arch}
+
+
 def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf16"),
                   q_dtypes=("f32", "cache"), controls: bool = True, kinds=KINDS,
                   report=None) -> list[dict]:
@@ -94,45 +104,25 @@ def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf1
     rows = []
     prev: dict[tuple, int] = {}
     for inst in insts:
-        r = rep[inst.name]
-        info = _parse_name(inst)
-        total_smem = r.smem_bytes + inst.smem_bytes
-        occ = occupancy_of(arch, r.registers, inst.threads, total_smem)
-        row = {
-            "name": inst.name, **info,
-            "registers": r.registers, "spill_stores": r.spill_stores,
-            "spill_loads": r.spill_loads, "stack_bytes": r.stack_bytes,
-            "static_smem": r.smem_bytes, "dynamic_smem": inst.smem_bytes,
-            "threads": inst.threads, **occ, "step": False,
-            "cmem0_bytes": r.cmem0_bytes, "barriers": r.barriers, "arch": arch,
-        }
-        if info["kind"] == "attn":
-            key = (info.get("cache"), info.get("q"))
-            if key in prev and occ["blocks_per_sm"] < prev[key]:
+        row = _resource_row(inst, rep[inst.name], arch)
+        if row["kind"] == "attn":
+            key = (row.get("cache"), row.get("q"))
+            if key in prev and row["blocks_per_sm"] < prev[key]:
                 row["step"] = True
-            prev[key] = occ["blocks_per_sm"]
+            prev[key] = row["blocks_per_sm"]
         rows.append(row)
     return rows
 
 
 def theoretical_blocks_per_sm(variant, cache: str = "f16", q: str = "f32",
                               arch: str = DEFAULT_ARCH) -> dict:
-    """Blocks/SM of the variant's attention kernel on `arch`, from a real compile: a
-    resource row. `variant` is a registry Variant, or an HPB for attn<hpb>."""
+    """Blocks/SM of a registry Variant's attention kernel on `arch`, from a real compile:
+    a resource row."""
     from .ptxas import ptxas_report
 
-    if isinstance(variant, int):
-        variant = resolve_variant("batched" if variant > 1 else "split", variant if variant > 1 else None)
     inst = registry.attention_instance(variant, cache, q)  # ValueError for a bad dtype pair
     _occupancy_module().arch_limits(arch)
-    rep = ptxas_report([inst], arch=arch)
-    r = rep[inst.name]
-    occ = occupancy_of(arch, r.registers, inst.threads, r.smem_bytes + inst.smem_bytes)
-    return {"name": inst.name, **_parse_name(inst), "registers": r.registers,
-            "spill_stores": r.spill_stores, "spill_loads": r.spill_loads,
-            "stack_bytes": r.stack_bytes, "static_smem": r.smem_bytes,
-            "dynamic_smem": inst.smem_bytes, "threads": inst.threads, **occ, "step": False,
-            "cmem0_bytes": r.cmem0_bytes, "barriers": r.barriers, "arch": arch}
+    return _resource_row(inst, ptxas_report([inst], arch=arch)[inst.name], arch)
 
 
 def resolve_variant(name: str, hpb: int | None = None):
