@@ -98,13 +98,14 @@ def phase_table(result: dict, n_ctx: int, cache: str) -> Table:
           if r["phase"] == "q_absorb" and r["cache"] == cache}
     t = Table(title=f"phases at n_ctx {n_ctx}, cache {cache} (us, median \\[p10-p90]); rates of "
                     f"attn: GB/s ideal / as issued, % of copy {ceil['copy_GBps']:,.0f} GB/s; "
-                    f"TFLOP/s, % of GEMM {ceil['gemm_TFLOPs']:,.0f}",
+                    f"TFLOP/s, % of GEMM {ceil['gemm_TFLOPs']:,.0f} and of f32 FMA "
+                    f"{_num(ceil.get('fma_TFLOPs'), '{:.1f}')}",
               title_justify="left", box=box.SIMPLE_HEAD)
     for col, j in (("variant", "left"), ("S", "right"), ("head blocks", "right"),
                    ("q_absorb", "right"), ("attn", "right"), ("combine", "right"),
                    ("step", "right"), ("GB/s ideal", "right"), ("GB/s issued", "right"),
                    ("% copy", "right"), ("TFLOP/s", "right"), ("% GEMM", "right"),
-                   ("mode", "left")):
+                   ("% FMA", "right"), ("mode", "left")):
         t.add_column(col, justify=j, no_wrap=True)
     for v in result["config"]["variants"]:
         a = by.get((v, "attn"))
@@ -118,7 +119,8 @@ def phase_table(result: dict, n_ctx: int, cache: str) -> Table:
                   fmt_us(c["median_us"]) if c else "(in attn)",
                   fmt_us(s["median_us"]) if s else "-",
                   _num(a["GBps_ideal"]), _num(a["GBps_issued"]), _pct(a["frac_copy_ideal"]),
-                  _num(a["TFLOPs"], "{:.2f}"), _pct(a["frac_gemm"]), a["mode"])
+                  _num(a["TFLOPs"], "{:.2f}"), _pct(a["frac_gemm"]), _pct(a.get("frac_fma")),
+                  a["mode"])
     return t
 
 
@@ -149,6 +151,9 @@ def summary_table(result: dict) -> Table:
                               f"{fmt_bytes(ceil.get('copy_bytes'))}, read + written)"),
              ("GEMM ceiling", f"{ceil['gemm_TFLOPs']:,.0f} TFLOP/s (f16 {ceil.get('gemm_n')}^3, "
                               "cupy.matmul)")]
+    if ceil.get("fma_TFLOPs"):
+        items.append(("f32 FMA ceiling", f"{ceil['fma_TFLOPs']:.1f} TFLOP/s (ceiling_fma.cu, "
+                                         "2 FLOPs per FMA: the CUDA-core variants' roof)"))
     for run in nf["runs"]:
         items.append((f"A/A noise floor ({run['cache']})",
                       f"{run['floor']:.2%}: per_head vs split at n_ctx {run['n_ctx']} "

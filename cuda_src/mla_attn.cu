@@ -277,6 +277,9 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
             const float p = exp2f(s - m_new);
             const float p_sum = warp_sum(p);
             p_s[j * kTile + lane] = p;
+            // Every lane has read m_s[] above; lane 0 overwrites it. The shuffles order the
+            // two in practice, the barrier makes it formal (racecheck flags it otherwise).
+            __syncwarp();
             if (lane == 0) online_softmax_step(m_s, l_s, alpha_s, j, m_old, m_new, p_sum);
         }
         __syncthreads();

@@ -247,6 +247,9 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
                 p_hl[off] = hi;
                 p_hl[kHeads * kMmaTile + off] = lo;
             }
+            // Every lane has read m_s[] above; lane 0 overwrites it. The shuffles order the
+            // two in practice, the barrier makes it formal (racecheck flags it otherwise).
+            __syncwarp();
             if (lane == 0) online_softmax_step(m_s, l_s, alpha_s, h, m_old, m_new, p_sum);
         }
         __syncthreads();

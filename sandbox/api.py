@@ -49,7 +49,7 @@ def scratch_for_device(device_id: int, name: str, size: int, dtype="float32"):
 
 
 def _resolve_hpb(var: registry.Variant, heads_per_block) -> int:
-    if var.family in ("batched", "mma"):
+    if var.family in ("batched", "tiled", "mma"):
         if heads_per_block not in (None, var.hpb):
             raise ValueError(f"variant {var.name} has heads_per_block={var.hpb}; "
                              f"got heads_per_block={heads_per_block}")

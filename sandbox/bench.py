@@ -6,7 +6,7 @@ numbers trustworthy (lecture section 3 and the Lab).
 
 What one run does, in order (per cache dtype):
 
-1. ceilings of this device, now: copy bandwidth and an f16 cuBLAS GEMM (ceilings.py);
+1. ceilings of this device, now: copy bandwidth, an f16 cuBLAS GEMM and f32 FMA (ceilings.py);
 2. the time estimate of the whole run from the byte formulas and the measured bandwidth,
    printed; if it exceeds the budget, the per-measurement target shrinks;
 3. the inputs, allocated once at the largest context and reused (n_ctx is a parameter);
@@ -78,7 +78,7 @@ def run_bench(*, backend=None, progress=None, log=None, as_json: bool = False,
     timing_kw = {"warmup": cfg.warmup, "min_repeats": cfg.min_repeats,
                  "max_repeats": cfg.max_repeats, "target_s": cfg.target_ms / 1e3}
 
-    progress("ceilings: copy bandwidth, f16 GEMM", 0)
+    progress("ceilings: copy bandwidth, f16 GEMM, f32 FMA", 0)
     ceilings = backend.ceilings(cfg.copy_bytes, cfg.gemm_n, timing_kw)
     progress("ceilings", 1)
     est = estimate_seconds(cfg, ceilings["copy_GBps"])
@@ -260,7 +260,7 @@ CSV_COLUMNS = ("variant", "cache", "q", "n_ctx", "phase", "control_label", "medi
                "min_us", "p10_us", "p90_us", "max_us", "mad_us", "n", "mode", "note",
                "splits", "head_blocks", "heads_per_block", "attn_kernel", "flops",
                "ideal_bytes", "issued_bytes", "GBps_ideal", "GBps_issued", "TFLOPs",
-               "frac_copy_ideal", "frac_copy_issued", "frac_gemm", "check_ok")
+               "frac_copy_ideal", "frac_copy_issued", "frac_gemm", "frac_fma", "check_ok")
 
 
 def write_csv(result: dict, path) -> None:

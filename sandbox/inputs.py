@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from .bf16 import BF16_NAN_BITS, to_storage
+from .bf16 import BF16_NAN_BITS, as_f32, to_storage
 from .dims import Dims, check_inputs, preset
 
-__all__ = ["DecodeInputs", "make_inputs"]
+__all__ = ["DecodeInputs", "make_inputs", "make_rising_inputs", "RISING_SPAN"]
 
 
 @dataclass
@@ -114,3 +114,43 @@ def make_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str =
                           scale=dims.default_scale, q_nope=q_nope, q_rope=q_rope, wk_b=wk_b)
     check_inputs(q, cache, wv_b, inputs.n_ctx, inputs.scale, dims)
     return inputs
+
+
+# make_rising_inputs: how far (natural log units) the score max climbs over the context.
+# 2^128 overflows f32, i.e. e^88.7: a softmax that never moved its reference max after the
+# first tile would overflow, so this span makes a check fail on such a kernel.
+RISING_SPAN = 110.0
+
+
+def make_rising_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str = "f16",
+                       q_dtype: str = "f32", seed: int = 0, nan_fill: bool = True,
+                       xp=np) -> DecodeInputs:
+    """Inputs whose scores climb by about RISING_SPAN (natural log) from the first position to
+    the last, for every head: the running max of the online softmax keeps moving, a path that
+    random inputs hardly take after the first tiles (their max settles within a few units).
+
+    make_inputs, then along the unit vector u = ones / sqrt(key_dim) every head's q gets the
+    component 10 (q[h].u = 10 exactly, before rounding) and cache row t < n_ctx gets c_t u,
+    c_t from -RISING_SPAN/slope to 8/slope, so s[h, t] ~ slope * c_t + N(0, ~2) with the same
+    slope = 10 scale for every head. The last positions hold
+    the weight; lse stays ~10..20 as in make_inputs. q no longer comes from the q_absorb
+    inputs, so those are None here.
+    """
+    base = make_inputs(dims, n_alloc, n_ctx, cache_dtype, q_dtype, seed, nan_fill, xp)
+    d = dims if isinstance(dims, Dims) else preset(dims)
+    n = base.n_ctx
+    v = np.float32(d.key_dim ** -0.5)
+    along = 10.0                                   # q[h] . (v * ones) ~ along
+    slope = base.scale * along                      # score per unit of c_t
+    c_lo, c_hi = -RISING_SPAN / slope, 8.0 / slope
+    q = as_f32(base.q, xp)
+    q = q + (np.float32(along) - q.sum(axis=1, keepdims=True) * v) * v
+    ramp = xp.linspace(c_lo, c_hi, n, dtype=xp.float32) * v
+    cache32 = as_f32(base.cache[:n], xp) + ramp[:, None]
+    cache = base.cache.copy()
+    cache[:n] = to_storage(cache32, cache_dtype, xp)
+    q = to_storage(q, q_dtype, xp)
+    out = DecodeInputs(q=q, cache=cache, wv_b=base.wv_b, n_ctx=n, scale=base.scale,
+                       q_nope=None, q_rope=None, wk_b=None)
+    check_inputs(out.q, out.cache, out.wv_b, n, out.scale, d)
+    return out

@@ -222,10 +222,13 @@ def phase_cost(phase: str, variant: str, dims: Dims, n_ctx: int, cache_dtype: st
 
 def rates(cost: PhaseCost, median_us: float, ceilings: dict | None = None) -> dict:
     """GB/s (ideal and as issued) and TFLOP/s at `median_us`, and their fractions of the
-    measured ceilings ({'copy_GBps', 'gemm_TFLOPs'}; absent keys give None)."""
+    measured ceilings ({'copy_GBps', 'gemm_TFLOPs', 'fma_TFLOPs'}; absent keys give None).
+    `frac_fma` is the roof of the CUDA-core variants (their arithmetic is FFMA), `frac_gemm`
+    that of the tensor-core ones."""
     if median_us is None or not median_us > 0:
         return {"GBps_ideal": None, "GBps_issued": None, "TFLOPs": None,
-                "frac_copy_ideal": None, "frac_copy_issued": None, "frac_gemm": None}
+                "frac_copy_ideal": None, "frac_copy_issued": None, "frac_gemm": None,
+                "frac_fma": None}
     s = median_us * 1e-6
     out = {"GBps_ideal": cost.ideal_bytes / s / 1e9, "GBps_issued": cost.issued_bytes / s / 1e9,
            "TFLOPs": cost.flops / s / 1e12}
@@ -234,6 +237,8 @@ def rates(cost: PhaseCost, median_us: float, ceilings: dict | None = None) -> di
     out["frac_copy_ideal"] = out["GBps_ideal"] / copy if copy else None
     out["frac_copy_issued"] = out["GBps_issued"] / copy if copy else None
     out["frac_gemm"] = out["TFLOPs"] / gemm if gemm else None
+    fma = (ceilings or {}).get("fma_TFLOPs")
+    out["frac_fma"] = out["TFLOPs"] / fma if fma else None
     return out
 
 

@@ -2,17 +2,20 @@
 
 Two levels:
 
-* `Variant` is what a user picks (`per_head`, `split`, `batched12`, `cublas`). The CUDA
-  variants are all instances of the attention family in `cuda_src/mla_attn.cu`:
-  `per_head` is HPB=1 with one slice, `split` is HPB=1 over S contiguous slices, and
-  `batched<HPB>` serves HPB heads per pass over the cache, also split over context.
-  Below the split gate `split` runs exactly the kernel `per_head` runs (the lecture's A/A).
+* `Variant` is what a user picks (`per_head`, `split`, `batched12`, `tiled16`, `mma16`,
+  `cublas`). `per_head`, `split` and `batched<HPB>` are instances of the attention family in
+  `cuda_src/mla_attn.cu`: `per_head` is HPB=1 with one slice, `split` is HPB=1 over S
+  contiguous slices, and `batched<HPB>` serves HPB heads per pass over the cache, also split
+  over context. Below the split gate `split` runs exactly the kernel `per_head` runs (the
+  lecture's A/A). `tiled16` (`cuda_src/mla_attn_tiled.cu`) is the same contract on CUDA
+  cores with GEMM-style register tiles at one block per SM; `mma<16|32>`
+  (`cuda_src/mla_mma.cu`) puts the heads on the tensor cores.
 * `KernelInstance` is one template instantiation: its source file, the C++ name expression
   handed to NVRTC (`name_expressions`), a readable name built from every template value,
   the block size and the dynamic shared memory it needs.
 
-The geometry constants mirror the top of `cuda_src/mla_attn.cu`; a GPU test checks that
-the kernel agrees (it traps when launched with less shared memory than it needs).
+The geometry constants mirror the tops of the .cu files; a GPU test checks that each kernel
+agrees (it traps when launched with less shared memory than it needs).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ __all__ = [
     "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
     "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
     "attn_instance", "mma_instance", "attention_instance", "combine_instance", "MMA_M_TILES", "q_absorb_instance", "all_instances",
-    "attn_smem_bytes", "CXX_TYPES",
+    "attn_smem_bytes", "CXX_TYPES", "TILED_HEADS", "tiled_instance", "tiled_smem_bytes",
 ]
 
 # Heads-per-block values the attention family is instantiated for.
@@ -37,6 +40,10 @@ KEY_DIM = KV_LORA + ROPE
 MMA_M_TILES = (1, 2)  # HM of mla_mma.cu: 16 or 32 heads per block
 MMA_THREADS = 256
 MMA_TILE = 64
+# cuda_src/mla_attn_tiled.cu: register-tiled CUDA-core kernel, sized for 16 heads per block.
+TILED_HEADS = (16,)
+TILED_THREADS = 256
+TILED_TILE = 64
 COMBINE_THREADS = 256
 COMBINE_COL_BLOCKS = 4  # blocks per head in the combine (kColBlocks in mla_combine.cu)
 Q_ABSORB_THREADS = 128
@@ -49,7 +56,7 @@ class Variant:
     """A user-facing variant. `hpb` is None for the cuBLAS engine."""
 
     name: str
-    family: str  # "per_head" | "split" | "batched" | "mma" | "cublas"
+    family: str  # "per_head" | "split" | "batched" | "tiled" | "mma" | "cublas"
     hpb: int | None
     splits: bool  # whether it splits over context above the gate
     about: str
@@ -72,6 +79,11 @@ def _make_variants() -> dict[str, Variant]:
         out[f"batched{hpb}"] = Variant(
             f"batched{hpb}", "batched", hpb, True,
             f"one pass over the cache serves {hpb} heads, split over context (section 4)")
+    for heads in TILED_HEADS:
+        out[f"tiled{heads}"] = Variant(
+            f"tiled{heads}", "tiled", heads, True,
+            f"CUDA cores, GEMM-style register tiles: {heads} heads per block, one block per "
+            "SM, split over context")
     for hm in MMA_M_TILES:
         out[f"mma{16 * hm}"] = Variant(
             f"mma{16 * hm}", "mma", 16 * hm, True,
@@ -168,10 +180,35 @@ def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelI
                           mma_smem_bytes(heads), MMA_TILE)
 
 
+def tiled_smem_bytes(heads: int = 16) -> int:
+    """Dynamic shared memory of attn_tiled<16>: mirrors tiled::Smem in mla_attn_tiled.cu (two
+    64-row tiles; q as 16 k-slices of [36][16] f32 plus an 8-float pad; the score partials of
+    the 8 warps, [8][16][66] f32; p as [64][20] f32; alpha)."""
+    tiles = 2 * TILED_TILE * KEY_DIM * 2
+    q = 16 * (36 * heads + 8) * 4
+    red = (TILED_THREADS // 32) * heads * (TILED_TILE + 2) * 4
+    p = TILED_TILE * (heads + 4) * 4
+    return tiles + q + red + p + heads * 4
+
+
+def tiled_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:
+    if heads not in TILED_HEADS:
+        raise ValueError(f"the tiled kernel serves {', '.join(map(str, TILED_HEADS))} heads per "
+                         f"block, got {heads}")
+    _check_dtype("cache", cache, ("f16", "bf16"))
+    _check_dtype("q", q, ("f32", cache))
+    return KernelInstance("mla_attn_tiled.cu",
+                          f"mla::attn_tiled<{heads}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
+                          f"attn_tiled<hpb={heads},cache={cache},q={q}>", TILED_THREADS,
+                          tiled_smem_bytes(heads), TILED_TILE)
+
+
 def attention_instance(var: Variant, cache: str = "f16", q: str = "f32") -> KernelInstance:
     """The attention kernel a CUDA variant launches."""
     if var.family == "mma":
         return mma_instance(var.hpb, cache, q)
+    if var.family == "tiled":
+        return tiled_instance(var.hpb, cache, q)
     if not var.is_cuda:
         raise ValueError(f"variant {var.name} launches no attention kernel of its own")
     return attn_instance(var.hpb, cache, q)
@@ -203,6 +240,8 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
             q = cache if qd == "cache" else qd
             for hpb in HPB_VALUES:
                 out.append(attn_instance(hpb, cache, q))
+            for heads in TILED_HEADS:
+                out.append(tiled_instance(heads, cache, q))
             for hm in MMA_M_TILES:
                 out.append(mma_instance(16 * hm, cache, q))
             out.append(q_absorb_instance(cache, q))

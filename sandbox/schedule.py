@@ -22,6 +22,9 @@ What is modelled exactly as the kernels do it:
   `rescale=False` drops the w_i: the negative control, which any real check must reject.
 * batched: heads in groups of `heads_per_block`; the last partial group is padded with
   zero-query heads whose results are masked off, not dropped from the grid.
+* `lazy`: tiled16's lazy max. A head's reference max moves only when a tile's max exceeds
+  it by more than `lazy` (natural log units; the kernel's 8 in log2 is 8 ln 2), so p can
+  reach e^lazy; 0 is the eager max of the other kernels.
 
 Not modelled: the order inside the 576-term score dot products (BLAS here), and the fast
 exp2 approximation: both are O(1 ulp) per term and do not grow with n_ctx.
@@ -68,7 +71,7 @@ def _check_schedule(schedule, splits, heads_per_block, tile):
                          f"got {heads_per_block} (use schedule='batched')")
 
 
-def _attend(q_group, cache_pad, n_ctx, splits, slice_ids, tile, scale, kv_lora):
+def _attend(q_group, cache_pad, n_ctx, splits, slice_ids, tile, scale, kv_lora, lazy=0.0):
     """Partials (m [S, G], l [S, G], acc [S, G, kv_lora]) of the given slices for G heads,
     all slices advancing in lockstep, one tile per step.
 
@@ -96,7 +99,12 @@ def _attend(q_group, cache_pad, n_ctx, splits, slice_ids, tile, scale, kv_lora):
         rows = cache_pad[np.where(valid, pos, n_ctx)]         # [S, width, key_dim]
         s = np.matmul(q_group[None], rows.transpose(0, 2, 1)) * scale32   # [S, G, width]
         s = np.where(valid[:, None, :], s, np.float32(-np.inf))
-        m_new = np.maximum(m, s.max(axis=2))
+        t_max = s.max(axis=2)
+        # lazy = 0 is np.maximum(m, t_max); m = -inf moves on the first valid tile whatever
+        # lazy is (lazy = inf is then "never again": the negative control of the lazy max)
+        with np.errstate(invalid="ignore"):
+            move = (m == -np.inf) | (t_max > m + np.float32(lazy))
+        m_new = np.where(move, t_max, m)
         # Until a slice has seen a position its max is -inf, and exp(-inf - -inf) is NaN:
         # those (slice, head) pairs take a finite reference and stay exactly neutral.
         seen = m_new > -np.inf
@@ -128,10 +136,12 @@ def _combine(m, l, acc, rescale):
 
 def run_schedule(q, cache, wv_b, n_ctx: int | None = None, scale: float | None = None, *,
                  schedule: str = "per_head", splits: int = 1, heads_per_block: int = 1,
-                 tile: int = ATTN_TILE, rescale: bool = True) -> DecodeResult:
+                 tile: int = ATTN_TILE, rescale: bool = True, lazy: float = 0.0) -> DecodeResult:
     """Run one decode step under a kernel schedule, in float32. Returns f32 NumPy arrays."""
     dims, n_ctx, scale, _ = check_inputs(q, cache, wv_b, n_ctx, scale)
     _check_schedule(schedule, splits, heads_per_block, tile)
+    if not lazy >= 0:
+        raise ValueError(f"lazy must be >= 0 (natural log units), got {lazy!r}")
     q32 = as_f32(to_host(q))
     wv32 = as_f32(to_host(wv_b))
     cache_pad = np.zeros((n_ctx + 1, dims.key_dim), dtype=np.float32)
@@ -146,7 +156,7 @@ def run_schedule(q, cache, wv_b, n_ctx: int | None = None, scale: float | None =
         q_group[:heads] = q32[h0:h0 + heads]
         chunk = max(1, _STEP_ELEMENTS // (hpb * (min(tile, n_ctx) + 1) * dims.kv_lora))
         parts = [_attend(q_group, cache_pad, n_ctx, splits, np.arange(s0, min(splits, s0 + chunk)),
-                         tile, scale, dims.kv_lora)
+                         tile, scale, dims.kv_lora, lazy)
                  for s0 in range(0, splits, chunk)]
         m, l, acc = (np.concatenate([p[i] for p in parts]) for i in range(3))
         lat, ls = _combine(m, l, acc, rescale)

@@ -41,13 +41,31 @@ def run_poisoned(step):
     return step.run()
 
 
-def device_inputs(dims, n_ctx, cache_dtype="f16", q_dtype="f32", seed=None, extra_rows=7):
-    """Inputs on the device with `extra_rows` NaN rows past n_ctx."""
+def device_inputs(dims, n_ctx, cache_dtype="f16", q_dtype="f32", seed=None, extra_rows=7,
+                  rising=False):
+    """Inputs on the device with `extra_rows` NaN rows past n_ctx; `rising`: scores that climb
+    over the context (mlasandbox.inputs.make_rising_inputs)."""
     import cupy
 
-    from mlasandbox.inputs import make_inputs
+    from mlasandbox.inputs import make_inputs, make_rising_inputs
 
     seed = fresh_seed() if seed is None else seed
-    inp = make_inputs(dims, n_ctx + extra_rows, n_ctx, cache_dtype, q_dtype, seed=seed,
+    inp = (make_rising_inputs if rising else make_inputs)(dims, n_ctx + extra_rows, n_ctx, cache_dtype, q_dtype, seed=seed,
                       nan_fill=True, xp=cupy)
     return inp, seed
+
+
+def compile_with(inst, *defines):
+    """`inst` compiled with extra -D options (a deliberately broken build for a negative
+    control), ready to swap into a DecodeStep's attn_kernel."""
+    import cupy
+
+    from mlasandbox.kernels import _nvrtc_options
+    from mlasandbox.sources import read_source
+
+    module = cupy.RawModule(code=read_source(inst.source),
+                            options=_nvrtc_options() + tuple(f"-D{d}" for d in defines),
+                            name_expressions=[inst.expression])
+    kernel = module.get_function(inst.expression)
+    kernel.max_dynamic_shared_size_bytes = inst.smem_bytes
+    return kernel

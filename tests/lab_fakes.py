@@ -33,7 +33,8 @@ class FakeBackend:
 
     def ceilings(self, copy_bytes, gemm_n, timing_kw):
         self.calls.append(("ceilings",))
-        return {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0, "copy_bytes": copy_bytes,
+        return {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0, "fma_TFLOPs": 65.0,
+                "copy_bytes": copy_bytes,
                 "gemm_n": gemm_n}
 
     def prepare(self, dims, n_alloc, cache, q, seed):

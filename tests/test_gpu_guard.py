@@ -89,7 +89,8 @@ def test_without_sync_check_the_fault_surfaces_at_a_later_checkpoint():
     assert "NO ERROR" not in r.stdout
 
 
-def test_a_launch_with_too_little_shared_memory_traps_instead_of_computing_garbage():
+@pytest.mark.parametrize("variant", ["batched12", "tiled16", "mma16"])
+def test_a_launch_with_too_little_shared_memory_traps_instead_of_computing_garbage(variant):
     r = run_script("""
         import numpy as np, cupy
         from mlasandbox.api import DecodeStep
@@ -97,17 +98,17 @@ def test_a_launch_with_too_little_shared_memory_traps_instead_of_computing_garba
         from mlasandbox.dims import Dims
         from mlasandbox.guard import PhaseError
         inp = make_inputs(Dims(n_head=12), 100, 100, xp=cupy, seed=1)
-        step = DecodeStep(**inp.decode_args(), variant='batched12', sync_check=True)
+        step = DecodeStep(**inp.decode_args(), variant='{variant}', sync_check=True)
         p = step.plan
         try:
-            step.guard.launch('attn', step.attn_kernel, p.grid + (1,), (256, 1, 1),
+            step.guard.launch('attn', step.attn_kernel, p.grid + (1,), (step.attn_inst.threads, 1, 1),
                 (step.q, step.cache, np.int32(12), np.int32(100), np.int32(p.splits),
                  np.float32(0.1), step.part_acc, step.part_m, step.part_l),
                 smem_bytes=step.attn_inst.smem_bytes - 1024, kernel_name=step.attn_inst.name)
             print('NO ERROR')
         except PhaseError as e:
             print('PHASE', e.phase)
-    """)
+    """.replace("{variant}", variant))
     assert "PHASE attn" in r.stdout, r.stdout + r.stderr
 
 
@@ -166,7 +167,8 @@ def test_ptxas_registers_match_the_loaded_kernels_and_the_driver_occupancy():
 
     arch = device_info().arch
     insts = [registry.attn_instance(h, "f16", "f32") for h in registry.HPB_VALUES]
-    insts += [registry.mma_instance(16, "f16", "f32"), registry.mma_instance(32, "f16", "f32"),
+    insts += [registry.tiled_instance(16, "f16", "f32"),
+              registry.mma_instance(16, "f16", "f32"), registry.mma_instance(32, "f16", "f32"),
               registry.combine_instance("f16"),
               registry.q_absorb_instance("f16", "f32")]
     report = ptxas_report(insts, arch=arch)
@@ -182,6 +184,8 @@ def test_ptxas_registers_match_the_loaded_kernels_and_the_driver_occupancy():
     assert blocks_per_sm(registry.attn_instance(24)) == 1
     # HPB 1's single-stage tile leaves room for five blocks (split's occupancy advantage)
     assert blocks_per_sm(registry.attn_instance(1)) == 5
+    # the other side of the wall: tiled16's register tiles take the whole SM
+    assert blocks_per_sm(registry.tiled_instance(16)) == 1
 
 
 def test_scratch_is_per_device():

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from gpu_support import device_inputs, gpu, run_poisoned
+from gpu_support import compile_with, device_inputs, gpu, run_poisoned
 from mlasandbox import reference, registry
 from mlasandbox.compare import Tolerance, compare, rel_l2
 from mlasandbox.dims import Dims
@@ -101,7 +101,8 @@ def test_variant_at_131072(variant):
 
 @gpu
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 33, 64, 129, 200])
-@pytest.mark.parametrize("variant", ["split", "batched12", "batched16", "mma16", "mma32"])
+@pytest.mark.parametrize("variant", ["split", "batched12", "batched16", "tiled16", "mma16",
+                                     "mma32"])
 def test_every_split_count_matches_one_reference(variant, splits):
     """One reference, every S, including S > n_ctx (empty slices must be neutral)."""
     from mlasandbox.api import DecodeStep
@@ -139,7 +140,7 @@ def test_split_is_at_least_as_accurate_as_unsplit_at_20000():
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["split", "batched12", "mma16", "mma32"])
+@pytest.mark.parametrize("variant", ["split", "batched12", "tiled16", "mma16", "mma32"])
 def test_negative_control_combine_without_rescale_fails_the_check(variant):
     """The same check, with a combine that drops exp(m_i - m), must fail: it has power."""
     from mlasandbox.api import DecodeStep
@@ -153,6 +154,42 @@ def test_negative_control_combine_without_rescale_fails_the_check(variant):
     cmp = compare(run_poisoned(broken), ref)
     assert not cmp.ok, f"the check did not reject the broken combine (seed={seed})"
     print(f"negative control ({variant}): {cmp.summary()}")
+
+
+@gpu
+@pytest.mark.parametrize("n_ctx", [4095, 20000])
+@pytest.mark.parametrize("variant", CUDA_VARIANTS)
+def test_a_running_max_that_keeps_rising_is_rescaled_exactly(variant, n_ctx):
+    """Scores that climb by ~110 (natural log) over the context move the running max on many
+    tiles, a path random inputs barely take after the first tiles: every kernel's rescale of
+    its accumulators, and tiled16's lazy max. At 4095 (below the gate) one block sees the
+    whole climb; at 20000 the slices' maxima differ by up to ~110 in the combine. Not the
+    cuBLAS engine: it rounds q to the cache dtype, an error that grows with |score| (~100
+    here) past its tolerance."""
+    from mlasandbox.api import DecodeStep
+
+    inp, seed = device_inputs(Dims(n_head=16), n_ctx, "f16", "f32", rising=True)
+    step = DecodeStep(**inp.decode_args(), variant=variant, sync_check=True)
+    check_step(step, inp, seed, Tolerance(), f"{variant} rising n_ctx={n_ctx}")
+
+
+@gpu
+def test_negative_control_a_lazy_max_that_never_moves_fails_the_rising_check():
+    """tiled16 built so that its reference max never moves after the first tile: right on
+    random inputs (their max settles near the first tile's), overflowing on rising ones
+    (2^(s - m) past 2^128 within the one slice below the gate). So the rising check above is
+    what gives the lazy max's threshold its test."""
+    from mlasandbox.api import DecodeStep
+
+    broken = compile_with(registry.tiled_instance(16), "MLA_TILED_LAZY_LOG2=1e30f")
+    for rising, want_ok in ((False, True), (True, False)):
+        inp, seed = device_inputs(Dims(n_head=16), 4095, "f16", "f32", rising=rising)
+        step = DecodeStep(**inp.decode_args(), variant="tiled16")
+        assert step.plan.splits == 1
+        step.attn_kernel = broken
+        cmp = compare(run_poisoned(step), reference.decode(**inp.decode_args()))
+        assert cmp.ok == want_ok, f"rising={rising} seed={seed}\n{cmp.summary()}"
+        print(f"lazy max that never moves, rising={rising}: {cmp.summary()}")
 
 
 @gpu

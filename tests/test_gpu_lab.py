@@ -90,6 +90,18 @@ def test_ceilings_are_plausible(stream):
     c = measure_ceilings(copy_bytes=256 << 20, gemm_n=4096, stream=stream, **SMALL_TIMING)
     assert 100 < c["copy_GBps"] < 20_000, c
     assert 1 < c["gemm_TFLOPs"] < 5_000, c
+    # f32 FMA: far below the tensor cores, and counted at 2 FLOPs per FMA: on sm_90 (128 f32
+    # lanes per SM) within the SM count x 128 x 2 x the clock the driver reports
+    assert 1 < c["fma_TFLOPs"] < c["gemm_TFLOPs"], c
+    from mlasandbox.kernels import device_info
+
+    info = device_info()
+    if info.arch == "sm_90":
+        import cupy
+
+        clock_khz = cupy.cuda.runtime.deviceGetAttribute(13, info.device_id)  # cudaDevAttrClockRate
+        peak = info.num_sms * 128 * 2 * clock_khz * 1e3 / 1e12
+        assert 0.5 * peak < c["fma_TFLOPs"] < 1.02 * peak, (c["fma_TFLOPs"], peak)
 
 
 def test_a_small_bench_end_to_end():

@@ -75,15 +75,17 @@ def test_step_is_the_sum_of_its_phases():
 
 def test_rates_and_fractions_of_the_ceilings():
     c = metrics.attn_cost("per_head", LECTURE, N, splits=1)
-    r = metrics.rates(c, 6000.0, {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0})
+    r = metrics.rates(c, 6000.0, {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0, "fma_TFLOPs": 65.0})
     assert r["GBps_ideal"] == pytest.approx(c.ideal_bytes / 6e-3 / 1e9)
     assert r["GBps_issued"] == pytest.approx(c.issued_bytes / 6e-3 / 1e9)
     assert r["TFLOPs"] == pytest.approx(c.flops / 6e-3 / 1e12)
     assert r["frac_copy_ideal"] == pytest.approx(r["GBps_ideal"] / 4000.0)
     assert r["frac_gemm"] == pytest.approx(r["TFLOPs"] / 700.0)
+    assert r["frac_fma"] == pytest.approx(r["TFLOPs"] / 65.0)
     # as issued beyond the copy ceiling: L2 served the reuse
     assert r["frac_copy_issued"] > 0.5
     assert metrics.rates(c, 6000.0)["frac_copy_ideal"] is None
+    assert metrics.rates(c, 6000.0)["frac_fma"] is None
     assert metrics.rates(c, None)["GBps_ideal"] is None
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from mlasandbox.compare import DEFAULT_TOLERANCE, compare, rel_l2
 from mlasandbox.dims import Dims, preset
-from mlasandbox.inputs import make_inputs
+from mlasandbox.inputs import RISING_SPAN, make_inputs, make_rising_inputs
 from mlasandbox.reference import decode
 from mlasandbox.schedule import (AccuracyRow, accuracy_study, judge_study, run_schedule)
 from mlasandbox.splits import SPLIT_MIN_CTX, plan_splits, slice_bounds
@@ -195,6 +195,42 @@ def test_batched_masks_the_last_partial_head_group(n_head, hpb, seeds):
         assert rel_l2(batched.latent[h], split.latent[h]) < 1e-6, f"head {h} {seeds}"
 
 
+# ---- tiled16's lazy max ----------------------------------------------------------------------
+
+LAZY_LOG2 = 8.0  # kLazyLog2 of cuda_src/mla_attn_tiled.cu, in log2 units
+
+
+@pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
+def test_rising_inputs_climb_far_enough_to_overflow_a_max_that_never_moves(cache_dtype, seeds):
+    """make_rising_inputs must give the rescale path its power: from the first 64-row tile to
+    the last, every head's max score climbs by more than 2^128 can hold (88.7 natural)."""
+    inp = make_rising_inputs(Dims(n_head=5), 4100, 4095, cache_dtype=cache_dtype,
+                             seed=seeds.one())
+    from mlasandbox.bf16 import as_f64
+    s = inp.scale * as_f64(inp.q) @ as_f64(inp.cache[:inp.n_ctx]).T        # [H, n]
+    climb = s[:, -64:].max(axis=1) - s[:, :64].max(axis=1)
+    assert (climb > 88.7).all() and (climb < RISING_SPAN + 20).all(), f"{climb} {seeds}"
+    assert np.isnan(as_f64(inp.cache[inp.n_ctx:])).all(), "rows past n_ctx stay NaN"
+
+
+def test_the_lazy_max_is_as_accurate_as_the_eager_one_and_never_moving_it_overflows(seeds):
+    """The model of tiled16's schedule (16 heads, 64-row tiles) on scores that keep rising:
+    moving the max only past 2^8 gives the eager max's accuracy; never moving it after the
+    first tile (the GPU tests' broken build) overflows, and the check rejects it."""
+    inp = make_rising_inputs(Dims(n_head=16), 4100, 4095, seed=seeds.one())
+    args = inp.decode_args()
+    ref = decode(**args)
+    kw = dict(schedule="batched", heads_per_block=16, tile=64)
+    eager = compare(run_schedule(**args, **kw), ref)
+    lazy = compare(run_schedule(**args, **kw, lazy=LAZY_LOG2 * np.log(2)), ref)
+    with np.errstate(over="ignore", invalid="ignore"):
+        never = compare(run_schedule(**args, **kw, lazy=1e30), ref)
+    assert eager.ok and lazy.ok, f"{eager.summary()}\n{lazy.summary()} {seeds}"
+    assert rel_l2(run_schedule(**args, **kw, lazy=LAZY_LOG2 * np.log(2)).latent,
+                  ref.latent) < 5 * max(eager.latent.value, 1e-7), seeds
+    assert not never.ok, f"{never.summary()} {seeds}"
+
+
 # ---- argument checks -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kw, match", [
@@ -203,6 +239,7 @@ def test_batched_masks_the_last_partial_head_group(n_head, hpb, seeds):
     (dict(schedule="tiled"), "schedule must be one of"),
     (dict(schedule="split", splits=0), "splits must be an integer >= 1"),
     (dict(schedule="batched", heads_per_block=4, tile=0), "tile"),
+    (dict(schedule="batched", heads_per_block=2, lazy=-1.0), "lazy must be >= 0"),
 ])
 def test_run_schedule_rejects_bad_arguments_by_name(kw, match, seeds):
     inp = make_inputs(Dims(n_head=2), n_alloc=8, seed=seeds.one())
