@@ -57,7 +57,7 @@ def _parse_name(inst) -> dict:
     return {"kind": kind, **vals}
 
 
-KINDS = ("attn", "mma_attn", "q_absorb", "combine")
+KINDS = ("attn", "attn_tiled", "mma_attn", "q_absorb", "combine")
 
 
 def instances_for(hpbs=HPB_VALUES, caches=("f16", "bf16"), q_dtypes=("f32", "cache"),

@@ -66,6 +66,7 @@ def test_regs_json_rows():
     rows = {r["name"]: r for r in data["rows"]}
     assert data["ok"] and data["arch"] == "sm_90"
     assert set(rows) == {"attn<hpb=1,cache=f16,q=f32>", "attn<hpb=12,cache=f16,q=f32>",
+                         "attn_tiled<hpb=16,cache=f16,q=f32>",
                          "mma_attn<heads=16,cache=f16,q=f32>", "mma_attn<heads=32,cache=f16,q=f32>",
                          "q_absorb<in=f16,q=f32>", "combine<wv_b=f16,rescale=true>",
                          "combine<wv_b=f16,rescale=false>"}
@@ -73,6 +74,9 @@ def test_regs_json_rows():
     assert a12["registers"] > 0 and a12["threads"] == registry.ATTN_THREADS
     assert a12["dynamic_smem"] == registry.attn_smem_bytes(12)
     assert a12["blocks_per_sm"] >= 1 and a12["limiter"]
+    tiled = rows["attn_tiled<hpb=16,cache=f16,q=f32>"]
+    assert tiled["dynamic_smem"] == registry.tiled_smem_bytes(16)
+    assert tiled["blocks_per_sm"] == 1, "tiled16's register tiles take the whole SM"
     assert a12["spill_stores"] >= 0 and a12["hpb"] == "12"
 
 
