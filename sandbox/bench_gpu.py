@@ -21,13 +21,12 @@ import datetime as _dt
 import os
 import platform
 import subprocess
-from contextlib import contextmanager
 from pathlib import Path
 
 from . import registry
 from .guard import PhaseGuard
 
-__all__ = ["CupyBackend", "no_poll_guard", "CUBLAS_TOLERANCE", "tolerance_for", "run_meta"]
+__all__ = ["CupyBackend", "CUBLAS_TOLERANCE", "tolerance_for", "run_meta"]
 
 # The cuBLAS engine rounds q, p and latent to the cache dtype for its tensor-core GEMMs: its
 # tolerance is that rounding (as in tests/test_gpu_kernels.py). CUDA variants: compare's
@@ -42,27 +41,6 @@ def tolerance_for(variant: str, cache_dtype: str):
         return DEFAULT_TOLERANCE
     t = CUBLAS_TOLERANCE[cache_dtype]
     return Tolerance(t, t, t)
-
-
-class _NoPollGuard(PhaseGuard):
-    """Launches exactly as PhaseGuard does, without the end-of-phase stream query."""
-
-    @contextmanager
-    def phase(self, name, launch=None):
-        yield
-
-
-@contextmanager
-def no_poll_guard(*objs):
-    """Swap the `.guard` of each object for a non-polling one (for graph capture)."""
-    saved = [o.guard for o in objs]
-    try:
-        for o in objs:
-            o.guard = _NoPollGuard(o.guard.variant)
-        yield
-    finally:
-        for o, g in zip(objs, saved):
-            o.guard = g
 
 
 def _version(dist: str):
@@ -203,7 +181,7 @@ class CupyBackend:
                 "attn_num_regs": int(getattr(step.attn_kernel, "num_regs", -1)),
                 "driver_blocks_per_sm": blocks_per_sm(step.attn_inst)}
 
-    def _phase_fns(self, step, phase: str):
+    def _phase_fn(self, step, phase: str):
         qa = self.qa
         if phase == "attn":
             fn = step.run_attn
@@ -216,14 +194,9 @@ class CupyBackend:
                 step.run_combine()
         else:
             raise ValueError(f"unknown phase {phase!r}")
+        return fn
 
-        def capture_safe():
-            with no_poll_guard(step, qa):
-                fn()
-        return fn, capture_safe
-
-    def _time(self, fn, capture_safe, use_graph: bool, phase: str, variant: str,
-              timing_kw: dict):
+    def _time(self, fn, use_graph: bool, phase: str, variant: str, timing_kw: dict):
         from .timing import time_gpu
 
         def check_replay():
@@ -231,7 +204,7 @@ class CupyBackend:
                 pass
 
         return time_gpu(fn, stream=self.stream, flush=self.flush,
-                        graph_fn=capture_safe if use_graph else None, spinner=self.spinner,
+                        graph_fn=fn if use_graph else None, spinner=self.spinner,
                         after_graph_check=check_replay, **timing_kw)
 
     def time(self, variant: str, n_ctx: int, phase: str, splits, use_graph: bool,
@@ -240,17 +213,12 @@ class CupyBackend:
         if phase == "combine":
             with self.stream:
                 step.run_attn()  # the partials the combine merges
-        fn, capture_safe = self._phase_fns(step, phase)
-        return self._time(fn, capture_safe, use_graph and step.variant.is_cuda, phase,
-                          variant, timing_kw)
+        fn = self._phase_fn(step, phase)
+        # the phase guards do not poll inside a capture (guard.py), so fn itself is captured
+        return self._time(fn, use_graph and step.variant.is_cuda, phase, variant, timing_kw)
 
     def time_control(self, use_graph: bool, timing_kw: dict):
-        qa = self.qa
-
-        def capture_safe():
-            with no_poll_guard(qa):
-                qa.run()
-        return self._time(qa.run, capture_safe, use_graph, "q_absorb", "q_absorb", timing_kw)
+        return self._time(self.qa.run, use_graph, "q_absorb", "q_absorb", timing_kw)
 
     # ---- correctness ------------------------------------------------------------------
     def check(self, variants, dims, n_ctx: int, cache_dtype: str, q_dtype: str, seed: int,

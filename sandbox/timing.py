@@ -18,7 +18,7 @@ What one timed run looks like on the stream (the order matters):
   phase can be captured once into a CUDA graph and `graph.launch()` timed instead: that also
   removes the driver's per-launch work between the kernels of a multi-kernel phase. The
   callable captured must not poll or synchronize the stream (a capture is invalidated by a
-  stream query): the caller hands a capture-safe twin of `fn` (see bench_gpu.no_poll_guard).
+  stream query): the phase guards skip their poll while the stream captures (guard.py).
   `Timing.mode` says which mode produced the numbers, and `Timing.note` why a requested graph
   was not used.
 
@@ -236,7 +236,7 @@ def time_gpu(fn, *, stream=None, flush: L2Flush | None = None, graph_fn=None,
              after_graph_check=None) -> Timing:
     """Time `fn` on `stream`: warm-up, a probe, then choose_repeats(...) timed runs.
 
-    graph_fn: a capture-safe twin of `fn`; when given, it is captured once and the graph
+    graph_fn: a capture-safe `fn` (often `fn` itself); when given, it is captured once and the graph
     replayed instead of calling `fn` (mode "graph"). If the capture fails, `fn` is timed
     with events and Timing.note says why. after_graph_check: called once after the first
     replay (the caller's guard polls for errors there, since the replay itself is unguarded).

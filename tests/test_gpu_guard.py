@@ -199,3 +199,26 @@ def test_scratch_is_per_device():
     dev = cupy.cuda.Device().id
     assert step.part_acc.device.id == dev and dev in _scratch
     assert np.isfinite(step.lse.get()).all()
+
+
+def test_inside_a_graph_capture_the_guard_skips_its_poll_and_the_replay_is_the_same_work():
+    """A stream query, or --sync-check's sync, would end a CUDA-graph capture: the guard sees
+    the capture and skips them (the bench captures the phases through their own guards)."""
+    import cupy
+
+    from mlasandbox.api import DecodeStep
+    from mlasandbox.timing import capture_graph
+
+    inp, seed = device_inputs(Dims(n_head=12), 9000)
+    step = DecodeStep(**inp.decode_args(), variant="split", sync_check=True)
+    want = [a.get() for a in step.run()]
+    for arr in (step.out, step.latent, step.lse):
+        arr.fill(cupy.nan)
+    polls = step.guard.polls
+    stream = cupy.cuda.Stream(non_blocking=True)
+    graph = capture_graph(step.run, stream)
+    assert step.guard.captured == 2 and step.guard.polls == polls
+    graph.launch(stream)
+    stream.synchronize()
+    for got, ref in zip((step.out, step.latent, step.lse), want):
+        np.testing.assert_array_equal(got.get(), ref, err_msg=f"seed={seed}")
