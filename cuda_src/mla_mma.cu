@@ -22,8 +22,8 @@
 //   scores: S[16HM heads x 64 rows] = Q C^T. Warp w computes rows 16*(w%4) .. +15 (two n8
 //           tiles) over k16 steps 18*(w/4) .. +17; the two k halves meet in shared memory
 //           (in the spare tile buffer: the next tile is issued after the softmax).
-//   softmax: warp w owns heads w, w+8, ... (one lane per two rows): tile max, p = 2^(s - m),
-//           written as hi/lo halves [head][row] for ldmatrix; (m, l, alpha) per head.
+//   softmax: warp w owns heads w, w+8, ... (one lane per two rows), all of them at once: tile
+//           max, p = 2^(s - m), written as hi/lo halves [head][row] for ldmatrix; (m, l, alpha).
 //   values: warp w owns latent columns 64w .. 64w+63 (8 n8 tiles) for all heads,
 //           A = p (ldmatrix), B = cache rows (ldmatrix.trans), 4 k16 steps per tile.
 #include "mla_common.cuh"
@@ -228,29 +228,57 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
         __syncthreads();
 
         // ---- softmax: warp w owns heads w, w+8, ...; lane owns rows lane and lane+32 ----
-        const int row_a = row_start + it * kMmaTile + lane;
-        for (int h = warp; h < kHeads; h += kMmaWarps) {
-            float s0 = red[h * kMmaTile + lane] + red[(kHeads + h) * kMmaTile + lane];
-            float s1 = red[h * kMmaTile + lane + 32] + red[(kHeads + h) * kMmaTile + lane + 32];
-            s0 = (row_a < row_end) ? s0 : -INFINITY;
-            s1 = (row_a + 32 < row_end) ? s1 : -INFINITY;
-            const float m_old = m_s[h];
-            const float m_new = fmaxf(m_old, warp_max(fmaxf(s0, s1)));  // the first row is valid
-            const float p0 = exp2f(s0 - m_new), p1 = exp2f(s1 - m_new);
-            const float p_sum = warp_sum(p0 + p1);
+        // A warp's heads go through each step together, so their shuffle reductions overlap
+        // instead of queueing one head's latency behind the other's.
+        {
+            constexpr int kWarpHeads = kHeads / kMmaWarps;  // 2 (mma16) or 4 (mma32)
+            const int row_a = row_start + it * kMmaTile + lane;
+            float s0[kWarpHeads], s1[kWarpHeads], m_old[kWarpHeads], t_max[kWarpHeads],
+                p_sum[kWarpHeads];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int col = lane + 32 * half;
-                CacheT hi, lo;
-                split_hi_lo(half ? p1 : p0, hi, lo);
-                const int off = mma_swz(h, col >> 3, kPChunks) * 8 + (col & 7);
-                p_hl[off] = hi;
-                p_hl[kHeads * kMmaTile + off] = lo;
+            for (int i = 0; i < kWarpHeads; ++i) {
+                const int h = warp + i * kMmaWarps;
+                s0[i] = red[h * kMmaTile + lane] + red[(kHeads + h) * kMmaTile + lane];
+                s1[i] = red[h * kMmaTile + lane + 32] + red[(kHeads + h) * kMmaTile + lane + 32];
+                s0[i] = (row_a < row_end) ? s0[i] : -INFINITY;
+                s1[i] = (row_a + 32 < row_end) ? s1[i] : -INFINITY;
+                m_old[i] = m_s[h];
+                t_max[i] = fmaxf(s0[i], s1[i]);
             }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int i = 0; i < kWarpHeads; ++i)
+                    t_max[i] = fmaxf(t_max[i], __shfl_xor_sync(0xffffffffu, t_max[i], o));
+#pragma unroll
+            for (int i = 0; i < kWarpHeads; ++i) {
+                const int h = warp + i * kMmaWarps;
+                t_max[i] = fmaxf(m_old[i], t_max[i]);  // m_new; finite: the first row is valid
+                const float p0 = exp2f(s0[i] - t_max[i]), p1 = exp2f(s1[i] - t_max[i]);
+                p_sum[i] = p0 + p1;
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int col = lane + 32 * half;
+                    CacheT hi, lo;
+                    split_hi_lo(half ? p1 : p0, hi, lo);
+                    const int off = mma_swz(h, col >> 3, kPChunks) * 8 + (col & 7);
+                    p_hl[off] = hi;
+                    p_hl[kHeads * kMmaTile + off] = lo;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+                for (int i = 0; i < kWarpHeads; ++i)
+                    p_sum[i] += __shfl_xor_sync(0xffffffffu, p_sum[i], o);
             // Every lane has read m_s[] above; lane 0 overwrites it. The shuffles order the
             // two in practice, the barrier makes it formal (racecheck flags it otherwise).
             __syncwarp();
-            if (lane == 0) online_softmax_step(m_s, l_s, alpha_s, h, m_old, m_new, p_sum);
+            if (lane == 0) {
+#pragma unroll
+                for (int i = 0; i < kWarpHeads; ++i)
+                    online_softmax_step(m_s, l_s, alpha_s, warp + i * kMmaWarps, m_old[i], t_max[i], p_sum[i]);
+            }
         }
         __syncthreads();
         // The score halves are consumed: the spare buffer takes the next tile, which lands
