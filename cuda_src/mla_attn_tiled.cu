@@ -24,8 +24,8 @@
 //           accumulators in registers for the whole slice) over a quarter of each tile's
 //           rows, so per row 8 conversions and 4 broadcast loads feed 128 FMAs. The four row
 //           quarters are summed once, when the slice is done.
-// The softmax is lazy: a head's reference max m moves only when a tile's max exceeds it by
-// more than kLazyLog2 (p <= 2^8 otherwise), so the value accumulators are rescaled only on
+// The softmax is lazy (kLazyLog2, mla_common.cuh): a head's reference max m moves only when a
+// tile's max exceeds it by more than 2^8, so the value accumulators are rescaled only on
 // the few tiles where some head's max moved; the partial (m, l, acc) is exact for any m.
 #include "mla_common.cuh"
 
@@ -64,12 +64,6 @@ constexpr int kRowsPerQuarter = kTile / kRowQuarters;   // 16
 #ifndef MLA_TILED_VALUE_UNROLL
 #define MLA_TILED_VALUE_UNROLL 2
 #endif
-// The lazy max's threshold, log2 units (p <= 2^8). A huge value (1e30f) never moves the max
-// after the first tile: the negative control of the GPU tests, which rising scores overflow.
-#ifndef MLA_TILED_LAZY_LOG2
-#define MLA_TILED_LAZY_LOG2 8.f
-#endif
-constexpr float kLazyLog2 = MLA_TILED_LAZY_LOG2;
 
 static_assert(kKeyDim % (kKSlices * kUnitCols) == 0 && kSliceCols % kUnitCols == 0, "k-slices");
 static_assert(kChunksPerRow % 8 == 0 && kThreads == 32 * 8, "tile copy: 8 threads per row");

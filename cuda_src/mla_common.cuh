@@ -75,6 +75,16 @@ __device__ __forceinline__ void online_softmax_step(float* m_s, float* l_s, floa
     m_s[h] = m_new;
 }
 
+// The lazy running max (mla_attn_tiled.cu, mla_mma.cu): a head's reference max moves only when
+// a tile's max exceeds it by more than this many log2 units, so p = 2^(s - m) <= 2^8 and the
+// value accumulators are rescaled only on the tiles where some head's max moved (alpha is
+// exactly 1 for the others). A huge value (-DMLA_LAZY_LOG2=1e30f) never moves the max after
+// the first tile: the GPU tests' negative control, which rising scores overflow.
+#ifndef MLA_LAZY_LOG2
+#define MLA_LAZY_LOG2 8.f
+#endif
+constexpr float kLazyLog2 = MLA_LAZY_LOG2;
+
 // A kernel that needs `need` bytes of dynamic shared memory traps when launched with less,
 // so a launcher whose smem formula drifted from the kernel fails loudly, not wrongly.
 __device__ __forceinline__ void require_dynamic_smem(unsigned int need) {

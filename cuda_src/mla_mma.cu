@@ -24,6 +24,8 @@
 //           (in the spare tile buffer: the next tile is issued after the softmax).
 //   softmax: warp w owns heads w, w+8, ... (one lane per two rows), all of them at once: tile
 //           max, p = 2^(s - m), written as hi/lo halves [head][row] for ldmatrix; (m, l, alpha).
+//           The max is lazy (mla_common.cuh): the accumulators are rescaled only on the tiles
+//           where some head's max grew by more than 2^8.
 //   values: warp w owns latent columns 64w .. 64w+63 (8 n8 tiles) for all heads,
 //           A = p (ldmatrix), B = cache rows (ldmatrix.trans), 4 k16 steps per tile.
 #include "mla_common.cuh"
@@ -230,6 +232,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
         // ---- softmax: warp w owns heads w, w+8, ...; lane owns rows lane and lane+32 ----
         // A warp's heads go through each step together, so their shuffle reductions overlap
         // instead of queueing one head's latency behind the other's.
+        bool moved = false;  // some head of this warp moved its max (lazy max, mla_common.cuh)
         {
             constexpr int kWarpHeads = kHeads / kMmaWarps;  // 2 (mma16) or 4 (mma32)
             const int row_a = row_start + it * kMmaTile + lane;
@@ -253,7 +256,11 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
 #pragma unroll
             for (int i = 0; i < kWarpHeads; ++i) {
                 const int h = warp + i * kMmaWarps;
-                t_max[i] = fmaxf(m_old[i], t_max[i]);  // m_new; finite: the first row is valid
+                // m_new (lazy, kLazyLog2): t_max is finite (the first row is valid), and
+                // m_old = -inf on the first tile always moves
+                const bool move = t_max[i] > m_old[i] + kLazyLog2;
+                t_max[i] = move ? t_max[i] : m_old[i];
+                moved |= move;
                 const float p0 = exp2f(s0[i] - t_max[i]), p1 = exp2f(s1[i] - t_max[i]);
                 p_sum[i] = p0 + p1;
 #pragma unroll
@@ -280,19 +287,22 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
                     online_softmax_step(m_s, l_s, alpha_s, warp + i * kMmaWarps, m_old[i], t_max[i], p_sum[i]);
             }
         }
-        __syncthreads();
+        // p and (m, l, alpha) are visible; rescale only if some head's max moved
+        const int rescale = __syncthreads_or(moved);
         // The score halves are consumed: the spare buffer takes the next tile, which lands
         // while this tile's value phase runs.
         if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
 
         // ---- values: acc = acc * alpha + p @ cache[:, 64w .. 64w+63] ----
+        if (rescale) {
 #pragma unroll
-        for (int mt = 0; mt < HM; ++mt) {
-            const float a0 = alpha_s[16 * mt + g], a1 = alpha_s[16 * mt + g + 8];
+            for (int mt = 0; mt < HM; ++mt) {
+                const float a0 = alpha_s[16 * mt + g], a1 = alpha_s[16 * mt + g + 8];
 #pragma unroll
-            for (int t = 0; t < 8; ++t) {
-                acc[mt][t][0] *= a0; acc[mt][t][1] *= a0;
-                acc[mt][t][2] *= a1; acc[mt][t][3] *= a1;
+                for (int t = 0; t < 8; ++t) {
+                    acc[mt][t][0] *= a0; acc[mt][t][1] *= a0;
+                    acc[mt][t][2] *= a1; acc[mt][t][3] *= a1;
+                }
             }
         }
 #pragma unroll

@@ -22,7 +22,7 @@ What is modelled exactly as the kernels do it:
   `rescale=False` drops the w_i: the negative control, which any real check must reject.
 * batched: heads in groups of `heads_per_block`; the last partial group is padded with
   zero-query heads whose results are masked off, not dropped from the grid.
-* `lazy`: tiled16's lazy max. A head's reference max moves only when a tile's max exceeds
+* `lazy`: the lazy max of tiled16 and mma. A head's reference max moves only when a tile's max exceeds
   it by more than `lazy` (natural log units; the kernel's 8 in log2 is 8 ln 2), so p can
   reach e^lazy; 0 is the eager max of the other kernels.
 

@@ -197,7 +197,7 @@ def test_batched_masks_the_last_partial_head_group(n_head, hpb, seeds):
 
 # ---- tiled16's lazy max ----------------------------------------------------------------------
 
-LAZY_LOG2 = 8.0  # kLazyLog2 of cuda_src/mla_attn_tiled.cu, in log2 units
+LAZY_LOG2 = 8.0  # kLazyLog2 of cuda_src/mla_common.cuh (tiled16, mma), in log2 units
 
 
 @pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
