@@ -147,7 +147,7 @@ def make_rising_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype
     q = q + (np.float32(along) - q.sum(axis=1, keepdims=True) * v) * v
     ramp = xp.linspace(c_lo, c_hi, n, dtype=xp.float32) * v
     cache32 = as_f32(base.cache[:n], xp) + ramp[:, None]
-    cache = base.cache.copy()
+    cache = base.cache  # freshly drawn by make_inputs: ramped in place, rows >= n_ctx untouched
     cache[:n] = to_storage(cache32, cache_dtype, xp)
     q = to_storage(q, q_dtype, xp)
     out = DecodeInputs(q=q, cache=cache, wv_b=base.wv_b, n_ctx=n, scale=base.scale,

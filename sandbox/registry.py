@@ -141,6 +141,12 @@ def attn_smem_bytes(hpb: int) -> int:
     return tiles + red + q + p + stats
 
 
+def _check_attention_dtypes(cache: str, q: str) -> None:
+    """The dtype pairs every attention family is instantiated for."""
+    _check_dtype("cache", cache, ("f16", "bf16"))
+    _check_dtype("q", q, ("f32", cache))
+
+
 def _check_dtype(kind: str, dt: str, allowed) -> None:
     if dt not in allowed:
         raise ValueError(f"{kind} dtype must be one of {', '.join(allowed)}, got {dt!r}")
@@ -150,8 +156,7 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
     if hpb not in HPB_VALUES:
         raise ValueError(
             f"heads_per_block must be one of {HPB_VALUES} (the instantiated values), got {hpb}")
-    _check_dtype("cache", cache, ("f16", "bf16"))
-    _check_dtype("q", q, ("f32", cache))
+    _check_attention_dtypes(cache, q)
     expr = f"mla::attn<{hpb}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>"
     return KernelInstance("mla_attn.cu", expr, f"attn<hpb={hpb},cache={cache},q={q}>",
                           ATTN_THREADS, attn_smem_bytes(hpb), ATTN_TILE)
@@ -172,8 +177,7 @@ def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelI
     if heads % 16 or heads // 16 not in MMA_M_TILES:
         raise ValueError(f"the mma kernels serve {', '.join(str(16 * m) for m in MMA_M_TILES)} "
                          f"heads per block, got {heads}")
-    _check_dtype("cache", cache, ("f16", "bf16"))
-    _check_dtype("q", q, ("f32", cache))
+    _check_attention_dtypes(cache, q)
     return KernelInstance("mla_mma.cu",
                           f"mla::mma_attn<{heads // 16}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
                           f"mma_attn<heads={heads},cache={cache},q={q}>", MMA_THREADS,
@@ -195,8 +199,7 @@ def tiled_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> Kerne
     if heads not in TILED_HEADS:
         raise ValueError(f"the tiled kernel serves {', '.join(map(str, TILED_HEADS))} heads per "
                          f"block, got {heads}")
-    _check_dtype("cache", cache, ("f16", "bf16"))
-    _check_dtype("q", q, ("f32", cache))
+    _check_attention_dtypes(cache, q)
     return KernelInstance("mla_attn_tiled.cu",
                           f"mla::attn_tiled<{heads}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
                           f"attn_tiled<hpb={heads},cache={cache},q={q}>", TILED_THREADS,
