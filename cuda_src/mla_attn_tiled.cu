@@ -110,17 +110,11 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int head0 = blockIdx.x * HPB;
     const int split = blockIdx.y;
-    const int slice_len = (n_ctx + splits - 1) / splits;
-    const int row_start = min(split * slice_len, n_ctx);
-    const int row_end = min(n_ctx, row_start + slice_len);
+    const ContextSlice slice = context_slice(n_ctx, splits, split);
+    const int row_start = slice.begin, row_end = slice.end;
     const size_t part_base = static_cast<size_t>(split) * n_head;
-
-    if (row_start >= row_end) {  // empty slice (S > n_ctx): a neutral partial
-        for (int j = 0; j < HPB && head0 + j < n_head; ++j) {
-            float2* dst = reinterpret_cast<float2*>(part_acc + (part_base + head0 + j) * kKvLora);
-            dst[tid] = make_float2(0.f, 0.f);
-            if (tid == 0) { part_m[part_base + head0 + j] = -INFINITY; part_l[part_base + head0 + j] = 0.f; }
-        }
+    if (row_start >= row_end) {  // empty slice (S > n_ctx)
+        write_neutral_partial(HPB, head0, n_head, part_base, kKvLora, part_acc, part_m, part_l);
         return;
     }
 
@@ -144,13 +138,10 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
     load_tile(0, 0);
 
     // q in f32, pre-scaled into the log2 domain, as [k-slice][column][head].
-    for (int idx = tid; idx < kKeyDim * HPB; idx += kThreads) {
-        const int j = idx / kKeyDim, k = idx - j * kKeyDim;
-        const int h = head0 + j;
+    stage_q<HPB, kKeyDim, kThreads>(q, head0, n_head, scale_log2, [&](int j, int k, float x) {
         const int ks = k / kSliceCols, kk = k - ks * kSliceCols;
-        q_s[ks * kQSliceStride + kk * kHeads + j] =
-            (h < n_head) ? to_f32(q[static_cast<size_t>(h) * kKeyDim + k]) * scale_log2 : 0.f;
-    }
+        q_s[ks * kQSliceStride + kk * kHeads + j] = x;
+    });
 
     // Score-phase identity: row group rg (rows rg + 16 i, one swizzle for all four), k-slice ks.
     const int rg = lane & 15, k_half = lane >> 4, ks = 2 * warp + k_half;

@@ -1,7 +1,8 @@
 // mla_common.cuh: helpers shared by the mlasandbox kernel families.
 //
-// Conversions from the cache element types to f32, 16-byte cp.async with zero fill, and
-// warp reductions. Nothing here depends on the MLA dims.
+// Conversions from the cache element types to f32, 16-byte cp.async with zero fill, warp
+// reductions, the online-softmax step, and the context slice every attention family walks
+// (with the neutral partial of an empty one). Nothing here depends on the MLA dims.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -84,6 +85,63 @@ __device__ __forceinline__ void online_softmax_step(float* m_s, float* l_s, floa
 #define MLA_LAZY_LOG2 8.f
 #endif
 constexpr float kLazyLog2 = MLA_LAZY_LOG2;
+
+// ---- context slices and their partials ------------------------------------------------
+// Split `split` of `splits` walks the contiguous rows [begin, end) of [0, n_ctx), with
+// ceil(n_ctx / splits) rows per slice: contiguous so that each block's walk stays sequential
+// for the prefetcher. With splits > n_ctx the last slices are empty (begin == end).
+struct ContextSlice {
+    int begin, end;
+};
+__device__ __forceinline__ ContextSlice context_slice(int n_ctx, int splits, int split) {
+    const int len = (n_ctx + splits - 1) / splits;
+    const int begin = min(split * len, n_ctx);
+    return {begin, min(n_ctx, begin + len)};
+}
+
+// What an empty slice writes for heads [head0, head0 + heads) that exist (< n_head):
+// m = -inf, l = 0, acc = 0. The combine weighs it by 2^(m - m_max) = 0, so it is neutral,
+// never NaN. `partial` indexes the (split, head) pair: split * n_head + head.
+__device__ __forceinline__ void write_neutral_partial(int heads, int head0, int n_head, size_t part_base,
+                                                     int latent, float* part_acc, float* part_m,
+                                                     float* part_l) {
+    for (int j = 0; j < heads && head0 + j < n_head; ++j) {
+        const size_t partial = part_base + head0 + j;
+        for (int c = threadIdx.x; c < latent; c += blockDim.x) part_acc[partial * latent + c] = 0.f;
+        if (threadIdx.x == 0) { part_m[partial] = -INFINITY; part_l[partial] = 0.f; }
+    }
+}
+
+// ---- the query ---------------------------------------------------------------------------
+// Reads q[head0 + j, k] for the block's kHeadsT heads and kKey key columns as f32 times
+// `scale` (0 for heads >= n_head, which are masked) and hands each value to
+// store(j, k, value), which writes it in the family's shared-memory layout. A thread issues
+// up to 16 global loads before it stores the first value, so the prologue waits for one
+// memory latency per 16 values, not one per loop trip (a strided loop unrolled by 4 waited
+// 9 times at 16 heads); 16 keeps the loads' addresses and values out of the register peak.
+template <int kHeadsT, int kKey, int kThreadsT, typename QT, typename Store>
+__device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int n_head, float scale,
+                                        Store store) {
+    constexpr int kTotal = kHeadsT * kKey;
+    constexpr int kPerThread = (kTotal + kThreadsT - 1) / kThreadsT;
+    constexpr int kBatch = kPerThread < 16 ? kPerThread : 16;
+#pragma unroll 1
+    for (int first = 0; first < kPerThread; first += kBatch) {
+        float v[kBatch];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+            const int idx = threadIdx.x + (first + i) * kThreadsT;
+            const int j = idx / kKey, k = idx - j * kKey;
+            v[i] = (idx < kTotal && head0 + j < n_head) ? to_f32(q[static_cast<size_t>(head0 + j) * kKey + k]) : 0.f;
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+            const int idx = threadIdx.x + (first + i) * kThreadsT;
+            const int j = idx / kKey, k = idx - j * kKey;
+            if (idx < kTotal) store(j, k, v[i] * scale);
+        }
+    }
+}
 
 // A kernel that needs `need` bytes of dynamic shared memory traps when launched with less,
 // so a launcher whose smem formula drifted from the kernel fails loudly, not wrongly.

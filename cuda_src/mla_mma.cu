@@ -21,7 +21,8 @@
 // One tile of 64 rows:
 //   scores: S[16HM heads x 64 rows] = Q C^T. Warp w computes rows 16*(w%4) .. +15 (two n8
 //           tiles) over k16 steps 18*(w/4) .. +17; the two k halves meet in shared memory
-//           (in the spare tile buffer: the next tile is issued after the softmax).
+//           (mma16: a buffer of their own, the next tile is issued before the scores;
+//           mma32: the spare tile buffer, the next tile is issued after the softmax).
 //   softmax: warp w owns heads w, w+8, ... (one lane per two rows), all of them at once: tile
 //           max, p = 2^(s - m), written as hi/lo halves [head][row] for ldmatrix; (m, l, alpha).
 //           The max is lazy (mla_common.cuh): the accumulators are rescaled only on the tiles
@@ -44,18 +45,34 @@ static_assert(kKSteps % 2 == 0 && kMmaChunks % 8 == 0, "two k halves and the 8-c
 static_assert(kMmaTile == 16 * (kMmaWarps / 2), "score phase: 4 row pairs x 2 k halves");
 static_assert(kMmaLora == 64 * kMmaWarps, "value phase: 64 columns per warp");
 
+// The score halves (`red`) get their own buffer when it fits the 227 KB a Hopper block may
+// opt into (mma16). Then the next tile's copy is issued at the top of the tile, so a whole
+// tile of compute covers it: at 16 heads the kernel is bound by how many bytes are in flight,
+// and issuing after the softmax left the load a third less time. mma32's q halves leave no
+// room: its scores borrow the spare tile buffer, and the copy waits until the softmax has
+// consumed them.
+constexpr int kMmaSmemMax = 227 * 1024;
+
+// Unroll of the score phase's 18 k16 steps (measured on the H200 at 131072 context, 16 and
+// 128 heads): mma16 unrolls them all (164 registers; 3-4% faster than an unroll of 3), mma32
+// by 6, which keeps the swizzled addresses periodic (the chunk XOR repeats every 4 steps)
+// without the full unroll's 208 registers (3% faster than 3; the full unroll no faster).
+template <int HM> __host__ __device__ constexpr int mma_score_unroll() { return HM == 1 ? 18 : 6; }
+
 template <int HM> struct MmaSmem {
     static constexpr int heads = 16 * HM;
     static constexpr int tile_bytes = kMmaTile * kMmaKey * 2;
+    static constexpr int red_bytes = 2 * heads * kMmaTile * 4;        // [k half][heads][64] f32
     static constexpr int tiles = 0;                                   // 2 x [64][72 chunks]
     static constexpr int q = tiles + 2 * tile_bytes;                  // hi, lo: [heads][72 chunks]
     static constexpr int p = q + 2 * heads * kMmaKey * 2;             // hi, lo: [heads][8 chunks]
     static constexpr int m = p + 2 * heads * kMmaTile * 2;            // [heads] f32 each
     static constexpr int l = m + heads * 4;
     static constexpr int alpha = l + heads * 4;
-    static constexpr int bytes = alpha + heads * 4;
-    static constexpr int red_bytes = 2 * heads * kMmaTile * 4;        // [k half][heads][64] f32
-    static_assert(red_bytes <= tile_bytes, "the score halves live in the spare tile");
+    static constexpr int red = alpha + heads * 4;                     // when red_own
+    static constexpr bool red_own = red + red_bytes <= kMmaSmemMax;
+    static constexpr int bytes = red + (red_own ? red_bytes : 0);
+    static_assert(red_own || red_bytes <= tile_bytes, "the score halves live in the spare tile");
 };
 
 // Chunk c of row r at chunk (c ^ (r & 7)): the 8 rows an ldmatrix reads at one column land
@@ -123,17 +140,11 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     const int g = lane >> 2, c4 = lane & 3;  // fragment row group and column pair
     const int head0 = blockIdx.x * kHeads;
     const int split = blockIdx.y;
-    const int slice_len = (n_ctx + splits - 1) / splits;
-    const int row_start = min(split * slice_len, n_ctx);
-    const int row_end = min(n_ctx, row_start + slice_len);
+    const ContextSlice slice = context_slice(n_ctx, splits, split);
+    const int row_start = slice.begin, row_end = slice.end;
     const size_t part_base = static_cast<size_t>(split) * n_head;
-
-    if (row_start >= row_end) {  // empty slice: a neutral partial
-        for (int j = 0; j < kHeads && head0 + j < n_head; ++j) {
-            float2* dst = reinterpret_cast<float2*>(part_acc + (part_base + head0 + j) * kMmaLora);
-            dst[tid] = make_float2(0.f, 0.f);
-            if (tid == 0) { part_m[part_base + head0 + j] = -INFINITY; part_l[part_base + head0 + j] = 0.f; }
-        }
+    if (row_start >= row_end) {  // empty slice (S > n_ctx)
+        write_neutral_partial(kHeads, head0, n_head, part_base, kMmaLora, part_acc, part_m, part_l);
         return;
     }
 
@@ -152,16 +163,13 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     load_tile(0, 0);
 
     // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
-    for (int idx = tid; idx < kHeads * kMmaKey; idx += kMmaThreads) {
-        const int j = idx / kMmaKey, k = idx - j * kMmaKey;
-        const int h = head0 + j;
-        const float x = (h < n_head) ? to_f32(q[static_cast<size_t>(h) * kMmaKey + k]) * scale_log2 : 0.f;
+    stage_q<kHeads, kMmaKey, kMmaThreads>(q, head0, n_head, scale_log2, [&](int j, int k, float x) {
         CacheT hi, lo;
         split_hi_lo(x, hi, lo);
         const int off = mma_swz(j, k >> 3, kMmaChunks) * 8 + (k & 7);
         q_hl[off] = hi;
         q_hl[kHeads * kMmaKey + off] = lo;
-    }
+    });
     for (int j = tid; j < kHeads; j += kMmaThreads) { m_s[j] = -INFINITY; l_s[j] = 0.f; }
 
     // Value accumulators: [m tile][n8 tile][{row g: cols 2c4, 2c4+1; row g+8: same}]
@@ -177,13 +185,16 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     // ldmatrix row addresses: lane l feeds row (l & 7) of matrix (l >> 3).
     const int lm_mat = lane >> 3, lm_row = lane & 7;
     const int row_pair = warp & 3, k_half = warp >> 2;
+    constexpr int kScoreUnroll = mma_score_unroll<HM>();
 
     for (int it = 0; it < n_tiles; ++it) {
         const int buf = it & 1;
         cp_async_wait<0>();
         __syncthreads();  // tile `it` visible; everyone is done with the other buffer
+        if (Smem::red_own && it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
         const unsigned tile_base = smem_u32(tiles + buf * kMmaTile * kMmaChunks);
-        float* red = reinterpret_cast<float*>(tiles + (buf ^ 1) * kMmaTile * kMmaChunks);
+        float* red = Smem::red_own ? reinterpret_cast<float*>(smem + Smem::red)
+                                   : reinterpret_cast<float*>(tiles + (buf ^ 1) * kMmaTile * kMmaChunks);
 
         // ---- scores: rows 16*row_pair .. +15 (two n8 tiles), k16 steps of this k half ----
         {
@@ -198,7 +209,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
             const int a_head = (lm_mat & 1) * 8 + lm_row, a_khalf = lm_mat >> 1;
             // B (cache rows): matrices (n tile 0 | 1) x (k lo | k hi)
             const int b_row = row_pair * 16 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
-#pragma unroll 3
+#pragma unroll (kScoreUnroll)
             for (int s = 0; s < kKSteps / 2; ++s) {
                 const int ks = k_half * (kKSteps / 2) + s;
                 unsigned b[4];
@@ -291,7 +302,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
         const int rescale = __syncthreads_or(moved);
         // The score halves are consumed: the spare buffer takes the next tile, which lands
         // while this tile's value phase runs.
-        if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
+        if (!Smem::red_own && it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
 
         // ---- values: acc = acc * alpha + p @ cache[:, 64w .. 64w+63] ----
         if (rescale) {

@@ -162,15 +162,20 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
                           ATTN_THREADS, attn_smem_bytes(hpb), ATTN_TILE)
 
 
+MMA_SMEM_MAX = 227 * 1024  # kMmaSmemMax: what a Hopper block may opt into
+
+
 def mma_smem_bytes(heads: int) -> int:
     """Dynamic shared memory of mma_attn<heads/16>: mirrors MmaSmem in mla_mma.cu (two 64-row
-    tiles, whose spare one also holds the score halves; q and p as hi/lo 16-bit halves;
-    m, l, alpha)."""
+    tiles; q and p as hi/lo 16-bit halves; m, l, alpha; the f32 score halves in a buffer of
+    their own where that fits MMA_SMEM_MAX, else in the spare tile)."""
     tiles = 2 * MMA_TILE * KEY_DIM * 2
     q = 2 * heads * KEY_DIM * 2
     p = 2 * heads * MMA_TILE * 2
     stats = 3 * heads * 4
-    return tiles + q + p + stats
+    red = 2 * heads * MMA_TILE * 4
+    base = tiles + q + p + stats
+    return base + red if base + red <= MMA_SMEM_MAX else base
 
 
 def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:

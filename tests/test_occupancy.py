@@ -143,3 +143,18 @@ def test_device_limits_reads_the_device_or_says_there_is_none():
         assert (d.smem_per_sm, d.smem_per_block_optin) == (table.smem_per_sm,
                                                            table.smem_per_block_max)
         assert d.arch_limits().smem_per_sm == d.smem_per_sm
+
+
+def test_mma16_scores_get_their_own_buffer_and_mma32_borrows_the_spare_tile():
+    # mma16's score halves fit beside the two tiles, so its next tile is issued before the
+    # scores; mma32's q halves leave no room, and its scores borrow the spare tile buffer
+    # (the copy then waits for the softmax). Both stay within what a Hopper block may use.
+    from mlasandbox.registry import MMA_SMEM_MAX, MMA_TILE, mma_smem_bytes
+    score_halves = lambda heads: 2 * heads * MMA_TILE * 4
+    tiles = 2 * MMA_TILE * 576 * 2
+    assert mma_smem_bytes(16) == tiles + 2 * 16 * 576 * 2 + 2 * 16 * MMA_TILE * 2 + 3 * 16 * 4 + score_halves(16)
+    assert mma_smem_bytes(32) == tiles + 2 * 32 * 576 * 2 + 2 * 32 * MMA_TILE * 2 + 3 * 32 * 4
+    assert mma_smem_bytes(32) + score_halves(32) > MMA_SMEM_MAX
+    for heads in (16, 32):
+        o = occupancy("sm_90", 128, 256, mma_smem_bytes(heads))
+        assert o.blocks_per_sm == 1, (heads, o)
