@@ -2,7 +2,8 @@
 
 * `bench`: the timed bench (cli/bench_cmd.py) replaces the group's no-GPU `bench` under the
   same name, and hands the no-GPU case back to it, so that behaviour is unchanged;
-* `sweep` (cli/sweep_cmd.py) and `repro` (cli/repro_cmd.py) are new.
+* `sweep` (cli/sweep_cmd.py), `repro` (cli/repro_cmd.py) and `ablate` (cli/ablate_cmd.py)
+  are new.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ __all__ = ["register"]
 
 
 def register(group) -> None:
+    from .ablate_cmd import ablate
     from .bench_cmd import bench, set_no_gpu_fallback
     from .repro_cmd import repro
     from .sweep_cmd import sweep
@@ -20,3 +22,4 @@ def register(group) -> None:
     group.add_command(bench)
     group.add_command(sweep)
     group.add_command(repro)
+    group.add_command(ablate)

@@ -10,11 +10,12 @@ import json
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
                            TimeElapsedColumn)
 
-__all__ = ["int_list", "str_list", "auto_or_int", "json_option", "write_json", "stderr_console",
-           "progress_bar"]
+__all__ = ["int_list", "str_list", "auto_or_int", "json_option", "write_json", "deliver_json",
+           "stderr_console", "progress_bar"]
 
 
 def int_list(ctx, param, value):
@@ -73,6 +74,20 @@ def write_json(obj, path) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(_jsonable(obj), f, indent=2)
         f.write("\n")
+
+
+def deliver_json(result, json_out, err: Console) -> bool:
+    """Where `--json` sends a finished result: to FILE (saying so on `err`), or to stdout
+    instead of the tables. True when it went to stdout (the command prints nothing else)."""
+    from .render import emit_json
+
+    if json_out == "-":
+        emit_json(result)
+        return True
+    if json_out:
+        write_json(result, json_out)
+        err.print(f"wrote {escape(str(json_out))}")
+    return False
 
 
 def stderr_console() -> Console:

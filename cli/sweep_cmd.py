@@ -13,8 +13,8 @@ from mlasandbox.dims import PRESETS
 from mlasandbox.sweep import SWEEP_CTX
 
 from . import render
-from .lab_options import auto_or_int, int_list, json_option, progress_bar, stderr_console, \
-    write_json
+from .lab_options import auto_or_int, deliver_json, int_list, json_option, progress_bar, \
+    stderr_console
 
 __all__ = ["sweep"]
 
@@ -85,11 +85,7 @@ def sweep(n_ctx, preset, heads, hpbs, cache, q_dtype, splits, arch, sms, repeats
         if as_json:
             render.emit_json({"ok": False, "error": str(exc)})
         raise click.ClickException(str(exc)) from None
-    if json_out and not as_json:
-        write_json(result, json_out)
-        err.print(f"wrote {escape(str(json_out))}")
-    if as_json:
-        render.emit_json(result)
+    if deliver_json(result, json_out, err):
         return
     from .lab_render import sweep_table
 

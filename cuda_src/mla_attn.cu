@@ -172,6 +172,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
     const int copy_row = tid >> 3, copy_lane = tid & 7;
     const int copy_dst = copy_row * kChunksPerRow + (copy_lane ^ (copy_row & 7));
     auto load_tile = [&](int tile_index, int buf) {
+        if (kAblateCacheLoads && tile_index >= Smem::stages) return;
         const int row = row_start + tile_index * kTile + copy_row;
         const bool valid = row < row_end;
         const CacheT* src = cache + static_cast<size_t>(valid ? row : 0) * kKeyDim + copy_lane * kChunkElems;

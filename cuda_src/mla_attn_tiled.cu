@@ -123,6 +123,7 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
     const int copy_row = tid >> 3, copy_lane = tid & 7;
     const int copy_dst = copy_row * kChunksPerRow + (copy_lane ^ (copy_row & 7));
     auto load_tile = [&](int tile_index, int buf) {
+        if (kAblateCacheLoads && tile_index >= 2) return;  // two stage buffers
         uint4* dst = tiles + buf * kTile * kChunksPerRow + copy_dst;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {

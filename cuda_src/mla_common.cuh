@@ -143,6 +143,17 @@ __device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int
     }
 }
 
+// ---- the memory ablation (mlasandbox ablate) ---------------------------------------------
+// Built with -DMLA_ABLATE_CACHE_LOADS, a kernel copies only the first tile into each of its
+// stage buffers and then computes every later tile on those same rows: the instructions it
+// issues are its own minus the cache copies, so its time is the design's compute floor and
+// the gap to the real kernel is what the loads cost. Its results are wrong by design.
+#ifdef MLA_ABLATE_CACHE_LOADS
+constexpr bool kAblateCacheLoads = true;
+#else
+constexpr bool kAblateCacheLoads = false;
+#endif
+
 // A kernel that needs `need` bytes of dynamic shared memory traps when launched with less,
 // so a launcher whose smem formula drifted from the kernel fails loudly, not wrongly.
 __device__ __forceinline__ void require_dynamic_smem(unsigned int need) {

@@ -150,6 +150,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
 
     // Tile copy: 256 threads, 64 rows x 72 chunks = 18 chunks each.
     auto load_tile = [&](int tile_index, int buf) {
+        if (kAblateCacheLoads && tile_index >= 2) return;  // two stage buffers
         const int row0 = row_start + tile_index * kMmaTile;
         uint4* dst = tiles + buf * kMmaTile * kMmaChunks;
         for (int idx = tid; idx < kMmaTile * kMmaChunks; idx += kMmaThreads) {

@@ -64,12 +64,18 @@ def _nvrtc_options() -> tuple[str, ...]:
     return tuple(o for o in compile_options() if not o.startswith(("--gpu-architecture", "-arch")))
 
 
-def get_kernel(inst: KernelInstance):
-    """The cupy.RawKernel of `inst` on the current device, compiled on first use."""
+def get_kernel(inst: KernelInstance, defines: tuple[str, ...] = ()):
+    """The cupy.RawKernel of `inst` on the current device, compiled on first use.
+
+    `defines` ("NAME" or "NAME=VALUE", passed as -D) build another kernel from the same
+    source with the same launch settings: the memory ablation (mlasandbox.ablate) and the
+    tests' deliberately broken builds. Each set of defines is a kernel of its own.
+    """
     import cupy
 
+    defines = tuple(defines)
     device_id = cupy.cuda.Device().id
-    key = (device_id, inst.name)
+    key = (device_id, inst.name, defines)
     kernel = _kernels.get(key)
     if kernel is None:
         info = device_info(device_id)
@@ -77,7 +83,8 @@ def get_kernel(inst: KernelInstance):
             raise ValueError(
                 f"{inst.name} needs {inst.smem_bytes} B of shared memory per block; "
                 f"{info.name} allows at most {info.smem_per_block_optin} B")
-        module = cupy.RawModule(code=read_source(inst.source), options=_nvrtc_options(),
+        module = cupy.RawModule(code=read_source(inst.source),
+                                options=_nvrtc_options() + tuple(f"-D{d}" for d in defines),
                                 name_expressions=[inst.expression])
         kernel = module.get_function(inst.expression)
         if inst.smem_bytes > 48 * 1024:

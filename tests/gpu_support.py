@@ -58,14 +58,6 @@ def device_inputs(dims, n_ctx, cache_dtype="f16", q_dtype="f32", seed=None, extr
 def compile_with(inst, *defines):
     """`inst` compiled with extra -D options (a deliberately broken build for a negative
     control), ready to swap into a DecodeStep's attn_kernel."""
-    import cupy
+    from mlasandbox.kernels import get_kernel
 
-    from mlasandbox.kernels import _nvrtc_options
-    from mlasandbox.sources import read_source
-
-    module = cupy.RawModule(code=read_source(inst.source),
-                            options=_nvrtc_options() + tuple(f"-D{d}" for d in defines),
-                            name_expressions=[inst.expression])
-    kernel = module.get_function(inst.expression)
-    kernel.max_dynamic_shared_size_bytes = inst.smem_bytes
-    return kernel
+    return get_kernel(inst, defines)

@@ -1,0 +1,134 @@
+"""The memory ablation: what the cache loads cost a kernel (`mlasandbox ablate`).
+
+A variant's attention kernel is built a second time with -DMLA_ABLATE_CACHE_LOADS
+(mla_common.cuh): it copies only the first tile into each stage buffer and computes every
+later tile on those rows. It issues the real kernel's instructions minus the cache copies, so
+its time is what the design costs with free memory (its compute floor), and
+
+    loads share = 1 - t(ablated) / t(real)
+
+is the part of the real time that the loads add. A share near 0 says a faster memory system
+(or fewer bytes, or multicast) would not help: the instructions are the limit. A share near
+1 - (compute floor / one-read time) says the kernel is bound by what it reads. The ablated
+results are wrong by design; the run checks only that they differ from the real ones, which
+shows the ablated build really is another kernel.
+
+Noise (noise.py, lecture section 3.2): the real kernel is timed as two arms of the same code
+(A and A') interleaved with the ablated one (B), round by round; the A/A pairs give the
+floor, and a B-vs-A difference under it is "no measurable difference", not a number.
+
+Needs a CUDA device.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from .noise import NoiseFloor, Verdict, noise_floor, verdict
+from .timing import L2Flush, percentile, time_gpu
+
+__all__ = ["ABLATE_DEFINE", "Ablation", "ablate", "loads_share"]
+
+ABLATE_DEFINE = "MLA_ABLATE_CACHE_LOADS"
+
+
+def loads_share(real_us: float, ablated_us: float) -> float:
+    """The share of the real time that the cache loads add: 1 - ablated / real (>= 0)."""
+    if not (real_us > 0 and ablated_us > 0):
+        raise ValueError(f"times must be positive, got real {real_us}, ablated {ablated_us}")
+    return max(0.0, 1.0 - ablated_us / real_us)
+
+
+@dataclass(frozen=True)
+class Ablation:
+    variant: str
+    kernel: str
+    n_head: int
+    n_ctx: int
+    cache: str
+    q: str
+    splits: int
+    head_blocks: int
+    real_us: float            # median of the A and A' round medians
+    ablated_us: float         # median of the B round medians
+    share: float              # loads_share(real_us, ablated_us); 0 when not measurable
+    floor: NoiseFloor         # from the A/A pairs
+    verdict: Verdict          # ablated vs real, against the floor
+    output_change: float      # relL2 of the ablated latent against the real one (> 0)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["floor"], d["verdict"] = self.floor.as_dict(), self.verdict.as_dict()
+        return d
+
+
+def _rel_l2(x, ref) -> float:
+    import cupy
+
+    den = float(cupy.linalg.norm(ref))
+    return float(cupy.linalg.norm(x - ref)) / (den if den > 0 else 1.0)
+
+
+def ablate(variant: str, dims, n_ctx: int, cache: str = "f16", q: str = "f32", splits=None,
+           rounds: int = 5, seed: int = 0, timing_kw: dict | None = None) -> Ablation:
+    """Time `variant`'s attention phase at (dims, n_ctx) real and load-ablated, interleaved.
+
+    `dims` is a Dims or a preset name; `q` is "f32" or the cache dtype. Raises ValueError for
+    a variant without a CUDA kernel, and for a context so short that every slice fits the
+    kernel's stage buffers (then the ablated build loads everything the real one does).
+    """
+    import cupy
+
+    from .api import DecodeStep
+    from .inputs import make_inputs
+    from .kernels import device_info, get_kernel
+
+    if rounds < 2:
+        raise ValueError(f"rounds must be >= 2 (the A/A floor needs pairs), got {rounds}")
+    inp = make_inputs(dims, n_ctx, n_ctx, cache_dtype=cache, q_dtype=q, seed=seed, xp=cupy)
+    step = DecodeStep(**inp.decode_args(), variant=variant, splits=splits)
+    if step.plan is None:
+        raise ValueError(f"variant {variant!r} has no CUDA kernel to ablate (the cuBLAS engine "
+                         f"reads the cache inside cuBLAS)")
+    real_kernel = step.attn_kernel
+    ablated_kernel = get_kernel(step.attn_inst, (ABLATE_DEFINE,))
+
+    def latent_with(kernel):
+        step.attn_kernel = kernel
+        step.run()
+        return cupy.array(step.latent, copy=True)
+
+    real_latent = latent_with(real_kernel)
+    ablated_latent = latent_with(ablated_kernel)
+    change = _rel_l2(ablated_latent, real_latent)
+    if not change > 0:  # every slice fits the stage buffers: there was nothing to ablate
+        slice_rows = -(-n_ctx // step.plan.splits)
+        raise ValueError(f"-D{ABLATE_DEFINE} changed nothing for {step.attn_inst.name} at "
+                         f"n_ctx {n_ctx}: each of its {step.plan.splits} slices holds at most "
+                         f"{slice_rows} rows, which its stage buffers take whole (tiles of "
+                         f"{step.attn_inst.tile_rows} rows); ablate a longer context")
+
+    flush = L2Flush(device_info().l2_bytes)
+    kw = {"warmup": 3, "min_repeats": 10, "max_repeats": 100, "target_s": 0.1,
+          **(timing_kw or {})}
+
+    def median_of(kernel) -> float:
+        step.attn_kernel = kernel
+        return time_gpu(step.run_attn, flush=flush, **kw).median_us
+
+    arms = {"a": [], "a2": [], "b": []}
+    kernels = {"a": real_kernel, "a2": real_kernel, "b": ablated_kernel}
+    for i in range(rounds):  # A A' B, B A' A, ...: drift through the run hits every arm alike
+        order = ("a", "a2", "b") if i % 2 == 0 else ("b", "a2", "a")
+        for arm in order:
+            arms[arm].append(median_of(kernels[arm]))
+    step.attn_kernel = real_kernel
+    floor = noise_floor(arms["a"], arms["a2"])
+    real_us = percentile(sorted(arms["a"] + arms["a2"]), 0.5)
+    ablated_us = percentile(sorted(arms["b"]), 0.5)
+    v = verdict(ablated_us, real_us, floor.floor)
+    return Ablation(variant=step.variant.name, kernel=step.attn_inst.name,
+                    n_head=step.dims.n_head, n_ctx=n_ctx, cache=cache, q=q,
+                    splits=step.plan.splits, head_blocks=step.plan.head_blocks,
+                    real_us=real_us, ablated_us=ablated_us,
+                    share=loads_share(real_us, ablated_us) if v.measurable else 0.0,
+                    floor=floor, verdict=v, output_change=change)

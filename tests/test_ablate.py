@@ -1,0 +1,105 @@
+"""The memory ablation's CPU side: the arithmetic, every tile-copying kernel honouring the
+define (and compiling with it through NVRTC), and `mlasandbox ablate` without a GPU and with
+a fake one."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from mlasandbox import ablate as ablate_mod
+from mlasandbox import ptxas, registry, sources, toolkit
+from mlasandbox.ablate import ABLATE_DEFINE, Ablation, loads_share
+from mlasandbox.cli import ablate_cmd
+from mlasandbox.cli.main import main
+from mlasandbox.noise import noise_floor, verdict
+
+HAVE_GPU, GPU_REASON = toolkit.device_available()
+
+
+def test_loads_share_is_the_part_of_the_time_the_loads_add():
+    assert loads_share(100.0, 60.0) == pytest.approx(0.4)
+    assert loads_share(100.0, 100.0) == 0.0
+    # an ablated kernel measured slower than the real one (noise) is not a negative share
+    assert loads_share(100.0, 101.0) == 0.0
+    with pytest.raises(ValueError, match="positive"):
+        loads_share(0.0, 1.0)
+
+
+def test_every_kernel_that_copies_cache_tiles_honours_the_ablation():
+    # a new family that copies tiles but forgets the hook would be timed "ablated" with all
+    # its loads still in place: a memory share of zero that is a lie
+    copying = [s for s in sources.source_names() if "cp_async_16(" in sources.read_source(s)
+               and not s.endswith(".cuh")]
+    assert {"mla_attn.cu", "mla_attn_tiled.cu", "mla_mma.cu"} <= set(copying)
+    for name in copying:
+        assert "kAblateCacheLoads" in sources.read_source(name), name
+
+
+def test_the_ablated_builds_compile_through_nvrtc():
+    insts = [registry.attention_instance(registry.variant(v))
+             for v in ("split", "batched16", "tiled16", "mma16", "mma32")]
+    rep = ptxas.ptxas_report(insts, arch="sm_90", extra_options=(f"-D{ABLATE_DEFINE}",))
+    assert list(rep) == [i.name for i in insts]
+    assert all(0 < r.registers <= 255 for r in rep.values())
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
+def test_ablate_without_a_gpu_says_so_and_exits_1():
+    res = run("ablate", "--variant", "split")
+    assert res.exit_code == 1
+    assert "ablate times kernels on a GPU" in res.output
+
+
+def test_ablate_rejects_the_cublas_engine_and_unknown_variants():
+    for bad in ("cublas", "nope"):
+        res = run("ablate", "--variant", bad)
+        assert res.exit_code == 2 and "--variant" in res.output, res.output
+
+
+def fake_ablation(variant, real_us, ablated_us, jitter=0.001):
+    a = [real_us * (1 + jitter * i) for i in range(4)]
+    a2 = [real_us * (1 - jitter * i) for i in range(4)]
+    floor = noise_floor(a, a2)
+    v = verdict(ablated_us, real_us, floor.floor)
+    return Ablation(variant=variant, kernel=f"k<{variant}>", n_head=96, n_ctx=131072,
+                    cache="f16", q="f32", splits=27, head_blocks=96, real_us=real_us,
+                    ablated_us=ablated_us,
+                    share=loads_share(real_us, ablated_us) if v.measurable else 0.0,
+                    floor=floor, verdict=v, output_change=0.5)
+
+
+def test_ablate_table_and_json_with_a_fake_gpu(monkeypatch):
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: Fake H200"))
+    canned = {"split": fake_ablation("split", 2134.0, 1841.0),
+              "mma16": fake_ablation("mma16", 270.0, 270.1)}   # under the floor
+    calls = []
+
+    def fake_run(**opts):
+        calls.append(opts)
+        return canned[opts["variant"]]
+
+    monkeypatch.setattr(ablate_cmd, "_run_ablation", fake_run)
+    res = run("ablate", "--variant", "split,mma16", "--heads", 96, "--rounds", 3)
+    assert res.exit_code == 0, res.output
+    assert [c["variant"] for c in calls] == ["split", "mma16"]
+    assert calls[0]["dims"].n_head == 96 and calls[0]["rounds"] == 3
+    assert calls[0]["splits"] is None
+    out = res.output
+    assert "14%" in out                                   # 1 - 1841 / 2134
+    assert "no measurable difference" in out              # mma16's 0.04% is under the floor
+    res = run("ablate", "--variant", "split", "--json")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["ok"] and doc["rows"][0]["share"] == pytest.approx(1 - 1841 / 2134)
+    assert doc["rows"][0]["verdict"]["kind"] == "faster"
+
+
+def test_ablate_needs_rounds_to_pair():
+    with pytest.raises(ValueError, match="rounds"):
+        ablate_mod.ablate("split", "lecture", 8192, rounds=1)
