@@ -147,7 +147,9 @@ __device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int
 // Built with -DMLA_ABLATE_CACHE_LOADS, a kernel copies only the first tile into each of its
 // stage buffers and then computes every later tile on those same rows: the instructions it
 // issues are its own minus the cache copies, so its time is the design's compute floor and
-// the gap to the real kernel is what the loads cost. Its results are wrong by design.
+// the gap to the real kernel is what the loads cost. Its results are wrong by design (where
+// score partials borrow the spare tile buffer, later tiles compute on their bits, often NaN,
+// which the float pipes take at full speed).
 #ifdef MLA_ABLATE_CACHE_LOADS
 constexpr bool kAblateCacheLoads = true;
 #else
