@@ -32,6 +32,13 @@ def _run_ablation(**opts):
     return run(**opts)
 
 
+def _run_meta() -> dict:
+    """Hook (tests replace it): device, versions, commit and date (bench_gpu.run_meta)."""
+    from mlasandbox.bench_gpu import run_meta
+
+    return run_meta()
+
+
 def ablate_table(rows: list[dict], title: str) -> Table:
     from .lab_render import fmt_us
 
@@ -109,7 +116,7 @@ def ablate(variants, n_ctx, preset, heads, cache, q_dtype, splits, rounds, seed,
         raise click.UsageError(str(exc)) from None
     result = {"ok": True, "config": {"n_ctx": n_ctx, "preset": preset, "n_head": dims.n_head,
                                      "cache": cache, "q": q, "rounds": rounds, "seed": seed},
-              "device": why, "rows": rows}
+              "meta": _run_meta(), "rows": rows}
     if deliver_json(result, json_out, err):
         return
     render.console().print(ablate_table(

@@ -85,6 +85,7 @@ def test_ablate_table_and_json_with_a_fake_gpu(monkeypatch):
         return canned[opts["variant"]]
 
     monkeypatch.setattr(ablate_cmd, "_run_ablation", fake_run)
+    monkeypatch.setattr(ablate_cmd, "_run_meta", lambda: {"device": "Fake H200", "commit": "abc"})
     res = run("ablate", "--variant", "split,mma16", "--heads", 96, "--rounds", 3)
     assert res.exit_code == 0, res.output
     assert [c["variant"] for c in calls] == ["split", "mma16"]
@@ -97,6 +98,7 @@ def test_ablate_table_and_json_with_a_fake_gpu(monkeypatch):
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["ok"] and doc["rows"][0]["share"] == pytest.approx(1 - 1841 / 2134)
+    assert doc["meta"]["commit"] == "abc"      # a results file says where it came from
     assert doc["rows"][0]["verdict"]["kind"] == "faster"
 
 
