@@ -57,7 +57,7 @@ def _explain_costs(cfg, plans: dict | None):
                 s = plan_splits(n, cfg.dims.n_head, var.hpb, num_sms=132,
                                 blocks_per_sm=max(1, bps), split=var.splits,
                                 splits=None if cfg.splits == "auto" else cfg.splits,
-                                min_ctx=cfg.min_ctx,
+                                min_ctx=cfg.min_ctx if var.hpb == 1 else None,
                                 tile=registry.attention_instance(var, cache, qd).tile_rows).splits
             except Exception:  # no compiler: show the unsplit formulas
                 s = 1

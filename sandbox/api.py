@@ -14,7 +14,7 @@ from . import registry
 from .dims import Dims, check_inputs
 from .guard import Launch, PhaseGuard
 from .reference import DecodeResult
-from .splits import SPLIT_MIN_CTX, SplitPlan, plan_splits
+from .splits import SplitPlan, plan_splits
 
 __all__ = ["DecodeResult", "DecodeStep", "decode", "q_absorb", "scratch_for_device"]
 
@@ -91,7 +91,7 @@ class DecodeStep:
     """
 
     def __init__(self, q, cache, wv_b, n_ctx=None, variant="split", splits=None,
-                 heads_per_block=None, scale=None, *, min_ctx: int = SPLIT_MIN_CTX,
+                 heads_per_block=None, scale=None, *, min_ctx: int | None = None,
                  sync_check: bool = False, rescale: bool = True):
         import cupy
 
@@ -198,7 +198,7 @@ class DecodeStep:
 
 
 def decode(q, cache, wv_b, n_ctx=None, variant="split", splits=None, heads_per_block=None,
-           scale=None, *, min_ctx: int = SPLIT_MIN_CTX, sync_check: bool = False) -> DecodeResult:
+           scale=None, *, min_ctx: int | None = None, sync_check: bool = False) -> DecodeResult:
     """One decode step. CuPy arrays in (q f32 or cache dtype; cache and wv_b f16, or bf16 as
     raw uint16 words), CuPy f32 arrays out. See DecodeStep for the checks."""
     return DecodeStep(q, cache, wv_b, n_ctx, variant, splits, heads_per_block, scale,

@@ -40,7 +40,7 @@ class BenchConfig:
     seed: int = 0
     graph: str = "auto"                  # "auto" | "always" | "never"
     graph_max_ctx: int = 4096            # auto: replay a graph at n_ctx <= this
-    min_ctx: int = SPLIT_MIN_CTX         # the split gate
+    min_ctx: int = SPLIT_MIN_CTX         # the split gate of `split` (the A/A pair below it)
     aa_ctx: int | None = None            # default: min_ctx - 1
     aa_rounds: int = 10
     check: bool = True
@@ -186,7 +186,7 @@ def _estimate_us(cfg: BenchConfig, item: WorkItem, cache: str, copy_GBps: float)
 
 
 def _guess_splits(cfg: BenchConfig, v, n_ctx: int) -> int:
-    if not v.is_cuda or not v.splits or n_ctx < cfg.min_ctx:
+    if not v.is_cuda or not v.splits or n_ctx < (cfg.min_ctx if v.hpb == 1 else 1):
         return 1
     if cfg.splits != "auto":
         return int(cfg.splits)

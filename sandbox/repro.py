@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from . import registry
 from .dims import PRESETS, Dims
-from .splits import SPLIT_MIN_CTX, plan_splits
+from .splits import SPLIT_MIN_CTX, default_gate, plan_splits
 
 __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_filename",
            "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS"]
@@ -101,10 +101,11 @@ def _auto_blocks_per_sm(var, inst, cache, q, arch, num_sms):
 def make_case(variant: str, *, preset: str = "lecture", heads: int | None = None,
               contexts=REPRO_CONTEXTS, cache: str = "f16", q: str = "f32", splits="auto",
               seed: int = 0, negative_control: bool = False, num_sms: int | None = None,
-              blocks_per_sm="auto", arch: str | None = None, min_ctx: int = SPLIT_MIN_CTX,
+              blocks_per_sm="auto", arch: str | None = None, min_ctx: int | None = None,
               command: str = "") -> ReproCase:
     """Resolve a case (ValueError naming any bad value)."""
     v = registry.variant(variant)
+    gate = default_gate(v.hpb) if min_ctx is None else int(min_ctx)
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     dims = PRESETS[preset] if heads is None else PRESETS[preset].with_heads(int(heads))
@@ -148,17 +149,17 @@ def make_case(variant: str, *, preset: str = "lecture", heads: int | None = None
                 sms, bps = num_sms or 132, int(blocks_per_sm)
                 how = f"the launcher's rule with {sms} SMs and {bps} blocks/SM (given)"
             plan = {n: plan_splits(n, dims.n_head, v.hpb, num_sms=sms, blocks_per_sm=bps,
-                                   split=True, min_ctx=min_ctx, tile=inst.tile_rows).splits
+                                   split=True, min_ctx=gate, tile=inst.tile_rows).splits
                     for n in contexts}
-            how += f"; split gate {min_ctx}"
+            how += f"; split gate {gate}" if gate > 1 else "; no split gate"
     if negative_control:
         single = [n for n, s in plan.items() if s < 2]
         if single:
             raise ValueError(
                 f"the negative control needs a split (S >= 2) at every context, but n_ctx "
                 f"{', '.join(map(str, single))} runs one slice, where dropping the rescale "
-                f"changes nothing and the script would pass; use split or batched<HPB> with "
-                f"n_ctx >= {min_ctx}, or --splits S >= 2")
+                f"changes nothing and the script would pass; use a longer context (split: "
+                f"n_ctx >= {SPLIT_MIN_CTX}), or --splits S >= 2")
     return ReproCase(variant=v.name, dims=dims, contexts=contexts, cache_dtype=cache,
                      q_dtype=q, splits=plan, splits_from=how, seed=int(seed),
                      scale=dims.default_scale, negative_control=bool(negative_control),

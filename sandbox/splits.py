@@ -2,9 +2,15 @@
 
 The rule (lecture section 5.1, seed 001):
 
-* Below the split gate (n_ctx < min_ctx, default 4096) there is one slice: the combine's
-  extra launch and round trip cost more than the parallelism buys, and the un-split
-  kernel is the one the short-context tests pin.
+* Below the split gate there is one slice. The gate is the lecture's 4096 for one head per
+  block (`split`): its 96 head blocks already fill most of the GPU, the combine's extra
+  work costs more than the parallelism buys, and below it `split` runs per_head's kernel
+  on one slice, the same code (the A/A pair). Blocks that serve several heads (batched,
+  tiled, mma) are few, 6 at 96 heads for 16 per block, and one slice leaves most SMs idle,
+  so they have no gate: the sizing rule's `min_tiles` alone keeps their slices long enough.
+  Measured on the H200 (`results/h200-2026-11-29/split_gate_short_contexts.txt`): at n_ctx
+  4095 and 96 heads mma16 takes 208 us on one slice and 34 us on 13, batched16 647 and 68.
+  `min_ctx=` sets the gate for any variant.
 * Above it, the budget is on the PRODUCT head_blocks x S against the resident-block slots of
   the GPU (blocks/SM x SMs), so S grows as the number of head blocks shrinks (head sharding,
   larger HPB) instead of needing to be re-tuned. Among S in 1..cap, each slice at least
@@ -20,8 +26,8 @@ from dataclasses import dataclass
 
 from .registry import ATTN_TILE
 
-__all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "SplitPlan", "plan_splits",
-           "slice_bounds"]
+__all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "SplitPlan", "default_gate",
+           "plan_splits", "slice_bounds"]
 
 SPLIT_MIN_CTX = 4096
 SPLIT_CAP = 256
@@ -79,11 +85,18 @@ def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
     return start, min(n_ctx, start + length)
 
 
+def default_gate(heads_per_block: int) -> int:
+    """The split gate of blocks serving `heads_per_block` heads (see the module docstring):
+    SPLIT_MIN_CTX for one head per block, none (1) for more."""
+    return SPLIT_MIN_CTX if heads_per_block == 1 else 1
+
+
 def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
                 blocks_per_sm: int, splits: int | str | None = None, split: bool = True,
-                min_ctx: int = SPLIT_MIN_CTX, cap: int = SPLIT_CAP,
+                min_ctx: int | None = None, cap: int = SPLIT_CAP,
                 min_tiles: int = MIN_TILES_PER_SPLIT, tile: int = ATTN_TILE) -> SplitPlan:
-    """The split plan for one step. `split=False` is per_head: always one slice."""
+    """The split plan for one step. `split=False` is per_head: always one slice.
+    `min_ctx`: the split gate; None for default_gate(heads_per_block)."""
     for name, value, low in (("n_ctx", n_ctx, 1), ("n_head", n_head, 1),
                              ("heads_per_block", heads_per_block, 1), ("num_sms", num_sms, 1),
                              ("blocks_per_sm", blocks_per_sm, 1), ("cap", cap, 1)):
@@ -104,8 +117,9 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
         return make(int(splits), "override")
     if not split:
         return make(1, "per_head: one block per head group walks all of n_ctx")
-    if n_ctx < min_ctx:
-        return make(1, f"below the split gate (n_ctx {n_ctx} < {min_ctx})")
+    gate = default_gate(heads_per_block) if min_ctx is None else min_ctx
+    if n_ctx < gate:
+        return make(1, f"below the split gate (n_ctx {n_ctx} < {gate})")
     max_s = max(1, min(cap, n_ctx // (min_tiles * tile)))
     cost = {s: make(s, "").estimated_steps() for s in range(1, max_s + 1)}
     best = min(cost.values())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from . import registry
 from .dims import PRESETS, Dims
-from .splits import SPLIT_MIN_CTX, plan_splits
+from .splits import plan_splits
 
 __all__ = ["SWEEP_CTX", "variant_for_hpb", "sweep_rows", "run_sweep", "SCHEMA"]
 
@@ -32,7 +32,7 @@ def variant_for_hpb(hpb: int) -> str:
 
 def sweep_rows(*, hpbs, n_ctx: int, dims: Dims, cache: str, q: str, arch: str, num_sms: int,
                report: dict, measure=None, splits="auto",
-               min_ctx: int = SPLIT_MIN_CTX) -> list[dict]:
+               min_ctx: int | None = None) -> list[dict]:
     """One row per HPB. `report`: {instance name: KernelResources} (ptxas). `measure(hpb)`:
     None (no device) or {'timing': Timing, 'driver_blocks_per_sm': int, 'plan': dict,
     'num_regs': int}."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 from mlasandbox import registry
-from mlasandbox.splits import SPLIT_MIN_CTX, plan_splits
+from mlasandbox.splits import plan_splits
 from mlasandbox.timing import Timing, summarize
 
 
@@ -56,7 +56,7 @@ class FakeBackend:
         inst = registry.attention_instance(v)
         p = plan_splits(n_ctx, self.dims.n_head, v.hpb, num_sms=132, blocks_per_sm=2,
                         splits=None if splits == "auto" or not v.splits else splits,
-                        split=v.splits, min_ctx=SPLIT_MIN_CTX, tile=inst.tile_rows)
+                        split=v.splits, tile=inst.tile_rows)
         kernel = inst.name
         if self.aa_kernels and variant in self.aa_kernels:
             kernel = self.aa_kernels[variant]

@@ -125,10 +125,16 @@ def test_grid_split_budgets_the_product():
     assert g["reason"].startswith("auto")
 
 
-def test_grid_below_the_gate_does_not_split():
+def test_grid_below_the_gate_split_does_not_split_but_batched_does():
+    # the lecture's gate is split's (96 head blocks); batched12's 8 head blocks on one slice
+    # would leave 124 SMs idle, so it has none and its slices only need 4 tiles each
+    _, g = run_json("grid", "--variant", "split", "--heads", "96", "--ctx", "4095",
+                    "--blocks-per-sm", "5")
+    assert g["grid"] == [96, 1] and "gate" in g["reason"]
     _, g = run_json("grid", "--variant", "batched12", "--heads", "96", "--ctx", "4095",
                     "--blocks-per-sm", "2")
-    assert g["grid"] == [8, 1] and "gate" in g["reason"]
+    assert g["grid"][0] == 8 and g["grid"][1] > 1 and g["reason"].startswith("auto")
+    assert -(-4095 // g["grid"][1]) >= 4 * 32   # every slice at least 4 tiles of 32 rows
 
 
 def test_grid_empty_slices():

@@ -162,14 +162,16 @@ def test_negative_control_combine_without_rescale_fails_the_check(variant):
 def test_a_running_max_that_keeps_rising_is_rescaled_exactly(variant, n_ctx):
     """Scores that climb by ~110 (natural log) over the context move the running max on many
     tiles, a path random inputs barely take after the first tiles: every kernel's rescale of
-    its accumulators, and the lazy max of tiled16 and mma. At 4095 (below the gate) one block sees the
-    whole climb; at 20000 the slices' maxima differ by up to ~110 in the combine. Not the
+    its accumulators, and the lazy max of tiled16 and mma. At 4095, on one slice (split's gate
+    of 4096 set for every variant), one block sees the whole climb; at 20000, split by the
+    auto rule, the slices' maxima differ by up to ~110 in the combine. Not the
     cuBLAS engine: it rounds q to the cache dtype, an error that grows with |score| (~100
     here) past its tolerance."""
     from mlasandbox.api import DecodeStep
 
     inp, seed = device_inputs(Dims(n_head=16), n_ctx, "f16", "f32", rising=True)
-    step = DecodeStep(**inp.decode_args(), variant=variant, sync_check=True)
+    step = DecodeStep(**inp.decode_args(), variant=variant, sync_check=True, min_ctx=4096)
+    assert (step.plan.splits == 1) == (n_ctx < 4096)
     check_step(step, inp, seed, Tolerance(), f"{variant} rising n_ctx={n_ctx}")
 
 
@@ -178,7 +180,7 @@ def test_a_running_max_that_keeps_rising_is_rescaled_exactly(variant, n_ctx):
 def test_negative_control_a_lazy_max_that_never_moves_fails_the_rising_check(variant):
     """The kernel built so that its reference max never moves after the first tile
     (-DMLA_LAZY_LOG2=1e30f): right on random inputs (their max settles near the first tile's),
-    overflowing on rising ones (2^(s - m) past 2^128 within the one slice below the gate). So
+    overflowing on rising ones (2^(s - m) past 2^128 within one slice, the gate of 4096 set). So
     the rising check above is what gives the lazy max's threshold its test."""
     from mlasandbox.api import DecodeStep
 
@@ -186,7 +188,7 @@ def test_negative_control_a_lazy_max_that_never_moves_fails_the_rising_check(var
                           "MLA_LAZY_LOG2=1e30f")
     for rising, want_ok in ((False, True), (True, False)):
         inp, seed = device_inputs(Dims(n_head=16), 4095, "f16", "f32", rising=rising)
-        step = DecodeStep(**inp.decode_args(), variant=variant)
+        step = DecodeStep(**inp.decode_args(), variant=variant, min_ctx=4096)
         assert step.plan.splits == 1
         step.attn_kernel = broken
         cmp = compare(run_poisoned(step), reference.decode(**inp.decode_args()))
