@@ -171,7 +171,8 @@ def test_a_running_max_that_keeps_rising_is_rescaled_exactly(variant, n_ctx):
 
     inp, seed = device_inputs(Dims(n_head=16), n_ctx, "f16", "f32", rising=True)
     step = DecodeStep(**inp.decode_args(), variant=variant, sync_check=True, min_ctx=4096)
-    assert (step.plan.splits == 1) == (n_ctx < 4096)
+    if registry.variant(variant).splits:  # per_head never splits
+        assert (step.plan.splits == 1) == (n_ctx < 4096)
     check_step(step, inp, seed, Tolerance(), f"{variant} rising n_ctx={n_ctx}")
 
 
