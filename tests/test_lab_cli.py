@@ -39,7 +39,7 @@ def fake_gpu(monkeypatch):
 
 def test_help_lists_the_lab_commands():
     out = run("--help").stdout
-    for cmd in ("bench", "sweep", "repro"):
+    for cmd in ("bench", "sweep", "repro", "ablate"):
         assert cmd in out
 
 
