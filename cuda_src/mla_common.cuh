@@ -1,8 +1,9 @@
 // mla_common.cuh: helpers shared by the mlasandbox kernel families.
 //
 // Conversions from the cache element types to f32, 16-byte cp.async with zero fill, warp
-// reductions, the online-softmax step, and the context slice every attention family walks
-// (with the neutral partial of an empty one). Nothing here depends on the MLA dims.
+// reductions, the online-softmax step and the lazy max, the context slice every attention
+// family walks (with the neutral partial of an empty one), the q prologue, and the memory
+// ablation's switch. Nothing here depends on the MLA dims.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
