@@ -50,14 +50,14 @@ def _explain_costs(cfg, plans: dict | None):
             s = (p or {}).get("splits") or 1
         elif var.is_cuda:
             from mlasandbox.geometry import theoretical_blocks_per_sm
-            from mlasandbox.splits import plan_splits
+            from mlasandbox.splits import default_gate, plan_splits
 
             try:
                 bps = theoretical_blocks_per_sm(var, cache, qd)["blocks_per_sm"]
                 s = plan_splits(n, cfg.dims.n_head, var.hpb, num_sms=132,
                                 blocks_per_sm=max(1, bps), split=var.splits,
                                 splits=None if cfg.splits == "auto" else cfg.splits,
-                                min_ctx=cfg.min_ctx if var.hpb == 1 else None,
+                                min_ctx=default_gate(var.hpb, cfg.min_ctx),
                                 tile=registry.attention_instance(var, cache, qd).tile_rows).splits
             except Exception:  # no compiler: show the unsplit formulas
                 s = 1

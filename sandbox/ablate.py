@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .compare import rel_l2
 from .noise import NoiseFloor, Verdict, noise_floor, verdict
 from .timing import L2Flush, percentile, time_gpu
 
@@ -61,13 +62,6 @@ class Ablation:
         d = asdict(self)
         d["floor"], d["verdict"] = self.floor.as_dict(), self.verdict.as_dict()
         return d
-
-
-def _rel_l2(x, ref) -> float:
-    import cupy
-
-    den = float(cupy.linalg.norm(ref))
-    return float(cupy.linalg.norm(x - ref)) / (den if den > 0 else 1.0)
 
 
 def ablate(variant: str, dims, n_ctx: int, cache: str = "f16", q: str = "f32", splits=None,
@@ -110,7 +104,7 @@ def ablate(variant: str, dims, n_ctx: int, cache: str = "f16", q: str = "f32", s
     # Kernels whose score partials borrow the spare tile buffer (batched, mma32) compute the
     # later tiles on those partials' bits, often NaN: a relL2 of inf. Float pipes take NaN at
     # full speed, so the timing is unaffected.
-    change = _rel_l2(ablated_latent, real_latent)
+    change = rel_l2(ablated_latent, real_latent)
     change = change if math.isfinite(change) else math.inf
 
     flush = L2Flush(device_info().l2_bytes)

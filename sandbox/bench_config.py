@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 from . import metrics, registry
 from .dims import PRESETS, Dims
-from .splits import SPLIT_MIN_CTX
+from .splits import SPLIT_MIN_CTX, default_gate
 from .timing import choose_repeats
 
 __all__ = ["DEFAULT_CONTEXTS", "PHASES", "BenchConfig", "make_config", "q_dtype_of",
@@ -186,7 +186,7 @@ def _estimate_us(cfg: BenchConfig, item: WorkItem, cache: str, copy_GBps: float)
 
 
 def _guess_splits(cfg: BenchConfig, v, n_ctx: int) -> int:
-    if not v.is_cuda or not v.splits or n_ctx < (cfg.min_ctx if v.hpb == 1 else 1):
+    if not v.is_cuda or not v.splits or n_ctx < default_gate(v.hpb, cfg.min_ctx):
         return 1
     if cfg.splits != "auto":
         return int(cfg.splits)

@@ -85,10 +85,10 @@ def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
     return start, min(n_ctx, start + length)
 
 
-def default_gate(heads_per_block: int) -> int:
+def default_gate(heads_per_block: int, split_gate: int = SPLIT_MIN_CTX) -> int:
     """The split gate of blocks serving `heads_per_block` heads (see the module docstring):
-    SPLIT_MIN_CTX for one head per block, none (1) for more."""
-    return SPLIT_MIN_CTX if heads_per_block == 1 else 1
+    `split_gate` (the lecture's SPLIT_MIN_CTX) for one head per block, none (1) for more."""
+    return split_gate if heads_per_block == 1 else 1
 
 
 def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,

@@ -245,3 +245,16 @@ def test_run_schedule_rejects_bad_arguments_by_name(kw, match, seeds):
     inp = make_inputs(Dims(n_head=2), n_alloc=8, seed=seeds.one())
     with pytest.raises(ValueError, match=match):
         run_schedule(**inp.decode_args(), **kw)
+
+
+def test_the_split_gate_is_split_s_alone():
+    # one head per block (split) keeps the lecture's gate, or the one given; blocks serving
+    # several heads have none, and the sizing rule's 4 tiles per slice bound them instead
+    from mlasandbox.splits import SPLIT_MIN_CTX, default_gate, plan_splits
+
+    assert default_gate(1) == SPLIT_MIN_CTX and default_gate(1, 8192) == 8192
+    assert default_gate(16) == default_gate(16, 8192) == 1
+    assert plan_splits(4095, 96, 1, num_sms=132, blocks_per_sm=5).splits == 1
+    batched = plan_splits(4095, 96, 16, num_sms=132, blocks_per_sm=2)
+    assert batched.splits > 1 and batched.slice_len >= 4 * batched.tile
+    assert plan_splits(4095, 96, 16, num_sms=132, blocks_per_sm=2, min_ctx=4096).splits == 1
