@@ -24,9 +24,9 @@
 //   1. cp.async of the NEXT tile into the other buffer once this tile's softmax is done
 //      (double buffer); rows past the slice end are zero-filled, never read, so a NaN-filled
 //      cache past n_ctx cannot leak.
-//   2. scores: warp w owns key columns [72w, 72w+72) (9 chunks of 8 elements); a lane owns
-//      TPT rows x HPT heads, reads its rows with 16-byte loads and q as shared-memory
-//      broadcasts; the 8 column partials of each score go to `red`.
+//   2. scores: warp w owns the 9 key-column chunks w, w+8, ..., w+64 (8 elements each); a
+//      lane owns TPT rows x HPT heads, reads its rows with 16-byte loads and q as
+//      shared-memory broadcasts; the 8 column partials of each score go to `red`.
 //   3. softmax: warp w finishes heads w, w+8, ...: sums the partials of its 32 rows, takes
 //      the tile max, writes p = 2^(s2 - m_new) and alpha = 2^(m_old - m_new), updates (m, l).
 //   4. values: thread owns 4 latent columns for all HPB heads over half of each tile's rows,
@@ -47,14 +47,18 @@ constexpr int kChunksPerRow = kKeyDim / kChunkElems;       // 72
 constexpr int kChunksPerWarp = kChunksPerRow / kWarps;     // 9
 static_assert(kKeyDim % (kChunkElems * kWarps) == 0, "key columns must split evenly over warps");
 static_assert(kChunksPerRow % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
+static_assert(kWarps == 8, "the score phase gives warp w the chunks w + 8 cc (one per swizzle group)");
 static_assert(kTile == 32, "the softmax phase maps one tile row to one lane");
 
 // Tuning knobs, overridable with -D for experiments (the registry compiles the defaults).
+// Full unrolls (9 score chunks, 4 steps of 4 rows) let every shared-memory address be a base
+// register plus an immediate; at 96 heads they took split 2134 -> 1947 us and per_head
+// 7098 -> 6334 us (results/h200-2026-11-29/attn_unroll.txt).
 #ifndef MLA_SCORE_UNROLL
-#define MLA_SCORE_UNROLL 3
+#define MLA_SCORE_UNROLL 9
 #endif
 #ifndef MLA_VALUE_UNROLL
-#define MLA_VALUE_UNROLL 2
+#define MLA_VALUE_UNROLL 4
 #endif
 #ifndef MLA_WIDE_HPB          // from this HPB up: two head groups in the score phase and two
 #define MLA_WIDE_HPB 12       // value columns per thread (four below it)
@@ -135,6 +139,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
     constexpr int RG = 32 / HG;            // row groups per warp
     constexpr int TPT = kTile / RG;        // rows per lane
     static_assert(HPB % HG == 0, "HPB must split evenly into head groups");
+    static_assert(RG % 8 == 0, "a lane's rows must share a swizzle (the score loop's base pointer)");
     // Value phase: a thread owns kCols latent columns for all HPB heads. With 4 columns
     // (HPB <= 8) the threads also split each tile's rows in two halves, summed once at the
     // end of the slice; at HPB >= 12, 4 x HPB accumulators would spill, so 2 columns.
@@ -155,15 +160,10 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
     float* alpha_s = reinterpret_cast<float*>(smem + Smem::alpha);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int head0 = blockIdx.x * HPB;
-    const int split = blockIdx.y;
-    const ContextSlice slice = context_slice(n_ctx, splits, split);
-    const int row_start = slice.begin, row_end = slice.end;
-    const size_t part_base = static_cast<size_t>(split) * n_head;
-    if (row_start >= row_end) {  // empty slice (S > n_ctx)
-        write_neutral_partial(HPB, head0, n_head, part_base, kKvLora, part_acc, part_m, part_l);
-        return;
-    }
+    BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
+    if (!begin_slice(HPB, n_head, n_ctx, splits, kKvLora, part_acc, part_m, part_l, work)) return;
+    const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
+    const size_t part_base = work.part_base;
 
     // Tile copy: thread t copies row t/8, chunks (t%8) + 8i, i < 9. The swizzle only flips
     // the low three bits of the chunk index, so each thread's 9 destinations are one base
@@ -217,19 +217,24 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
         for (int i = 0; i < TPT; ++i)
 #pragma unroll
             for (int j = 0; j < HPT; ++j) sacc[i][j] = 0.f;
+        // Warp w owns chunks w + 8 cc. The swizzle permutes chunks within groups of 8 and a
+        // lane's rows share their low three bits (RG is a multiple of 8), so the lane's chunk
+        // cc of row i sits at one base plus immediates, and so do its q columns: the fully
+        // unrolled loop does no address arithmetic (it cost 9% of split's instructions when
+        // a warp owned 9 adjacent chunks, whose swizzled offsets vary with cc).
+        const uint4* x_base = tile + rg * kChunksPerRow + (warp ^ (rg & 7));
 #pragma unroll MLA_SCORE_UNROLL
         for (int cc = 0; cc < kChunksPerWarp; ++cc) {
-            const int c = warp * kChunksPerWarp + cc;
             float x[TPT][kChunkElems];
 #pragma unroll
             for (int i = 0; i < TPT; ++i) {
-                const int r = i * RG + rg;
-                const uint4 raw = tile[swizzled_chunk(r, c)];
+                const uint4 raw = x_base[i * RG * kChunksPerRow + 8 * cc];
                 const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);
                 const float2 d = pair_to_f32<CacheT>(raw.z), e = pair_to_f32<CacheT>(raw.w);
                 x[i][0] = a.x; x[i][1] = a.y; x[i][2] = b.x; x[i][3] = b.y;
                 x[i][4] = d.x; x[i][5] = d.y; x[i][6] = e.x; x[i][7] = e.y;
             }
+            const int c = warp + kWarps * cc;
             if constexpr (HPB == 1) {  // one head: its 8 columns of q in two 16-byte loads
                 const float4 qa = reinterpret_cast<const float4*>(q_s)[2 * c];
                 const float4 qb = reinterpret_cast<const float4*>(q_s)[2 * c + 1];

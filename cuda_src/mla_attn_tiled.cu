@@ -108,15 +108,10 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
     float* alpha_s = reinterpret_cast<float*>(smem + Smem::alpha);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int head0 = blockIdx.x * HPB;
-    const int split = blockIdx.y;
-    const ContextSlice slice = context_slice(n_ctx, splits, split);
-    const int row_start = slice.begin, row_end = slice.end;
-    const size_t part_base = static_cast<size_t>(split) * n_head;
-    if (row_start >= row_end) {  // empty slice (S > n_ctx)
-        write_neutral_partial(HPB, head0, n_head, part_base, kKvLora, part_acc, part_m, part_l);
-        return;
-    }
+    BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
+    if (!begin_slice(HPB, n_head, n_ctx, splits, kKvLora, part_acc, part_m, part_l, work)) return;
+    const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
+    const size_t part_base = work.part_base;
 
     // Tile copy: thread t copies rows t/8 and t/8 + 32, chunks (t%8) + 8i: rows 32 apart
     // share a swizzle, and the swizzle flips only the low three bits of the chunk index.

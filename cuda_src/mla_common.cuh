@@ -88,29 +88,34 @@ __device__ __forceinline__ void online_softmax_step(float* m_s, float* l_s, floa
 constexpr float kLazyLog2 = MLA_LAZY_LOG2;
 
 // ---- context slices and their partials ------------------------------------------------
-// Split `split` of `splits` walks the contiguous rows [begin, end) of [0, n_ctx), with
+// Block (g, split) of a launch with grid (head groups, splits) serves heads
+// [head0, head0 + heads) over the contiguous rows [row_start, row_end) of [0, n_ctx), with
 // ceil(n_ctx / splits) rows per slice: contiguous so that each block's walk stays sequential
-// for the prefetcher. With splits > n_ctx the last slices are empty (begin == end).
-struct ContextSlice {
-    int begin, end;
+// for the prefetcher. With splits > n_ctx the last slices are empty (row_start == row_end).
+// Its partial for head h is entry part_base + h of the partials (split * n_head + h).
+struct BlockSlice {
+    int head0, row_start, row_end;
+    size_t part_base;
 };
-__device__ __forceinline__ ContextSlice context_slice(int n_ctx, int splits, int split) {
+
+// The slice of this block. An empty one writes, for the heads that exist (< n_head),
+// m = -inf, l = 0, acc = 0 and returns false: the combine weighs it by 2^(m - m_max) = 0,
+// so it is neutral, never NaN, and the kernel has nothing else to do.
+__device__ __forceinline__ bool begin_slice(int heads, int n_head, int n_ctx, int splits, int latent,
+                                            float* part_acc, float* part_m, float* part_l,
+                                            BlockSlice& out) {
+    const int split = blockIdx.y;
     const int len = (n_ctx + splits - 1) / splits;
     const int begin = min(split * len, n_ctx);
-    return {begin, min(n_ctx, begin + len)};
-}
-
-// What an empty slice writes for heads [head0, head0 + heads) that exist (< n_head):
-// m = -inf, l = 0, acc = 0. The combine weighs it by 2^(m - m_max) = 0, so it is neutral,
-// never NaN. `partial` indexes the (split, head) pair: split * n_head + head.
-__device__ __forceinline__ void write_neutral_partial(int heads, int head0, int n_head, size_t part_base,
-                                                     int latent, float* part_acc, float* part_m,
-                                                     float* part_l) {
-    for (int j = 0; j < heads && head0 + j < n_head; ++j) {
-        const size_t partial = part_base + head0 + j;
+    out = {static_cast<int>(blockIdx.x) * heads, begin, min(n_ctx, begin + len),
+           static_cast<size_t>(split) * n_head};
+    if (out.row_start < out.row_end) return true;
+    for (int j = 0; j < heads && out.head0 + j < n_head; ++j) {
+        const size_t partial = out.part_base + out.head0 + j;
         for (int c = threadIdx.x; c < latent; c += blockDim.x) part_acc[partial * latent + c] = 0.f;
         if (threadIdx.x == 0) { part_m[partial] = -INFINITY; part_l[partial] = 0.f; }
     }
+    return false;
 }
 
 // ---- the query ---------------------------------------------------------------------------

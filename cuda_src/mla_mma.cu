@@ -138,15 +138,10 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c4 = lane & 3;  // fragment row group and column pair
-    const int head0 = blockIdx.x * kHeads;
-    const int split = blockIdx.y;
-    const ContextSlice slice = context_slice(n_ctx, splits, split);
-    const int row_start = slice.begin, row_end = slice.end;
-    const size_t part_base = static_cast<size_t>(split) * n_head;
-    if (row_start >= row_end) {  // empty slice (S > n_ctx)
-        write_neutral_partial(kHeads, head0, n_head, part_base, kMmaLora, part_acc, part_m, part_l);
-        return;
-    }
+    BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
+    if (!begin_slice(kHeads, n_head, n_ctx, splits, kMmaLora, part_acc, part_m, part_l, work)) return;
+    const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
+    const size_t part_base = work.part_base;
 
     // Tile copy: 256 threads, 64 rows x 72 chunks = 18 chunks each.
     auto load_tile = [&](int tile_index, int buf) {
