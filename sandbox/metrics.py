@@ -36,15 +36,12 @@ __all__ = ["DTYPE_BYTES", "Term", "PhaseCost", "attn_cost", "combine_cost", "q_a
 DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
 # Bytes the cuBLAS engine moves per element of its [H, n_ctx] score matrix, pass by pass
-# (cublas_engine.cublas_attention, f16): GEMM writes scores (4); `scores *= scale` reads and
-# writes (8); max reads (4); `scores - m` reads and writes a temporary (8); exp reads it and
-# writes p (8); sum reads (4); `p /= l` reads and writes (8); the cast to f16 reads 4 and
-# writes 2 (6); the second GEMM reads p16 (2). bf16's cast takes more passes (not counted).
-CUBLAS_SCORE_PASSES = (("GEMM writes scores", 4), ("scale (r+w)", 8), ("max (r)", 4),
-                       ("s - m (r+w)", 8), ("exp (r+w)", 8), ("sum (r)", 4),
-                       ("p /= l (r+w)", 8), ("cast p to 16 bits (r 4 + w 2)", 6),
-                       ("GEMM reads p16", 2))
-CUBLAS_SCORE_BYTES = sum(b for _, b in CUBLAS_SCORE_PASSES)  # 52
+# (cublas_engine.cublas_attention): the GEMM writes the scaled scores (4); the max reads them
+# (4); exp(s - m) in place reads and writes them (8); the sum reads them (4); p = e / l reads
+# them and writes p in 16 bits (6); the second GEMM reads p16 (2).
+CUBLAS_SCORE_PASSES = (("GEMM writes scores", 4), ("max (r)", 4), ("exp in place (r+w)", 8),
+                       ("sum (r)", 4), ("p to 16 bits (r 4 + w 2)", 6), ("GEMM reads p16", 2))
+CUBLAS_SCORE_BYTES = sum(b for _, b in CUBLAS_SCORE_PASSES)  # 28
 
 
 @dataclass(frozen=True)

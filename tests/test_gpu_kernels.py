@@ -248,3 +248,40 @@ def test_a_torch_bf16_tensor_is_used_without_a_host_copy():
     assert cache_words.data.ptr == cache_t.data_ptr(), "DLPack made a copy"
     step = DecodeStep(inp.q, cache_words, wv_words, inp.n_ctx, variant="batched16")
     check_step(step, inp, seed, Tolerance(), "torch bf16")
+
+
+@gpu
+@pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
+def test_the_engines_softmax_kernels_round_p_like_the_cast_helpers(cache_dtype):
+    """The cuBLAS engine's own softmax passes: exp(s - m) in place is CuPy's exp to an f32
+    ulp, and p = e / l in 16 bits is the cast the project's helpers do (astype for f16,
+    f32_to_bf16_bits for bf16: nearest even), a NaN row staying NaN. The two exps may differ
+    by an ulp, which can move a rounding boundary, so a handful of elements may differ by one
+    16-bit ulp; rounding by truncation would miss on about half of them."""
+    import cupy
+
+    from gpu_support import fresh_seed
+    from mlasandbox.bf16 import f32_to_bf16_bits
+    from mlasandbox.cublas_engine import _softmax_kernels
+
+    kernels = _softmax_kernels()
+    rng = cupy.random.default_rng(fresh_seed())
+    s = rng.standard_normal((6, 5003), dtype=cupy.float32) * 6
+    s[4, 11] = cupy.nan
+    m = s.max(axis=1, keepdims=True)
+    e = s.copy()
+    kernels["exp_shift"](m, e)
+    want_e = cupy.exp(s - m)
+    np.testing.assert_allclose(e.get(), want_e.get(), rtol=3e-7, atol=0, equal_nan=True)
+    assert bool(cupy.isnan(e[4]).all()) and not bool(cupy.isnan(e[:4]).any())
+
+    l = e.sum(axis=1, keepdims=True)
+    p16 = kernels[cache_dtype](e, l)
+    p32 = e / l
+    want = p32.astype(cupy.float16).view(cupy.uint16) if cache_dtype == "f16" else f32_to_bf16_bits(p32)
+    got = p16.view(cupy.uint16) if cache_dtype == "f16" else p16
+    assert got.shape == s.shape and got.dtype == cupy.uint16
+    finite = ~cupy.isnan(p32)
+    assert bool((got == want)[finite].all()), "p = e / l must round exactly like the cast helpers"
+    got_nan = (got & 0x7FFF) > (0x7C00 if cache_dtype == "f16" else 0x7F80)
+    assert bool(got_nan[4].all()) and not bool(got_nan[:4].any())
