@@ -74,7 +74,7 @@ __host__ __device__ constexpr int round4(int x) { return (x + 3) / 4 * 4; }
 
 // Pipeline depth. HPB >= 2 double-buffers the cache tile, so one block overlaps its next
 // load with its own compute. HPB 1 (per_head, split) keeps a single tile and relies on other
-// resident blocks for the overlap: half the shared memory buys 4 blocks per SM instead of 3,
+// resident blocks for the overlap: half the shared memory buys 5 blocks per SM instead of 3,
 // and a lone block (per_head's 96 blocks on 132 SMs) has nothing to overlap its loads
 // against -- the lecture's section 1 shape, made visible.
 template <int HPB> __host__ __device__ constexpr int attn_stages() { return HPB == 1 ? 1 : 2; }
@@ -98,11 +98,6 @@ template <int HPB> struct AttnSmem {
     static_assert(stages == 1 || red_bytes <= tile_bytes, "the partials must fit in the spare tile");
     static_assert(HPB * kKvLora * 4 <= stages * tile_bytes, "the row-half sum borrows the tile buffers");
 };
-
-// Chunk c of tile row r lives at chunk (c ^ (r & 7)) of that row: the 16-byte reads of the
-// score phase (many rows, one column) and the 4-byte reads of the value phase (one row, many
-// columns) are then both free of bank conflicts without padding the rows.
-__device__ __forceinline__ int swizzled_chunk(int r, int c) { return r * kChunksPerRow + (c ^ (r & 7)); }
 
 // HPT consecutive f32 from shared memory, as wide as alignment allows.
 template <int HPT, int HPB>
@@ -296,7 +291,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
             float v[4][kCols];
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
-                const int chunk = swizzled_chunk(t4 + u, col_chunk);
+                const int chunk = swizzled_chunk(t4 + u, col_chunk, kChunksPerRow);
                 if constexpr (kCols == 4) {
                     const uint2 raw = reinterpret_cast<const uint2*>(tile)[chunk * 2 + col_sub];
                     const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);

@@ -81,9 +81,6 @@ struct Smem {
                   "the row-quarter sum borrows the tile buffers");
 };
 
-// Chunk c of tile row r lives at chunk (c ^ (r & 7)) of that row, as in mla_attn.cu.
-__device__ __forceinline__ int swizzled_chunk(int r, int c) { return r * kChunksPerRow + (c ^ (r & 7)); }
-
 template <typename CacheT>
 __device__ __forceinline__ void unpack4(uint2 raw, float (&x)[4]) {
     const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);
@@ -252,7 +249,7 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
         const uint4* tile4 = reinterpret_cast<const uint4*>(tile);
 #pragma unroll MLA_TILED_VALUE_UNROLL
         for (int r = rq * kRowsPerQuarter; r < (rq + 1) * kRowsPerQuarter; ++r) {
-            const uint4 raw = tile4[swizzled_chunk(r, cg)];
+            const uint4 raw = tile4[swizzled_chunk(r, cg, kChunksPerRow)];
             float x[kValueCols];
             unpack4<CacheT>(make_uint2(raw.x, raw.y), *reinterpret_cast<float(*)[4]>(x));
             unpack4<CacheT>(make_uint2(raw.z, raw.w), *reinterpret_cast<float(*)[4]>(x + 4));

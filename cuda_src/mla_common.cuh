@@ -1,9 +1,9 @@
 // mla_common.cuh: helpers shared by the mlasandbox kernel families.
 //
 // Conversions from the cache element types to f32, 16-byte cp.async with zero fill, warp
-// reductions, the online-softmax step and the lazy max, the context slice every attention
-// family walks (with the neutral partial of an empty one), the q prologue, and the memory
-// ablation's switch. Nothing here depends on the MLA dims.
+// reductions, the online-softmax step and the lazy max, the tiles' swizzle, the context
+// slice every attention family walks (with the neutral partial of an empty one), the q
+// prologue, and the memory ablation's switch. Nothing here depends on the MLA dims.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -86,6 +86,15 @@ __device__ __forceinline__ void online_softmax_step(float* m_s, float* l_s, floa
 #define MLA_LAZY_LOG2 8.f
 #endif
 constexpr float kLazyLog2 = MLA_LAZY_LOG2;
+
+// ---- the shared-memory swizzle ---------------------------------------------------------
+// Chunk c (16 bytes) of tile row r lives at chunk (c ^ (r & 7)) of that row, for rows of
+// `chunks_per_row` chunks (a multiple of 8): 8 consecutive rows read at one column land in 8
+// different bank groups, and one row read across its columns stays conflict-free too, with no
+// padding. Every attention family lays its cache tiles out this way.
+__device__ __forceinline__ int swizzled_chunk(int r, int c, int chunks_per_row) {
+    return r * chunks_per_row + (c ^ (r & 7));
+}
 
 // ---- context slices and their partials ------------------------------------------------
 // Block (g, split) of a launch with grid (head groups, splits) serves heads

@@ -75,12 +75,6 @@ template <int HM> struct MmaSmem {
     static_assert(red_own || red_bytes <= tile_bytes, "the score halves live in the spare tile");
 };
 
-// Chunk c of row r at chunk (c ^ (r & 7)): the 8 rows an ldmatrix reads at one column land
-// in 8 different bank groups.
-__device__ __forceinline__ int mma_swz(int r, int c, int chunks_per_row) {
-    return r * chunks_per_row + (c ^ (r & 7));
-}
-
 __device__ __forceinline__ unsigned smem_u32(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -152,7 +146,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
             const int r = idx / kMmaChunks, c = idx - r * kMmaChunks;
             const bool valid = row0 + r < row_end;
             const CacheT* src = cache + static_cast<size_t>(valid ? row0 + r : 0) * kMmaKey + c * 8;
-            cp_async_16(dst + mma_swz(r, c, kMmaChunks), src, valid);
+            cp_async_16(dst + swizzled_chunk(r, c, kMmaChunks), src, valid);
         }
         cp_async_commit();
     };
@@ -162,7 +156,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     stage_q<kHeads, kMmaKey, kMmaThreads>(q, head0, n_head, scale_log2, [&](int j, int k, float x) {
         CacheT hi, lo;
         split_hi_lo(x, hi, lo);
-        const int off = mma_swz(j, k >> 3, kMmaChunks) * 8 + (k & 7);
+        const int off = swizzled_chunk(j, k >> 3, kMmaChunks) * 8 + (k & 7);
         q_hl[off] = hi;
         q_hl[kHeads * kMmaKey + off] = lo;
     });
@@ -209,11 +203,11 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
             for (int s = 0; s < kKSteps / 2; ++s) {
                 const int ks = k_half * (kKSteps / 2) + s;
                 unsigned b[4];
-                ldsm_x4(tile_base + mma_swz(b_row, 2 * ks + b_khalf, kMmaChunks) * 16, b);
+                ldsm_x4(tile_base + swizzled_chunk(b_row, 2 * ks + b_khalf, kMmaChunks) * 16, b);
 #pragma unroll
                 for (int mt = 0; mt < HM; ++mt) {
                     unsigned a_hi[4], a_lo[4];
-                    const int qa = mma_swz(16 * mt + a_head, 2 * ks + a_khalf, kMmaChunks) * 16;
+                    const int qa = swizzled_chunk(16 * mt + a_head, 2 * ks + a_khalf, kMmaChunks) * 16;
                     ldsm_x4(q_base + qa, a_hi);
                     ldsm_x4(q_base + kHeads * kMmaKey * 2 + qa, a_lo);
                     M::mma(sp[mt][0][0], a_hi, b[0], b[1]);
@@ -275,7 +269,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
                     const int col = lane + 32 * half;
                     CacheT hi, lo;
                     split_hi_lo(half ? p1 : p0, hi, lo);
-                    const int off = mma_swz(h, col >> 3, kPChunks) * 8 + (col & 7);
+                    const int off = swizzled_chunk(h, col >> 3, kPChunks) * 8 + (col & 7);
                     p_hl[off] = hi;
                     p_hl[kHeads * kMmaTile + off] = lo;
                 }
@@ -317,7 +311,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
             unsigned pa_hi[HM][4], pa_lo[HM][4];
 #pragma unroll
             for (int mt = 0; mt < HM; ++mt) {
-                const int pa = mma_swz(16 * mt + (lm_mat & 1) * 8 + lm_row, 2 * ks + (lm_mat >> 1), kPChunks) * 16;
+                const int pa = swizzled_chunk(16 * mt + (lm_mat & 1) * 8 + lm_row, 2 * ks + (lm_mat >> 1), kPChunks) * 16;
                 ldsm_x4(p_base + pa, pa_hi[mt]);
                 ldsm_x4(p_base + kHeads * kMmaTile * 2 + pa, pa_lo[mt]);
             }
@@ -327,7 +321,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
             for (int j = 0; j < 4; ++j) {
                 unsigned b[4];
                 const int col_chunk = warp * 8 + 2 * j + (lm_mat >> 1);
-                ldsm_x4_trans(tile_base + mma_swz(b_row, col_chunk, kMmaChunks) * 16, b);
+                ldsm_x4_trans(tile_base + swizzled_chunk(b_row, col_chunk, kMmaChunks) * 16, b);
 #pragma unroll
                 for (int mt = 0; mt < HM; ++mt) {
                     M::mma(acc[mt][2 * j], pa_hi[mt], b[0], b[1]);
