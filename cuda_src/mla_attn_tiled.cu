@@ -110,23 +110,10 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
     const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
     const size_t part_base = work.part_base;
 
-    // Tile copy: thread t copies rows t/8 and t/8 + 32, chunks (t%8) + 8i: rows 32 apart
-    // share a swizzle, and the swizzle flips only the low three bits of the chunk index.
-    const int copy_row = tid >> 3, copy_lane = tid & 7;
-    const int copy_dst = copy_row * kChunksPerRow + (copy_lane ^ (copy_row & 7));
     auto load_tile = [&](int tile_index, int buf) {
         if (kAblateCacheLoads && tile_index >= 2) return;  // two stage buffers
-        uint4* dst = tiles + buf * kTile * kChunksPerRow + copy_dst;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int row = row_start + tile_index * kTile + half * 32 + copy_row;
-            const bool valid = row < row_end;
-            const CacheT* src = cache + static_cast<size_t>(valid ? row : 0) * kKeyDim + copy_lane * kChunkElems;
-#pragma unroll
-            for (int i = 0; i < kChunksPerRow / 8; ++i)
-                cp_async_16(dst + half * 32 * kChunksPerRow + 8 * i, src + 8 * i * kChunkElems, valid);
-        }
-        cp_async_commit();
+        cp_async_tile<kTile, kChunksPerRow, kThreads>(tiles + buf * kTile * kChunksPerRow, cache,
+                                                     row_start + tile_index * kTile, row_end);
     };
     load_tile(0, 0);
 

@@ -96,6 +96,32 @@ __device__ __forceinline__ int swizzled_chunk(int r, int c, int chunks_per_row) 
     return r * chunks_per_row + (c ^ (r & 7));
 }
 
+// ---- the tile copy ------------------------------------------------------------------------
+// Copies cache rows [row0, row0 + kRows) into a tile of kRows swizzled rows of kChunks 16-byte
+// chunks with 256 threads, one cp.async group; rows >= row_end are zero-filled (cp_async_16).
+// Thread t copies rows t/8 + 32h, chunks (t%8) + 8i. Rows 32 apart share a swizzle, and the
+// swizzle flips only the low three bits of the chunk index, so a thread's destinations are one
+// base plus immediates and its sources one row pointer plus immediates: no per-chunk index
+// arithmetic. (mma_attn's copy once walked the tile chunk by chunk, idx / 72 and a swizzle per
+// chunk: ~350 instructions a thread per tile, in front of its scores.)
+template <int kRows, int kChunks, int kThreadsT, typename CacheT>
+__device__ __forceinline__ void cp_async_tile(uint4* tile, const CacheT* __restrict__ cache, int row0,
+                                              int row_end) {
+    static_assert(kThreadsT == 256 && kRows % 32 == 0, "8 threads per row, 32 rows per pass");
+    static_assert(kChunks % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
+    const int copy_row = threadIdx.x >> 3, copy_lane = threadIdx.x & 7;
+    uint4* dst = tile + copy_row * kChunks + (copy_lane ^ (copy_row & 7));
+#pragma unroll
+    for (int pass = 0; pass < kRows / 32; ++pass) {
+        const int row = row0 + pass * 32 + copy_row;
+        const bool valid = row < row_end;
+        const CacheT* src = cache + static_cast<size_t>(valid ? row : 0) * (kChunks * 8) + copy_lane * 8;
+#pragma unroll
+        for (int i = 0; i < kChunks / 8; ++i) cp_async_16(dst + (pass * 32 * kChunks + 8 * i), src + 64 * i, valid);
+    }
+    cp_async_commit();
+}
+
 // ---- context slices and their partials ------------------------------------------------
 // Block (g, split) of a launch with grid (head groups, splits) serves heads
 // [head0, head0 + heads) over the contiguous rows [row_start, row_end) of [0, n_ctx), with

@@ -137,18 +137,10 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
     const size_t part_base = work.part_base;
 
-    // Tile copy: 256 threads, 64 rows x 72 chunks = 18 chunks each.
     auto load_tile = [&](int tile_index, int buf) {
         if (kAblateCacheLoads && tile_index >= 2) return;  // two stage buffers
-        const int row0 = row_start + tile_index * kMmaTile;
-        uint4* dst = tiles + buf * kMmaTile * kMmaChunks;
-        for (int idx = tid; idx < kMmaTile * kMmaChunks; idx += kMmaThreads) {
-            const int r = idx / kMmaChunks, c = idx - r * kMmaChunks;
-            const bool valid = row0 + r < row_end;
-            const CacheT* src = cache + static_cast<size_t>(valid ? row0 + r : 0) * kMmaKey + c * 8;
-            cp_async_16(dst + swizzled_chunk(r, c, kMmaChunks), src, valid);
-        }
-        cp_async_commit();
+        cp_async_tile<kMmaTile, kMmaChunks, kMmaThreads>(tiles + buf * kMmaTile * kMmaChunks, cache,
+                                                         row_start + tile_index * kMmaTile, row_end);
     };
     load_tile(0, 0);
 
