@@ -53,12 +53,6 @@ static_assert(kMmaLora == 64 * kMmaWarps, "value phase: 64 columns per warp");
 // consumed them.
 constexpr int kMmaSmemMax = 227 * 1024;
 
-// Unroll of the score phase's 18 k16 steps (measured on the H200 at 131072 context, 16 and
-// 128 heads): mma16 unrolls them all (164 registers; 3-4% faster than an unroll of 3), mma32
-// by 6, which keeps the swizzled addresses periodic (the chunk XOR repeats every 4 steps)
-// without the full unroll's 208 registers (3% faster than 3; the full unroll no faster).
-template <int HM> __host__ __device__ constexpr int mma_score_unroll() { return HM == 1 ? 18 : 6; }
-
 template <int HM> struct MmaSmem {
     static constexpr int heads = 16 * HM;
     static constexpr int tile_bytes = kMmaTile * kMmaKey * 2;
@@ -167,7 +161,6 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     // ldmatrix row addresses: lane l feeds row (l & 7) of matrix (l >> 3).
     const int lm_mat = lane >> 3, lm_row = lane & 7;
     const int row_pair = warp & 3, k_half = warp >> 2;
-    constexpr int kScoreUnroll = mma_score_unroll<HM>();
 
     for (int it = 0; it < n_tiles; ++it) {
         const int buf = it & 1;
@@ -191,23 +184,44 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
             const int a_head = (lm_mat & 1) * 8 + lm_row, a_khalf = lm_mat >> 1;
             // B (cache rows): matrices (n tile 0 | 1) x (k lo | k hi)
             const int b_row = row_pair * 16 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
-#pragma unroll (kScoreUnroll)
-            for (int s = 0; s < kKSteps / 2; ++s) {
-                const int ks = k_half * (kKSteps / 2) + s;
+            // Every row this lane addresses has row & 7 == lm_row, and the swizzle flips only
+            // the low three bits of a chunk index, so chunk 2ks + khalf of k-step ks0 + 4i + j
+            // sits 8i chunks (128 bytes) after that of k-step ks0 + j: four addresses per
+            // operand, once per tile, and the fully unrolled k loop adds immediates. (Swizzling
+            // every step's address cost mma32 a third of its score-loop instructions; unrolled
+            // by 6, the XOR's period of 4 steps did not line up with the loop's. Measured at
+            // 131072 context: mma32 210.3 -> 199.2 us at 96 heads, 277.9 -> 264.6 at 128;
+            // mma16 unchanged, with 123 registers instead of 163. results/h200-2026-11-29/
+            // mma_addr_e84cb41.txt.)
+            const int ks0 = k_half * (kKSteps / 2);
+            unsigned b_addr[4], q_addr[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                b_addr[j] = tile_base + swizzled_chunk(b_row, 2 * (ks0 + j) + b_khalf, kMmaChunks) * 16;
+                q_addr[j] = q_base + swizzled_chunk(a_head, 2 * (ks0 + j) + a_khalf, kMmaChunks) * 16;
+            }
+            auto k_step = [&](int j, unsigned skip) {  // k-step ks0 + j + 4 * (skip / 128)
                 unsigned b[4];
-                ldsm_x4(tile_base + swizzled_chunk(b_row, 2 * ks + b_khalf, kMmaChunks) * 16, b);
+                ldsm_x4(b_addr[j] + skip, b);
 #pragma unroll
                 for (int mt = 0; mt < HM; ++mt) {
                     unsigned a_hi[4], a_lo[4];
-                    const int qa = swizzled_chunk(16 * mt + a_head, 2 * ks + a_khalf, kMmaChunks) * 16;
-                    ldsm_x4(q_base + qa, a_hi);
-                    ldsm_x4(q_base + kHeads * kMmaKey * 2 + qa, a_lo);
+                    const unsigned qa = q_addr[j] + skip + mt * 16 * kMmaChunks * 16;
+                    ldsm_x4(qa, a_hi);
+                    ldsm_x4(qa + kHeads * kMmaKey * 2, a_lo);
                     M::mma(sp[mt][0][0], a_hi, b[0], b[1]);
                     M::mma(sp[mt][1][0], a_hi, b[2], b[3]);
                     M::mma(sp[mt][0][1], a_lo, b[0], b[1]);
                     M::mma(sp[mt][1][1], a_lo, b[2], b[3]);
                 }
-            }
+            };
+            static_assert(kKSteps / 2 == 4 * 4 + 2, "a k half is 4 x 4 k-steps and 2 more");
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+#pragma unroll
+                for (int j = 0; j < 4; ++j) k_step(j, 128u * i);
+            k_step(0, 512u);
+            k_step(1, 512u);
             // red[k_half][head][row]; fragment e: head 16mt + g + 8*(e >> 1), row 8n + 2c4 + (e & 1)
 #pragma unroll
             for (int mt = 0; mt < HM; ++mt)
