@@ -161,9 +161,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
     const size_t part_base = work.part_base;
 
     auto load_tile = [&](int tile_index, int buf) {
-        if (kAblateCacheLoads && tile_index >= Smem::stages) return;
-        cp_async_tile<kTile, kChunksPerRow, kThreads>(tiles + buf * kTile * kChunksPerRow, cache,
-                                                     row_start + tile_index * kTile, row_end);
+        cp_async_tile<kTile, kChunksPerRow, Smem::stages, kThreads>(tiles, buf, tile_index, cache, row_start, row_end);
     };
     load_tile(0, 0);
 

@@ -110,10 +110,8 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
     const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
     const size_t part_base = work.part_base;
 
-    auto load_tile = [&](int tile_index, int buf) {
-        if (kAblateCacheLoads && tile_index >= 2) return;  // two stage buffers
-        cp_async_tile<kTile, kChunksPerRow, kThreads>(tiles + buf * kTile * kChunksPerRow, cache,
-                                                     row_start + tile_index * kTile, row_end);
+    auto load_tile = [&](int tile_index, int buf) {  // two stage buffers
+        cp_async_tile<kTile, kChunksPerRow, 2, kThreads>(tiles, buf, tile_index, cache, row_start, row_end);
     };
     load_tile(0, 0);
 

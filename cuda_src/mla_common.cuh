@@ -1,9 +1,10 @@
 // mla_common.cuh: helpers shared by the mlasandbox kernel families.
 //
 // Conversions from the cache element types to f32, 16-byte cp.async with zero fill, warp
-// reductions, the online-softmax step and the lazy max, the tiles' swizzle, the context
-// slice every attention family walks (with the neutral partial of an empty one), the q
-// prologue, and the memory ablation's switch. Nothing here depends on the MLA dims.
+// reductions, the online-softmax step and the lazy max, the tiles' swizzle, the memory
+// ablation's switch and the tile copy that honours it, the context slice every attention
+// family walks (with the neutral partial of an empty one), and the q prologue. Nothing here
+// depends on the MLA dims.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -96,21 +97,40 @@ __device__ __forceinline__ int swizzled_chunk(int r, int c, int chunks_per_row) 
     return r * chunks_per_row + (c ^ (r & 7));
 }
 
+// ---- the memory ablation (mlasandbox ablate) ---------------------------------------------
+// Built with -DMLA_ABLATE_CACHE_LOADS, a kernel copies only the first tile into each of its
+// stage buffers and then computes every later tile on those same rows: the instructions it
+// issues are its own minus the cache copies, so its time is the design's compute floor and
+// the gap to the real kernel is what the loads cost. Its results are wrong by design (where
+// score partials borrow the spare tile buffer, later tiles compute on their bits, often NaN,
+// which the float pipes take at full speed).
+#ifdef MLA_ABLATE_CACHE_LOADS
+constexpr bool kAblateCacheLoads = true;
+#else
+constexpr bool kAblateCacheLoads = false;
+#endif
+
 // ---- the tile copy ------------------------------------------------------------------------
-// Copies cache rows [row0, row0 + kRows) into a tile of kRows swizzled rows of kChunks 16-byte
-// chunks with 256 threads, one cp.async group; rows >= row_end are zero-filled (cp_async_16).
+// Copies tile `tile_index` of the slice that starts at row_start (cache rows [row0, row0 +
+// kRows), row0 = row_start + tile_index * kRows) into stage buffer `buf` of `tiles` (kStages
+// buffers of kRows swizzled rows of kChunks 16-byte chunks) with 256 threads, one cp.async
+// group; rows >= row_end are zero-filled (cp_async_16). Under the memory ablation only the
+// first kStages tiles are copied, one per buffer.
 // Thread t copies rows t/8 + 32h, chunks (t%8) + 8i. Rows 32 apart share a swizzle, and the
 // swizzle flips only the low three bits of the chunk index, so a thread's destinations are one
 // base plus immediates and its sources one row pointer plus immediates: no per-chunk index
 // arithmetic. (mma_attn's copy once walked the tile chunk by chunk, idx / 72 and a swizzle per
 // chunk: ~350 instructions a thread per tile, in front of its scores.)
-template <int kRows, int kChunks, int kThreadsT, typename CacheT>
-__device__ __forceinline__ void cp_async_tile(uint4* tile, const CacheT* __restrict__ cache, int row0,
+template <int kRows, int kChunks, int kStages, int kThreadsT, typename CacheT>
+__device__ __forceinline__ void cp_async_tile(uint4* tiles, int buf, int tile_index,
+                                              const CacheT* __restrict__ cache, int row_start,
                                               int row_end) {
     static_assert(kThreadsT == 256 && kRows % 32 == 0, "8 threads per row, 32 rows per pass");
     static_assert(kChunks % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
+    if (kAblateCacheLoads && tile_index >= kStages) return;
+    const int row0 = row_start + tile_index * kRows;
     const int copy_row = threadIdx.x >> 3, copy_lane = threadIdx.x & 7;
-    uint4* dst = tile + copy_row * kChunks + (copy_lane ^ (copy_row & 7));
+    uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks + (copy_lane ^ (copy_row & 7));
 #pragma unroll
     for (int pass = 0; pass < kRows / 32; ++pass) {
         const int row = row0 + pass * 32 + copy_row;
@@ -183,19 +203,6 @@ __device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int
         }
     }
 }
-
-// ---- the memory ablation (mlasandbox ablate) ---------------------------------------------
-// Built with -DMLA_ABLATE_CACHE_LOADS, a kernel copies only the first tile into each of its
-// stage buffers and then computes every later tile on those same rows: the instructions it
-// issues are its own minus the cache copies, so its time is the design's compute floor and
-// the gap to the real kernel is what the loads cost. Its results are wrong by design (where
-// score partials borrow the spare tile buffer, later tiles compute on their bits, often NaN,
-// which the float pipes take at full speed).
-#ifdef MLA_ABLATE_CACHE_LOADS
-constexpr bool kAblateCacheLoads = true;
-#else
-constexpr bool kAblateCacheLoads = false;
-#endif
 
 // A kernel that needs `need` bytes of dynamic shared memory traps when launched with less,
 // so a launcher whose smem formula drifted from the kernel fails loudly, not wrongly.
