@@ -1,8 +1,9 @@
-// mla_attn.cu: the attention family of mlasandbox. per_head, split and batched<HPB> are all
-// instances of one kernel, mla::attn<HPB, CacheT, QT>.
+// mla_attn.cu: the heads-batched attention of mlasandbox. batched<HPB> is an instance of one
+// kernel, mla::attn<HPB, CacheT, QT>; one head per block (per_head, split) has a kernel of its
+// own, mla_attn_rows.cu, since with one head no cache row is shared between heads.
 //
 // Template parameters
-//   HPB     heads served by one pass over the cache: 1 (per_head, split), 2, 4, 8, 12, 16
+//   HPB     heads served by one pass over the cache: 2, 4, 8, 12, 16, 24
 //   CacheT  cache element: __half or __nv_bfloat16
 //   QT      query element: float, or CacheT
 // Fixed geometry (sandbox/registry.py mirrors it: change both together)
@@ -53,7 +54,8 @@ static_assert(kTile == 32, "the softmax phase maps one tile row to one lane");
 // Tuning knobs, overridable with -D for experiments (the registry compiles the defaults).
 // Full unrolls (9 score chunks, 4 steps of 4 rows) let every shared-memory address be a base
 // register plus an immediate; at 96 heads they took split 2134 -> 1947 us and per_head
-// 7098 -> 6334 us (results/h200-2026-11-29/attn_unroll.txt).
+// 7098 -> 6334 us when this kernel also served one head per block (attn<1>, before
+// mla_attn_rows.cu; results/h200-2026-11-29/attn_unroll.txt).
 #ifndef MLA_SCORE_UNROLL
 #define MLA_SCORE_UNROLL 9
 #endif
@@ -64,38 +66,29 @@ static_assert(kTile == 32, "the softmax phase maps one tile row to one lane");
 #define MLA_WIDE_HPB 12       // value columns per thread (four below it)
 #endif
 // Resident blocks per SM the register allocation must allow (the launch-bounds minimum):
-// 5 for HPB 1, whose single-stage tile leaves room for 5 blocks of shared memory; 2 up to
-// HPB 16; 1 above, where shared memory already limits the SM to one block (the wall).
-template <int HPB> __host__ __device__ constexpr int attn_min_blocks() {
-    return HPB == 1 ? 5 : (HPB <= 16 ? 2 : 1);
-}
+// 2 up to HPB 16; 1 above, where shared memory already limits the SM to one block (the wall).
+template <int HPB> __host__ __device__ constexpr int attn_min_blocks() { return HPB <= 16 ? 2 : 1; }
 
 __host__ __device__ constexpr int round4(int x) { return (x + 3) / 4 * 4; }
 
-// Pipeline depth. HPB >= 2 double-buffers the cache tile, so one block overlaps its next
-// load with its own compute. HPB 1 (per_head, split) keeps a single tile and relies on other
-// resident blocks for the overlap: half the shared memory buys 5 blocks per SM instead of 3,
-// and a lone block (per_head's 96 blocks on 132 SMs) has nothing to overlap its loads
-// against -- the lecture's section 1 shape, made visible.
-template <int HPB> __host__ __device__ constexpr int attn_stages() { return HPB == 1 ? 1 : 2; }
-
 // Shared-memory layout in bytes; registry.attn_smem_bytes() computes the same total.
-// With two stages the cross-warp score partials (`red`) live in the spare tile buffer: the
-// next tile is only issued once the softmax has consumed them, so one buffer serves both,
-// and HPB 16 fits two blocks per SM. With one stage they get their own (small) buffer.
+// The cache tile is double-buffered, so a block overlaps its next load with its own compute.
+// The cross-warp score partials (`red`, [kWarps][HPB][kTile] f32) live in the spare tile
+// buffer: the next tile is only issued once the softmax has consumed them, so one buffer
+// serves both, and HPB 16 fits two blocks per SM.
 template <int HPB> struct AttnSmem {
-    static constexpr int stages = attn_stages<HPB>();
+    static_assert(HPB >= 2, "one head per block is attn_rows (mla_attn_rows.cu)");
+    static constexpr int stages = 2;
     static constexpr int tile_bytes = kTile * kKeyDim * 2;
-    static constexpr int red_bytes = kWarps * HPB * kTile * 4;             // [kWarps][HPB][kTile]
-    static constexpr int tiles = 0;                                        // stages x [kTile][72] x 16 B
-    static constexpr int red = tiles + stages * tile_bytes;                // only when stages == 1
-    static constexpr int q = red + (stages == 1 ? red_bytes : 0);          // [kKeyDim][HPB] f32
+    static constexpr int red_bytes = kWarps * HPB * kTile * 4;
+    static constexpr int tiles = 0;                                        // 2 x [kTile][72] x 16 B
+    static constexpr int q = tiles + stages * tile_bytes;                  // [kKeyDim][HPB] f32
     static constexpr int p = q + kKeyDim * HPB * 4;                        // [HPB][kTile] f32
     static constexpr int m = p + HPB * kTile * 4;                          // [HPB] f32 each
     static constexpr int l = m + round4(HPB) * 4;
     static constexpr int alpha = l + round4(HPB) * 4;
     static constexpr int bytes = alpha + round4(HPB) * 4;
-    static_assert(stages == 1 || red_bytes <= tile_bytes, "the partials must fit in the spare tile");
+    static_assert(red_bytes <= tile_bytes, "the partials must fit in the spare tile");
     static_assert(HPB * kKvLora * 4 <= stages * tile_bytes, "the row-half sum borrows the tile buffers");
 };
 
@@ -183,15 +176,13 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
     const int col_chunk = col_group / kGroupsPerChunk, col_sub = col_group % kGroupsPerChunk;
 
     for (int it = 0; it < n_tiles; ++it) {
-        const int buf = (Smem::stages == 2) ? (it & 1) : 0;
+        const int buf = it & 1;
         cp_async_wait<0>();
         // Tile `it` is visible to every thread, and every thread has finished the value
         // phase of tile it-1, so the spare buffer is free for the score partials.
         __syncthreads();
         const uint4* tile = tiles + buf * kTile * kChunksPerRow;
-        float* red = (Smem::stages == 2)
-                         ? reinterpret_cast<float*>(tiles + (buf ^ 1) * kTile * kChunksPerRow)
-                         : reinterpret_cast<float*>(smem + Smem::red);
+        float* red = reinterpret_cast<float*>(tiles + (buf ^ 1) * kTile * kChunksPerRow);
 
         // ---- 2. scores: partial dot products over this warp's key columns ----
         float sacc[TPT][HPT];
@@ -202,7 +193,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
         // Warp w owns chunks w + 8 cc. The swizzle permutes chunks within groups of 8 and a
         // lane's rows share their low three bits (RG is a multiple of 8), so the lane's chunk
         // cc of row i sits at one base plus immediates, and so do its q columns: the fully
-        // unrolled loop does no address arithmetic (it cost 9% of split's instructions when
+        // unrolled loop does no address arithmetic (it cost 9% of attn<1>'s instructions when
         // a warp owned 9 adjacent chunks, whose swizzled offsets vary with cc).
         const uint4* x_base = tile + rg * kChunksPerRow + (warp ^ (rg & 7));
 #pragma unroll MLA_SCORE_UNROLL
@@ -217,24 +208,14 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
                 x[i][4] = d.x; x[i][5] = d.y; x[i][6] = e.x; x[i][7] = e.y;
             }
             const int c = warp + kWarps * cc;
-            if constexpr (HPB == 1) {  // one head: its 8 columns of q in two 16-byte loads
-                const float4 qa = reinterpret_cast<const float4*>(q_s)[2 * c];
-                const float4 qb = reinterpret_cast<const float4*>(q_s)[2 * c + 1];
-                const float qk[kChunkElems] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+            for (int kk = 0; kk < kChunkElems; ++kk) {
+                float qv[HPT];
+                load_heads<HPT, HPB>(q_s + (c * kChunkElems + kk) * HPB + hg * HPT, qv);
 #pragma unroll
                 for (int i = 0; i < TPT; ++i)
 #pragma unroll
-                    for (int kk = 0; kk < kChunkElems; ++kk) sacc[i][0] = fmaf(x[i][kk], qk[kk], sacc[i][0]);
-            } else {
-#pragma unroll
-                for (int kk = 0; kk < kChunkElems; ++kk) {
-                    float qv[HPT];
-                    load_heads<HPT, HPB>(q_s + (c * kChunkElems + kk) * HPB + hg * HPT, qv);
-#pragma unroll
-                    for (int i = 0; i < TPT; ++i)
-#pragma unroll
-                        for (int j = 0; j < HPT; ++j) sacc[i][j] = fmaf(x[i][kk], qv[j], sacc[i][j]);
-                }
+                    for (int j = 0; j < HPT; ++j) sacc[i][j] = fmaf(x[i][kk], qv[j], sacc[i][j]);
             }
         }
 #pragma unroll
@@ -264,7 +245,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
         __syncthreads();
         // The partials are consumed: the spare buffer can take the next tile, which lands
         // while this tile's value phase runs (and while the SM's other block computes).
-        if (Smem::stages == 2 && it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
+        if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
 
         // ---- 4. values: acc = acc * alpha + p @ cache[:, cols] over this thread's rows ----
 #pragma unroll
@@ -298,10 +279,6 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
 #pragma unroll
                     for (int e = 0; e < kCols; ++e) out_acc[j][e] = fmaf(pv[u], v[u][e], out_acc[j][e]);
             }
-        }
-        if (Smem::stages == 1 && it + 1 < n_tiles) {
-            __syncthreads();  // every thread is done reading the one tile buffer
-            load_tile(it + 1, 0);
         }
     }
 

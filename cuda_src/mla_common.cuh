@@ -78,10 +78,19 @@ __device__ __forceinline__ void online_softmax_step(float* m_s, float* l_s, floa
     m_s[h] = m_new;
 }
 
-// The lazy running max (mla_attn_tiled.cu, mla_mma.cu): a head's reference max moves only when
-// a tile's max exceeds it by more than this many log2 units, so p = 2^(s - m) <= 2^8 and the
-// value accumulators are rescaled only on the tiles where some head's max moved (alpha is
-// exactly 1 for the others). A huge value (-DMLA_LAZY_LOG2=1e30f) never moves the max after
+// 2^x as one MUFU.EX2, flushing results below 2^-126 to zero (exp2f adds a range fix-up of
+// three instructions for them). Used for the p = 2^(s - m) of attn_rows, where such a p is
+// nothing next to the running sum (>= 2^-8 with the lazy max below).
+__device__ __forceinline__ float exp2_ftz(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The lazy running max (mla_attn_rows.cu, mla_attn_tiled.cu, mla_mma.cu): a head's reference
+// max moves only when a tile's (attn_rows: a step's) max exceeds it by more than this many
+// log2 units, so p = 2^(s - m) <= 2^8 and the value accumulators are rescaled only where some
+// head's max moved (alpha is exactly 1 for the others). A huge value (-DMLA_LAZY_LOG2=1e30f) never moves the max after
 // the first tile: the GPU tests' negative control, which rising scores overflow.
 #ifndef MLA_LAZY_LOG2
 #define MLA_LAZY_LOG2 8.f
@@ -113,31 +122,39 @@ constexpr bool kAblateCacheLoads = false;
 // ---- the tile copy ------------------------------------------------------------------------
 // Copies tile `tile_index` of the slice that starts at row_start (cache rows [row0, row0 +
 // kRows), row0 = row_start + tile_index * kRows) into stage buffer `buf` of `tiles` (kStages
-// buffers of kRows swizzled rows of kChunks 16-byte chunks) with 256 threads, one cp.async
-// group; rows >= row_end are zero-filled (cp_async_16). Under the memory ablation only the
-// first kStages tiles are copied, one per buffer.
-// Thread t copies rows t/8 + 32h, chunks (t%8) + 8i. Rows 32 apart share a swizzle, and the
-// swizzle flips only the low three bits of the chunk index, so a thread's destinations are one
-// base plus immediates and its sources one row pointer plus immediates: no per-chunk index
+// buffers of kRows rows of kChunks 16-byte chunks) with kThreadsT threads, one cp.async group;
+// rows >= row_end are zero-filled (cp_async_16). Under the memory ablation only the first
+// kStages tiles are copied, one per buffer.
+// kSwizzle: lay the rows out with swizzled_chunk() (families that read a column of chunks down
+// many rows), or plainly, row after row (attn_rows, whose warps read whole rows: a row's 16
+// chunks of 8 lanes are conflict-free either way).
+// Eight threads copy a row, kThreadsT / 8 rows per pass: thread t copies rows t/8 + pass *
+// kThreadsT/8, chunks (t%8) + 8i. Rows a multiple of 8 apart share a swizzle, and the swizzle
+// flips only the low three bits of the chunk index, so a thread's destinations are one base
+// plus immediates and its sources one row pointer plus immediates: no per-chunk index
 // arithmetic. (mma_attn's copy once walked the tile chunk by chunk, idx / 72 and a swizzle per
 // chunk: ~350 instructions a thread per tile, in front of its scores.)
-template <int kRows, int kChunks, int kStages, int kThreadsT, typename CacheT>
+template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true, typename CacheT>
 __device__ __forceinline__ void cp_async_tile(uint4* tiles, int buf, int tile_index,
                                               const CacheT* __restrict__ cache, int row_start,
                                               int row_end) {
-    static_assert(kThreadsT == 256 && kRows % 32 == 0, "8 threads per row, 32 rows per pass");
+    constexpr int kRowsPerPass = kThreadsT / 8;
+    static_assert(kThreadsT % 64 == 0 && kRows % kRowsPerPass == 0,
+                  "8 threads per row, and a pass of rows a multiple of 8 (one swizzle per thread)");
     static_assert(kChunks % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
     if (kAblateCacheLoads && tile_index >= kStages) return;
     const int row0 = row_start + tile_index * kRows;
     const int copy_row = threadIdx.x >> 3, copy_lane = threadIdx.x & 7;
-    uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks + (copy_lane ^ (copy_row & 7));
+    uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks +
+                 (kSwizzle ? (copy_lane ^ (copy_row & 7)) : copy_lane);
 #pragma unroll
-    for (int pass = 0; pass < kRows / 32; ++pass) {
-        const int row = row0 + pass * 32 + copy_row;
+    for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+        const int row = row0 + pass * kRowsPerPass + copy_row;
         const bool valid = row < row_end;
         const CacheT* src = cache + static_cast<size_t>(valid ? row : 0) * (kChunks * 8) + copy_lane * 8;
 #pragma unroll
-        for (int i = 0; i < kChunks / 8; ++i) cp_async_16(dst + (pass * 32 * kChunks + 8 * i), src + 64 * i, valid);
+        for (int i = 0; i < kChunks / 8; ++i)
+            cp_async_16(dst + (pass * kRowsPerPass * kChunks + 8 * i), src + 64 * i, valid);
     }
     cp_async_commit();
 }

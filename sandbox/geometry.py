@@ -51,13 +51,17 @@ def occupancy_of(arch: str, registers: int, threads: int, smem_bytes: int) -> di
 
 
 def _parse_name(inst) -> dict:
-    """kind and template values from a KernelInstance's readable name."""
+    """kind and template values from a KernelInstance's readable name; attn_rows, HPB 1 of
+    the heads-per-block ladder, gets hpb '1' too."""
     kind, _, rest = inst.name.partition("<")
     vals = dict(kv.split("=", 1) for kv in rest.rstrip(">").split(",") if "=" in kv)
+    if kind == "attn_rows":
+        vals.setdefault("hpb", "1")
     return {"kind": kind, **vals}
 
 
-KINDS = ("attn", "attn_tiled", "mma_attn", "q_absorb", "combine")
+KINDS = ("attn_rows", "attn", "attn_tiled", "mma_attn", "q_absorb", "combine")
+LADDER_KINDS = ("attn_rows", "attn")  # the heads-per-block ladder: HPB 1, then attn<HPB>
 
 
 def instances_for(hpbs=HPB_VALUES, caches=("f16", "bf16"), q_dtypes=("f32", "cache"),
@@ -72,7 +76,7 @@ def instances_for(hpbs=HPB_VALUES, caches=("f16", "bf16"), q_dtypes=("f32", "cac
         info = _parse_name(inst)
         if info["kind"] not in kinds:
             continue
-        if info["kind"] == "attn" and int(info["hpb"]) not in hpbs:
+        if info["kind"] in LADDER_KINDS and int(info["hpb"]) not in hpbs:
             continue
         keep.append(inst)
     return keep
@@ -93,8 +97,8 @@ def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf1
                   report=None) -> list[dict]:
     """One row per kernel instance: ptxas resources, block size, smem, blocks/SM, limiter.
 
-    `step` is True on an attn row whose blocks/SM is below the previous HPB's for the same
-    dtypes: the occupancy step of the lecture's section 4.
+    `step` is True on a ladder row (attn_rows, attn) whose blocks/SM is below the previous
+    HPB's for the same dtypes: the occupancy step of the lecture's section 4.
     """
     from .ptxas import ptxas_report
 
@@ -105,7 +109,7 @@ def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf1
     prev: dict[tuple, int] = {}
     for inst in insts:
         row = _resource_row(inst, rep[inst.name], arch)
-        if row["kind"] == "attn":
+        if row["kind"] in LADDER_KINDS:
             key = (row.get("cache"), row.get("q"))
             if key in prev and row["blocks_per_sm"] < prev[key]:
                 row["step"] = True

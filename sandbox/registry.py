@@ -3,13 +3,14 @@
 Two levels:
 
 * `Variant` is what a user picks (`per_head`, `split`, `batched12`, `tiled16`, `mma16`,
-  `cublas`). `per_head`, `split` and `batched<HPB>` are instances of the attention family in
-  `cuda_src/mla_attn.cu`: `per_head` is HPB=1 with one slice, `split` is HPB=1 over S
-  contiguous slices, and `batched<HPB>` serves HPB heads per pass over the cache, also split
-  over context. Below the split gate `split` runs exactly the kernel `per_head` runs (the
-  lecture's A/A). `tiled16` (`cuda_src/mla_attn_tiled.cu`) is the same contract on CUDA
-  cores with GEMM-style register tiles at one block per SM; `mma<16|32>`
-  (`cuda_src/mla_mma.cu`) puts the heads on the tensor cores.
+  `cublas`). `per_head` and `split` serve one head per block with `cuda_src/mla_attn_rows.cu`
+  (`attn_rows`): `per_head` over one slice, `split` over S contiguous slices; below the split
+  gate `split` runs exactly the kernel `per_head` runs (the lecture's A/A). `batched<HPB>`
+  (`cuda_src/mla_attn.cu`, `attn<HPB>`) serves HPB >= 2 heads per pass over the cache, also
+  split over context. HPB 1 of the heads-per-block ladder (`attn_instance(1)`, the sweep) is
+  attn_rows. `tiled16` (`cuda_src/mla_attn_tiled.cu`) is the same contract on CUDA cores
+  with GEMM-style register tiles at one block per SM; `mma<16|32>` (`cuda_src/mla_mma.cu`)
+  puts the heads on the tensor cores.
 * `KernelInstance` is one template instantiation: its source file, the C++ name expression
   handed to NVRTC (`name_expressions`), a readable name built from every template value,
   the block size and the dynamic shared memory it needs.
@@ -26,9 +27,11 @@ __all__ = [
     "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
     "attn_instance", "mma_instance", "attention_instance", "combine_instance", "MMA_M_TILES", "q_absorb_instance", "all_instances",
     "attn_smem_bytes", "CXX_TYPES", "TILED_HEADS", "tiled_instance", "tiled_smem_bytes",
+    "ROWS_THREADS", "ROWS_TILE", "rows_instance", "rows_smem_bytes",
 ]
 
-# Heads-per-block values the attention family is instantiated for.
+# The heads-per-block ladder of the CUDA-core variants: 1 is attn_rows (per_head, split), the
+# others are attn<HPB> (batched<HPB>).
 HPB_VALUES = (1, 2, 4, 8, 12, 16, 24)
 
 # Fixed geometry of cuda_src/mla_attn.cu (kThreads, kTile) and the dims it is built for.
@@ -37,6 +40,10 @@ ATTN_TILE = 32
 KV_LORA = 512
 ROPE = 64
 KEY_DIM = KV_LORA + ROPE
+# cuda_src/mla_attn_rows.cu: one head per block, a warp owns whole rows (kThreads, kTile).
+ROWS_THREADS = 128
+ROWS_TILE = 32
+assert ROWS_TILE == ATTN_TILE, "splits.py sizes slices in tiles of ATTN_TILE rows for both"
 MMA_M_TILES = (1, 2)  # HM of mla_mma.cu: 16 or 32 heads per block
 MMA_THREADS = 256
 MMA_TILE = 64
@@ -121,24 +128,26 @@ class KernelInstance:
         return self.name
 
 
-def attn_stages(hpb: int) -> int:
-    """Cache-tile pipeline depth of attn<HPB> (attn_stages<HPB>() in mla_attn.cu)."""
-    return 1 if hpb == 1 else 2
-
-
 def attn_smem_bytes(hpb: int) -> int:
-    """Dynamic shared memory of attn<HPB>: mirrors AttnSmem in mla_attn.cu.
+    """Dynamic shared memory of attn<HPB> (HPB >= 2): mirrors AttnSmem in mla_attn.cu.
 
-    cache tiles (two stages for HPB >= 2, where the cross-warp score partials borrow the
-    spare tile; one stage plus a partials buffer for HPB 1) + q in f32 + p + (m, l, alpha)
+    two cache tiles (the cross-warp score partials borrow the spare one) + q in f32 + p +
+    (m, l, alpha). One head per block is attn_rows: rows_smem_bytes().
     """
-    stages = attn_stages(hpb)
-    tiles = stages * ATTN_TILE * KEY_DIM * 2
-    red = (ATTN_THREADS // 32) * hpb * ATTN_TILE * 4 if stages == 1 else 0
+    if hpb < 2:
+        raise ValueError(f"attn<HPB> serves 2 or more heads per block, got {hpb}; one head "
+                         "per block is attn_rows (rows_smem_bytes())")
+    tiles = 2 * ATTN_TILE * KEY_DIM * 2
     q = KEY_DIM * hpb * 4
     p = hpb * ATTN_TILE * 4
     stats = 3 * ((hpb + 3) // 4 * 4) * 4
-    return tiles + red + q + p + stats
+    return tiles + q + p + stats
+
+
+def rows_smem_bytes() -> int:
+    """Dynamic shared memory of attn_rows: mirrors RowsSmem in mla_attn_rows.cu (one tile of
+    unswizzled rows; the merge of the warps borrows it after the slice)."""
+    return ROWS_TILE * KEY_DIM * 2
 
 
 def _check_attention_dtypes(cache: str, q: str) -> None:
@@ -152,10 +161,22 @@ def _check_dtype(kind: str, dt: str, allowed) -> None:
         raise ValueError(f"{kind} dtype must be one of {', '.join(allowed)}, got {dt!r}")
 
 
+def rows_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
+    """attn_rows: one head per block (per_head, split)."""
+    _check_attention_dtypes(cache, q)
+    return KernelInstance("mla_attn_rows.cu", f"mla::attn_rows<{CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
+                          f"attn_rows<cache={cache},q={q}>", ROWS_THREADS, rows_smem_bytes(),
+                          ROWS_TILE)
+
+
 def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstance:
+    """The CUDA-core kernel that serves `hpb` heads per pass over the cache, the ladder of
+    the heads-per-block sweep: attn_rows for 1 (per_head, split), attn<HPB> above."""
     if hpb not in HPB_VALUES:
         raise ValueError(
             f"heads_per_block must be one of {HPB_VALUES} (the instantiated values), got {hpb}")
+    if hpb == 1:
+        return rows_instance(cache, q)
     _check_attention_dtypes(cache, q)
     expr = f"mla::attn<{hpb}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>"
     return KernelInstance("mla_attn.cu", expr, f"attn<hpb={hpb},cache={cache},q={q}>",

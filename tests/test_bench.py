@@ -106,7 +106,7 @@ def test_the_aa_runs_identical_code_interleaved():
     aa = [c for c in fake.calls if c[0] == "time" and c[2] == 4095]
     assert [c[1] for c in aa] == ["per_head", "split", "split", "per_head"] * 2
     run = res["noise_floor"]["runs"][0]
-    assert run["same_code"] and run["kernel"] == "attn<hpb=1,cache=f16,q=f32>"
+    assert run["same_code"] and run["kernel"] == "attn_rows<cache=f16,q=f32>"
     assert run["rounds"] == 4 and res["noise_floor"]["floor"] == run["floor"] > 0
 
 

@@ -65,7 +65,7 @@ def test_regs_json_rows():
     _, data = run_json("regs", "--hpb", "1,12", "--cache", "f16", "--q", "f32")
     rows = {r["name"]: r for r in data["rows"]}
     assert data["ok"] and data["arch"] == "sm_90"
-    assert set(rows) == {"attn<hpb=1,cache=f16,q=f32>", "attn<hpb=12,cache=f16,q=f32>",
+    assert set(rows) == {"attn_rows<cache=f16,q=f32>", "attn<hpb=12,cache=f16,q=f32>",
                          "attn_tiled<hpb=16,cache=f16,q=f32>",
                          "mma_attn<heads=16,cache=f16,q=f32>", "mma_attn<heads=32,cache=f16,q=f32>",
                          "q_absorb<in=f16,q=f32>", "combine<wv_b=f16,rescale=true>",
@@ -78,6 +78,9 @@ def test_regs_json_rows():
     assert tiled["dynamic_smem"] == registry.tiled_smem_bytes(16)
     assert tiled["blocks_per_sm"] == 1, "tiled16's register tiles take the whole SM"
     assert a12["spill_stores"] >= 0 and a12["hpb"] == "12"
+    one = rows["attn_rows<cache=f16,q=f32>"]  # HPB 1 of the ladder: per_head and split's kernel
+    assert one["hpb"] == "1" and one["threads"] == registry.ROWS_THREADS
+    assert one["dynamic_smem"] == registry.rows_smem_bytes()
 
 
 def test_regs_table():

@@ -6,7 +6,8 @@ import pytest
 
 from mlasandbox.occupancy import (ARCHS, arch_limits, device_limits, idle_sms, occupancy,
                                   waves)
-from mlasandbox.registry import ATTN_THREADS, HPB_VALUES, attn_smem_bytes
+from mlasandbox.registry import (ATTN_THREADS, HPB_VALUES, attn_instance, attn_smem_bytes,
+                                 rows_smem_bytes)
 from mlasandbox.splits import plan_splits
 
 
@@ -52,12 +53,23 @@ def test_shared_memory_limits_at_the_two_block_boundary():
 def test_shared_memory_fits_two_blocks_up_to_hpb_16_and_one_above(hpb):
     # Shared memory is O(head dims + tile), never O(n_ctx). Up to HPB 16 it leaves room for
     # two blocks per SM on sm_90 (registers then decide); HPB 24's q alone is 55 KB, and the
-    # block stands alone on its SM: the occupancy step the HPB sweep shows.
-    o = occupancy("sm_90", 64, ATTN_THREADS, attn_smem_bytes(hpb))
-    if hpb <= 16:
-        assert o.limits["shared memory"] >= 2, (hpb, attn_smem_bytes(hpb), o)
+    # block stands alone on its SM: the occupancy step the HPB sweep shows. HPB 1 (attn_rows,
+    # one tile) leaves room for six.
+    inst = attn_instance(hpb)
+    o = occupancy("sm_90", 64, inst.threads, inst.smem_bytes)
+    if hpb == 1:
+        assert o.limits["shared memory"] == 6, (inst.smem_bytes, o)
+    elif hpb <= 16:
+        assert o.limits["shared memory"] >= 2, (hpb, inst.smem_bytes, o)
     else:
-        assert o.limits["shared memory"] == 1, (hpb, attn_smem_bytes(hpb), o)
+        assert o.limits["shared memory"] == 1, (hpb, inst.smem_bytes, o)
+
+
+def test_attn_rows_needs_80_registers_for_its_six_blocks():
+    # 6 blocks of 4 warps: 24 warps, 6 per sub-partition, 16384 / 6 / 32 = 85 registers, in
+    # units of 8: 80 fits, 88 leaves room for 5 (the launch bounds ask for 6).
+    assert occupancy("sm_90", 80, 128, rows_smem_bytes()).blocks_per_sm == 6
+    assert occupancy("sm_90", 88, 128, rows_smem_bytes()).blocks_per_sm == 5
 
 
 def test_the_reserved_kilobyte_decides_the_last_block():
