@@ -22,12 +22,15 @@ What is modelled exactly as the kernels do it:
   `rescale=False` drops the w_i: the negative control, which any real check must reject.
 * batched: heads in groups of `heads_per_block`; the last partial group is padded with
   zero-query heads whose results are masked off, not dropped from the grid.
-* `lazy`: the lazy max of tiled16 and mma. A head's reference max moves only when a tile's max exceeds
-  it by more than `lazy` (natural log units; the kernel's 8 in log2 is 8 ln 2), so p can
-  reach e^lazy; 0 is the eager max of the other kernels.
+* `lazy`: the lazy max of attn_rows, tiled16 and mma. A head's reference max moves only when
+  a tile's max exceeds it by more than `lazy` (natural log units; the kernels' 8 in log2 is
+  8 ln 2), so p can reach e^lazy; 0 is the eager max of attn<HPB> (batched).
 
-Not modelled: the order inside the 576-term score dot products (BLAS here), and the fast
-exp2 approximation: both are O(1 ulp) per term and do not grow with n_ctx.
+Not modelled: attn_rows (per_head, split) runs four chains per block, one per warp over its
+8 rows of each tile (two rows a step), merged at the slice's end like slices in the combine;
+the model runs one chain per block (the GPU tests check the kernel itself against the
+float64 reference). Nor the order inside the 576-term score dot products (BLAS here), or the
+fast exp2 approximation: both are O(1 ulp) per term and do not grow with n_ctx.
 """
 from __future__ import annotations
 

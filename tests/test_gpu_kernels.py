@@ -177,12 +177,13 @@ def test_a_running_max_that_keeps_rising_is_rescaled_exactly(variant, n_ctx):
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["tiled16", "mma16"])
+@pytest.mark.parametrize("variant", ["split", "tiled16", "mma16"])
 def test_negative_control_a_lazy_max_that_never_moves_fails_the_rising_check(variant):
-    """The kernel built so that its reference max never moves after the first tile
-    (-DMLA_LAZY_LOG2=1e30f): right on random inputs (their max settles near the first tile's),
-    overflowing on rising ones (2^(s - m) past 2^128 within one slice, the gate of 4096 set). So
-    the rising check above is what gives the lazy max's threshold its test."""
+    """The kernel built so that its reference max never moves after the first tile (in
+    attn_rows, a warp's first step; -DMLA_LAZY_LOG2=1e30f): right on random inputs (their max
+    settles near the first tile's), overflowing on rising ones (2^(s - m) past 2^128 within
+    one slice, the gate of 4096 set). So the rising check above is what gives the lazy max's
+    threshold its test."""
     from mlasandbox.api import DecodeStep
 
     broken = compile_with(registry.attention_instance(registry.variant(variant)),
