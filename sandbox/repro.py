@@ -5,8 +5,9 @@ NVRTC name expressions), the shape, the dtypes, the contexts, the exact split co
 context, the seed and the scale. It embeds the include-expanded CUDA source of the kernels it
 launches (sources.read_source) and, for the `cublas` variant, the engine's code; it imports
 CuPy and NumPy only. Its launches are DecodeStep's (api.py): attn with (q, cache, n_head,
-n_ctx, splits, scale * log2(e), part_acc, part_m, part_l) over (head_blocks, splits) x 256
-threads and attn_smem_bytes(HPB) of dynamic shared memory; combine with (part_acc, part_m,
+n_ctx, splits, scale * log2(e), part_acc, part_m, part_l) over (head_blocks, splits) x the
+instance's threads (128 for attn_rows, 256 for the others) and its dynamic shared memory
+(KernelInstance.smem_bytes); combine with (part_acc, part_m,
 part_l, n_head, splits, wv_b, v_head, out, latent, lse) over (H,) x COMBINE_THREADS.
 
 Split counts: `splits=S` pins S. `splits="auto"` applies the launcher's rule (splits.plan_splits)
