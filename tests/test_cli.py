@@ -155,6 +155,18 @@ def test_grid_batched_with_hpb_and_auto_occupancy():
     assert "ptxas" in g["blocks_per_sm_source"]
 
 
+def test_batched_with_one_head_per_block_is_split():
+    # HPB 1 of the ladder has one kernel, attn_rows, and one name: split
+    from mlasandbox.api import _as_variant_name
+
+    assert _as_variant_name("batched", 1) == "split"
+    assert _as_variant_name("batched", 12) == "batched12"
+    _, g = run_json("grid", "--variant", "batched", "--hpb", "1", "--heads", "96",
+                    "--ctx", "131072")
+    assert g["variant"] == "split" and g["grid"][0] == 96
+    assert g["blocks_per_sm"] == 6 and "attn_rows" in g["blocks_per_sm_source"]
+
+
 def test_grid_table():
     out = run("grid", "--variant", "per_head", "--heads", "96", "--ctx", "131072",
               "--blocks-per-sm", "2").stdout
