@@ -158,7 +158,7 @@ attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head
     BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
     if (!begin_slice(1, n_head, n_ctx, splits, kKvLora, part_acc, part_m, part_l, work)) return;
     const int head = work.head0, row_start = work.row_start, row_end = work.row_end;
-    // (work.part_base is not kept across the walk: the end recomputes it, one register less)
+    // (work.part_base is not held across the walk: the end recomputes it, one register less)
 
     cp_async_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 0, cache, row_start, row_end);
 
@@ -222,7 +222,7 @@ attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head
         dst[64 * c + 2 * lane + 1] = make_float4(a[4] * scale, a[5] * scale, a[6] * scale, a[7] * scale);
     }
     __syncthreads();
-    const size_t partial = static_cast<size_t>(blockIdx.y) * n_head + blockIdx.x;  // begin_slice's
+    const size_t partial = slice_part_base(n_head) + blockIdx.x;  // + head, from blockIdx
     for (int col = threadIdx.x; col < kKvLora; col += kThreads) {
         float sum = 0.f;
 #pragma unroll

@@ -170,6 +170,12 @@ struct BlockSlice {
     size_t part_base;
 };
 
+// part_base of this block's slice: one value the kernels may recompute at their end rather
+// than hold in a register across the walk (attn_rows, at its 80-register limit, does).
+__device__ __forceinline__ size_t slice_part_base(int n_head) {
+    return static_cast<size_t>(static_cast<int>(blockIdx.y)) * n_head;
+}
+
 // The slice of this block. An empty one writes, for the heads that exist (< n_head),
 // m = -inf, l = 0, acc = 0 and returns false: the combine weighs it by 2^(m - m_max) = 0,
 // so it is neutral, never NaN, and the kernel has nothing else to do.
@@ -180,7 +186,7 @@ __device__ __forceinline__ bool begin_slice(int heads, int n_head, int n_ctx, in
     const int len = (n_ctx + splits - 1) / splits;
     const int begin = min(split * len, n_ctx);
     out = {static_cast<int>(blockIdx.x) * heads, begin, min(n_ctx, begin + len),
-           static_cast<size_t>(split) * n_head};
+           slice_part_base(n_head)};
     if (out.row_start < out.row_end) return true;
     for (int j = 0; j < heads && out.head0 + j < n_head; ++j) {
         const size_t partial = out.part_base + out.head0 + j;
