@@ -80,7 +80,7 @@ def _as_variant_name(variant, heads_per_block) -> str:
     if variant == "batched":  # generic spelling: pick the instance from heads_per_block
         hpb = heads_per_block or DEFAULT_BATCHED_HPB
         registry.attn_instance(hpb)  # raises naming the instantiated values
-        return "split" if hpb == 1 else f"batched{hpb}"  # one head per block is split
+        return registry.variant_for_hpb(hpb)
     return variant
 
 

@@ -135,7 +135,7 @@ def resolve_variant(name: str, hpb: int | None = None):
         if hpb is None:
             raise ValueError("variant 'batched' needs --hpb (one of "
                              f"{', '.join(str(h) for h in HPB_VALUES)}; 1 is split)")
-        name = "split" if hpb == 1 else f"batched{hpb}"  # one head per block is split
+        name = registry.variant_for_hpb(hpb)
     v = registry.variant(name)
     if hpb is not None and v.hpb is not None and hpb != v.hpb:
         raise ValueError(f"variant {v.name} serves {v.hpb} head(s) per block; --hpb {hpb} "

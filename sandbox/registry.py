@@ -27,7 +27,7 @@ __all__ = [
     "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
     "attn_instance", "mma_instance", "attention_instance", "combine_instance", "MMA_M_TILES", "q_absorb_instance", "all_instances",
     "attn_smem_bytes", "CXX_TYPES", "TILED_HEADS", "tiled_instance", "tiled_smem_bytes",
-    "ROWS_THREADS", "ROWS_TILE", "rows_instance", "rows_smem_bytes",
+    "ROWS_THREADS", "ROWS_TILE", "rows_instance", "rows_smem_bytes", "variant_for_hpb",
 ]
 
 # The heads-per-block ladder of the CUDA-core variants: 1 is attn_rows (per_head, split), the
@@ -105,6 +105,11 @@ VARIANTS: dict[str, Variant] = _make_variants()
 
 def variant_names() -> list[str]:
     return list(VARIANTS)
+
+
+def variant_for_hpb(hpb: int) -> str:
+    """The variant name of `hpb` heads per block: one head per block is `split`."""
+    return "split" if hpb == 1 else f"batched{hpb}"
 
 
 def variant(name: str) -> Variant:

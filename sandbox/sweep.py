@@ -18,16 +18,13 @@ from __future__ import annotations
 
 from . import registry
 from .dims import PRESETS, Dims
+from .registry import variant_for_hpb
 from .splits import plan_splits
 
 __all__ = ["SWEEP_CTX", "variant_for_hpb", "sweep_rows", "run_sweep", "SCHEMA"]
 
 SCHEMA = "mlasandbox.sweep/1"
 SWEEP_CTX = 131072
-
-
-def variant_for_hpb(hpb: int) -> str:
-    return "split" if hpb == 1 else f"batched{hpb}"
 
 
 def sweep_rows(*, hpbs, n_ctx: int, dims: Dims, cache: str, q: str, arch: str, num_sms: int,
