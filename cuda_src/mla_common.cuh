@@ -129,7 +129,8 @@ constexpr bool kAblateCacheLoads = false;
 // many rows), or plainly, row after row (attn_rows, whose warps read whole rows: a row's 16
 // chunks of 8 lanes are conflict-free either way).
 // Eight threads copy a row, kThreadsT / 8 rows per pass: thread t copies rows t/8 + pass *
-// kThreadsT/8, chunks (t%8) + 8i. Rows a multiple of 8 apart share a swizzle, and the swizzle
+// kThreadsT/8, chunks (t%8) + 8i. t is threadIdx.x, or `thread` where a subset of the block
+// copies (attn_tiled's value warps, threads 128..255, pass 0..127). Rows a multiple of 8 apart share a swizzle, and the swizzle
 // flips only the low three bits of the chunk index, so a thread's destinations are one base
 // plus immediates and its sources one row pointer plus immediates: no per-chunk index
 // arithmetic. (mma_attn's copy once walked the tile chunk by chunk, idx / 72 and a swizzle per
@@ -137,14 +138,15 @@ constexpr bool kAblateCacheLoads = false;
 template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true, typename CacheT>
 __device__ __forceinline__ void cp_async_tile(uint4* tiles, int buf, int tile_index,
                                               const CacheT* __restrict__ cache, int row_start,
-                                              int row_end) {
+                                              int row_end, int thread = -1) {
     constexpr int kRowsPerPass = kThreadsT / 8;
     static_assert(kThreadsT % 64 == 0 && kRows % kRowsPerPass == 0,
                   "8 threads per row, and a pass of rows a multiple of 8 (one swizzle per thread)");
     static_assert(kChunks % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
     if (kAblateCacheLoads && tile_index >= kStages) return;
     const int row0 = row_start + tile_index * kRows;
-    const int copy_row = threadIdx.x >> 3, copy_lane = threadIdx.x & 7;
+    const unsigned t = thread < 0 ? threadIdx.x : static_cast<unsigned>(thread);
+    const int copy_row = t >> 3, copy_lane = t & 7;
     uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks +
                  (kSwizzle ? (copy_lane ^ (copy_row & 7)) : copy_lane);
 #pragma unroll

@@ -214,7 +214,10 @@ def compile_log(source: str, name_expressions: Iterable[str] = (), *, arch: str 
     # is keyed on the PTX. A device variable with a new name on every call changes the PTX.
     nonce = f"{next(_NONCE)}_{os.getpid()}"
     source = f"{source}\n__device__ int mlasandbox_ptxas_report_nonce_{nonce};\n"
-    opts = list(toolkit.compile_options(arch, extra=("-Xptxas", "-v", *extra_options)))
+    # cupy.RawModule compiles every kernel with -ftz=true (cupy/cuda/compiler.py), and ftz
+    # changes the code (FFMA.FTZ, exp2f without its denormal fix-up): the report must see the
+    # kernels that run (attn_tiled: 127 registers with it, 126 without).
+    opts = list(toolkit.compile_options(arch, extra=("-ftz=true", "-Xptxas", "-v", *extra_options)))
     prog = nvrtc.createProgram(source, filename, [], [])
     try:
         for e in exprs:

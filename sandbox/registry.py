@@ -9,7 +9,8 @@ Two levels:
   (`cuda_src/mla_attn.cu`, `attn<HPB>`) serves HPB >= 2 heads per pass over the cache, also
   split over context. HPB 1 of the heads-per-block ladder (`attn_instance(1)`, the sweep) is
   attn_rows. `tiled16` (`cuda_src/mla_attn_tiled.cu`) is the same contract on CUDA cores
-  with GEMM-style register tiles at one block per SM; `mma<16|32>` (`cuda_src/mla_mma.cu`)
+  with GEMM-style register tiles in two warp-specialized pipelines (scores; softmax and
+  values) at one block per SM; `mma<16|32>` (`cuda_src/mla_mma.cu`)
   puts the heads on the tensor cores.
 * `KernelInstance` is one template instantiation: its source file, the C++ name expression
   handed to NVRTC (`name_expressions`), a readable name built from every template value,
@@ -47,10 +48,12 @@ assert ROWS_TILE == ATTN_TILE, "splits.py sizes slices in tiles of ATTN_TILE row
 MMA_M_TILES = (1, 2)  # HM of mla_mma.cu: 16 or 32 heads per block
 MMA_THREADS = 256
 MMA_TILE = 64
-# cuda_src/mla_attn_tiled.cu: register-tiled CUDA-core kernel, sized for 16 heads per block.
+# cuda_src/mla_attn_tiled.cu: register-tiled CUDA-core kernel, sized for 16 heads per block
+# (kThreads, kTile, kStages).
 TILED_HEADS = (16,)
 TILED_THREADS = 256
-TILED_TILE = 64
+TILED_TILE = 32
+TILED_STAGES = 3
 COMBINE_THREADS = 256
 COMBINE_COL_BLOCKS = 4  # blocks per head in the combine (kColBlocks in mla_combine.cu)
 Q_ABSORB_THREADS = 128
@@ -89,8 +92,8 @@ def _make_variants() -> dict[str, Variant]:
     for heads in TILED_HEADS:
         out[f"tiled{heads}"] = Variant(
             f"tiled{heads}", "tiled", heads, True,
-            f"CUDA cores, GEMM-style register tiles: {heads} heads per block, one block per "
-            "SM, split over context")
+            f"CUDA cores, GEMM-style register tiles in a score and a value pipeline: {heads} "
+            "heads per block, one block per SM, split over context")
     for hm in MMA_M_TILES:
         out[f"mma{16 * hm}"] = Variant(
             f"mma{16 * hm}", "mma", 16 * hm, True,
@@ -216,14 +219,15 @@ def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelI
 
 
 def tiled_smem_bytes(heads: int = 16) -> int:
-    """Dynamic shared memory of attn_tiled<16>: mirrors tiled::Smem in mla_attn_tiled.cu (two
-    64-row tiles; q as 16 k-slices of [36][16] f32 plus an 8-float pad; the score partials of
-    the 8 warps, [8][16][66] f32; p as [64][20] f32; alpha)."""
-    tiles = 2 * TILED_TILE * KEY_DIM * 2
+    """Dynamic shared memory of attn_tiled<16>: mirrors tiled::Smem in mla_attn_tiled.cu (three
+    32-row tile buffers; q as 16 k-slices of [36][16] f32 plus an 8-float pad; the score
+    partials, [16 k-slices][32 rows][16 + 4] f32; p as [32][16 + 4] f32; alpha; one 8-byte
+    mbarrier per tile buffer)."""
+    tiles = TILED_STAGES * TILED_TILE * KEY_DIM * 2
     q = 16 * (36 * heads + 8) * 4
-    red = (TILED_THREADS // 32) * heads * (TILED_TILE + 2) * 4
+    red = 16 * TILED_TILE * (heads + 4) * 4
     p = TILED_TILE * (heads + 4) * 4
-    return tiles + q + red + p + heads * 4
+    return tiles + q + red + p + heads * 4 + TILED_STAGES * 8
 
 
 def tiled_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:

@@ -76,7 +76,7 @@ def test_regs_json_rows():
     assert a12["blocks_per_sm"] >= 1 and a12["limiter"]
     tiled = rows["attn_tiled<hpb=16,cache=f16,q=f32>"]
     assert tiled["dynamic_smem"] == registry.tiled_smem_bytes(16)
-    assert tiled["blocks_per_sm"] == 1, "tiled16's register tiles take the whole SM"
+    assert tiled["blocks_per_sm"] == 1, "tiled16's shared memory takes the whole SM"
     assert a12["spill_stores"] >= 0 and a12["hpb"] == "12"
     one = rows["attn_rows<cache=f16,q=f32>"]  # HPB 1 of the ladder: per_head and split's kernel
     assert one["hpb"] == "1" and one["threads"] == registry.ROWS_THREADS
