@@ -28,7 +28,8 @@
 //                 over all rows (64 accumulators for the whole slice); per row, 4
 //                 conversions and 4 broadcast loads of p feed 64 FMAs. Then they refill the
 //                 tile buffer they are done with, three tiles ahead.
-// 127 registers; a scheduler holds one warp of each pipeline, which stall at different places.
+// 127 registers (NVRTC 13.0); each scheduler holds one warp of each pipeline, and the two
+// stall at different places.
 //
 // Synchronization (no __syncthreads after the prologue):
 //   full[b]     mbarrier of tile buffer b: each value thread arrives once its cp.async copies

@@ -129,12 +129,13 @@ constexpr bool kAblateCacheLoads = false;
 // many rows), or plainly, row after row (attn_rows, whose warps read whole rows: a row's 16
 // chunks of 8 lanes are conflict-free either way).
 // Eight threads copy a row, kThreadsT / 8 rows per pass: thread t copies rows t/8 + pass *
-// kThreadsT/8, chunks (t%8) + 8i. t is threadIdx.x, or `thread` where a subset of the block
-// copies (attn_tiled's value warps, threads 128..255, pass 0..127). Rows a multiple of 8 apart share a swizzle, and the swizzle
-// flips only the low three bits of the chunk index, so a thread's destinations are one base
-// plus immediates and its sources one row pointer plus immediates: no per-chunk index
-// arithmetic. (mma_attn's copy once walked the tile chunk by chunk, idx / 72 and a swizzle per
-// chunk: ~350 instructions a thread per tile, in front of its scores.)
+// kThreadsT/8, chunks (t%8) + 8i, where t is threadIdx.x, or `thread` when only some of the
+// block's threads copy (attn_tiled's value warps, threads 128..255, pass 0..127). Rows a
+// multiple of 8 apart share a swizzle, and the swizzle flips only the low three bits of the
+// chunk index, so a thread's destinations are one base plus immediates and its sources one
+// row pointer plus immediates: no per-chunk index arithmetic. (mma_attn's copy once walked
+// the tile chunk by chunk, idx / 72 and a swizzle per chunk: ~350 instructions a thread per
+// tile, in front of its scores.)
 template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true, typename CacheT>
 __device__ __forceinline__ void cp_async_tile(uint4* tiles, int buf, int tile_index,
                                               const CacheT* __restrict__ cache, int row_start,
