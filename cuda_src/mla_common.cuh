@@ -40,11 +40,17 @@ template <> __device__ __forceinline__ float2 pair_to_f32<__nv_bfloat16>(unsigne
 }
 
 // ---- cp.async (sm_80+) -----------------------------------------------------------------
+// The 32-bit shared-state-space address of a generic pointer into shared memory, the operand
+// form of cp.async, ldmatrix and mbarrier.
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
 // Copies 16 bytes, or zero-fills the destination when `valid` is false (src-size 0): rows
 // past the end of a slice become zeros in shared memory and are never read from global,
 // so a NaN-filled cache past n_ctx cannot leak into a product.
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) {
-    unsigned int dst = static_cast<unsigned int>(__cvta_generic_to_shared(smem_dst));
+    const unsigned dst = smem_u32(smem_dst);
     int src_bytes = valid ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src),
                  "r"(src_bytes));
