@@ -222,12 +222,12 @@ def tiled_smem_bytes(heads: int = 16) -> int:
     """Dynamic shared memory of attn_tiled<16>: mirrors tiled::Smem in mla_attn_tiled.cu (three
     32-row tile buffers; q as 16 k-slices of [36][16] f32 plus an 8-float pad; the score
     partials, [16 k-slices][32 rows][16 + 4] f32; p as [32][16 + 4] f32; alpha; one 8-byte
-    mbarrier per tile buffer)."""
+    mbarrier per tile buffer and two for the partials' handoff)."""
     tiles = TILED_STAGES * TILED_TILE * KEY_DIM * 2
     q = 16 * (36 * heads + 8) * 4
     red = 16 * TILED_TILE * (heads + 4) * 4
     p = TILED_TILE * (heads + 4) * 4
-    return tiles + q + red + p + heads * 4 + TILED_STAGES * 8
+    return tiles + q + red + p + heads * 4 + (TILED_STAGES + 2) * 8
 
 
 def tiled_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:
