@@ -1,0 +1,99 @@
+"""Small cases of every CUDA kernel for compute-sanitizer (`.ci/gpu-sanitize` runs this file
+under memcheck, racecheck, synccheck and initcheck).
+
+Each attention variant runs, with the synchronizing phase guard, on shapes that reach the
+paths a long-context bench never does: a last partial head group (13 heads), a slice shorter
+than a tile, more slices than rows (empty slices write their neutral partial), a bf16 cache
+with 16-bit q, and `split` forced past its gate so its combine runs too. q_absorb runs once
+per case. Every result is also checked against the float64 reference: under a sanitizer a
+kernel must still be right. Prints one line per case and exits 1 if any check failed.
+
+`--planted TOOL` runs instead a kernel with the defect that TOOL exists to find (memcheck: writes
+past the end of a buffer; racecheck: two warps' shared-memory write and read with no
+barrier between; synccheck: a __syncthreads that half of each warp skips (on the H200,
+synccheck does not report a whole warp skipping one); initcheck: a read of
+never-written device memory): a sanitizer run that reports nothing there has no power.
+"""
+import dataclasses
+import sys
+
+import cupy
+
+from mlasandbox import reference, registry
+from mlasandbox.api import DecodeStep, QAbsorb
+from mlasandbox.compare import compare
+from mlasandbox.dims import Dims
+from mlasandbox.inputs import make_inputs
+
+# (heads, n_ctx, splits, cache, q): several slices; a partial head group and uneven slices;
+# more slices than rows; 16-bit storage for both.
+CASES = ((16, 100, 3, "f16", "f32"), (13, 777, 5, "f16", "f32"), (12, 70, 100, "f16", "f32"),
+         (16, 333, 4, "bf16", "bf16"))
+
+
+_PLANTED = r"""
+extern "C" __global__ void planted_memcheck(float* out, int n) {
+    out[n + threadIdx.x] = 1.f;  // one past the end and beyond
+}
+extern "C" __global__ void planted_racecheck(float* out) {
+    __shared__ float buf[64];
+    buf[threadIdx.x] = threadIdx.x;
+    out[threadIdx.x] = buf[63 - threadIdx.x];  // another warp's element, no barrier
+}
+extern "C" __global__ void planted_synccheck(float* out) {
+    __shared__ float buf[64];
+    buf[threadIdx.x] = threadIdx.x;
+    if (threadIdx.x & 1) __syncthreads();  // only the odd lanes of each warp arrive
+    out[threadIdx.x] = buf[threadIdx.x];
+}
+extern "C" __global__ void planted_initcheck(const float* in, float* out) {
+    out[threadIdx.x] = in[threadIdx.x];  // `in` was allocated, never written
+}
+"""
+
+
+def planted(tool: str) -> int:
+    # Straight cudaMalloc, no memory pool: a pool's chunk would hide the overrun of a buffer
+    # carved from it, and could hand back memory that was written before.
+    cupy.cuda.set_allocator(None)
+    module = cupy.RawModule(code=_PLANTED)
+    kernel = module.get_function(f"planted_{tool}")
+    out = cupy.zeros(64, cupy.float32)
+    if tool == "memcheck":
+        kernel((1,), (32,), (out, cupy.int32(64)))
+    elif tool == "initcheck":
+        kernel((1,), (64,), (cupy.empty(64, cupy.float32), out))
+    else:
+        kernel((1,), (64,), (out,))
+    cupy.cuda.Device().synchronize()
+    print(f"planted {tool} defect launched", flush=True)
+    return 0
+
+
+def main() -> int:
+    failed = 0
+    cuda_variants = [v for v in registry.variant_names() if registry.variant(v).is_cuda]
+    for heads, n_ctx, splits, cache, q in CASES:
+        host = make_inputs(Dims(n_head=heads), n_ctx + 5, n_ctx, cache, q, seed=heads + n_ctx)
+        ref = reference.decode(**host.decode_args())
+        inp = dataclasses.replace(host, **{f.name: cupy.asarray(getattr(host, f.name))
+                                           for f in dataclasses.fields(host)
+                                           if hasattr(getattr(host, f.name), "shape")})
+        for name in cuda_variants:
+            kw = {} if name == "per_head" else {"splits": splits, "min_ctx": 1}
+            res = DecodeStep(**inp.decode_args(), variant=name, sync_check=True, **kw).run()
+            ok = compare(res, ref).ok
+            failed += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {name:10s} H={heads:3d} n_ctx={n_ctx:4d} S={splits:3d} "
+                  f"cache={cache} q={q}", flush=True)
+        QAbsorb(inp.q_nope, inp.q_rope, inp.wk_b, "f32" if q == "f32" else "cache",
+                sync_check=True).run()
+    cupy.cuda.Device().synchronize()
+    print(f"sanitize cases: {failed} failed", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--planted":
+        sys.exit(planted(sys.argv[2]))
+    sys.exit(main())
