@@ -201,11 +201,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
             float x[TPT][kChunkElems];
 #pragma unroll
             for (int i = 0; i < TPT; ++i) {
-                const uint4 raw = x_base[i * RG * kChunksPerRow + 8 * cc];
-                const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);
-                const float2 d = pair_to_f32<CacheT>(raw.z), e = pair_to_f32<CacheT>(raw.w);
-                x[i][0] = a.x; x[i][1] = a.y; x[i][2] = b.x; x[i][3] = b.y;
-                x[i][4] = d.x; x[i][5] = d.y; x[i][6] = e.x; x[i][7] = e.y;
+                unpack_f32<CacheT>(x_base[i * RG * kChunksPerRow + 8 * cc], x[i]);
             }
             const int c = warp + kWarps * cc;
 #pragma unroll
@@ -260,15 +256,10 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const int chunk = swizzled_chunk(t4 + u, col_chunk, kChunksPerRow);
-                if constexpr (kCols == 4) {
-                    const uint2 raw = reinterpret_cast<const uint2*>(tile)[chunk * 2 + col_sub];
-                    const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);
-                    v[u][0] = a.x; v[u][1] = a.y; v[u][2] = b.x; v[u][3] = b.y;
-                } else {
-                    const unsigned int raw = reinterpret_cast<const unsigned int*>(tile)[chunk * 4 + col_sub];
-                    const float2 a = pair_to_f32<CacheT>(raw);
-                    v[u][0] = a.x; v[u][1] = a.y;
-                }
+                if constexpr (kCols == 4)
+                    unpack_f32<CacheT>(reinterpret_cast<const uint2*>(tile)[chunk * 2 + col_sub], v[u]);
+                else
+                    unpack_f32<CacheT>(reinterpret_cast<const unsigned int*>(tile)[chunk * 4 + col_sub], v[u]);
             }
 #pragma unroll
             for (int j = 0; j < HPB; ++j) {

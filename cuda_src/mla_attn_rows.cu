@@ -71,13 +71,6 @@ struct RowsSmem {
     static_assert(merge_acc * 4 + kWarps * kKvLora * 4 <= bytes, "the merge fits in the tile");
 };
 
-template <typename CacheT>
-__device__ __forceinline__ void unpack8(const uint4 raw, float* x) {
-    const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);
-    const float2 c = pair_to_f32<CacheT>(raw.z), d = pair_to_f32<CacheT>(raw.w);
-    x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y; x[4] = c.x; x[5] = c.y; x[6] = d.x; x[7] = d.y;
-}
-
 // One warp's 8 rows of the tile in the buffer, kRows at a time: two (steps 1-4 above) for
 // every tile but the slice's last, one at a time for the last (kMasked), where rows from
 // rows_left on lie past the slice end (zero-filled) and score -inf. One row a step needs 16
@@ -98,8 +91,8 @@ __device__ __forceinline__ void warp_rows(const uint4* lat_row, const unsigned i
         float x[kRows][16], part[kRows];
 #pragma unroll
         for (int i = 0; i < kRows; ++i) {
-            unpack8<CacheT>(lat_row[(r + i) * kChunksPerRow], x[i]);
-            unpack8<CacheT>(lat_row[(r + i) * kChunksPerRow + 32], x[i] + 8);
+            unpack_f32<CacheT>(lat_row[(r + i) * kChunksPerRow], x[i]);
+            unpack_f32<CacheT>(lat_row[(r + i) * kChunksPerRow + 32], x[i] + 8);
             const float2 rope = pair_to_f32<CacheT>(rope_row[(r + i) * kChunksPerRow * 4]);
             float sa = rope.x * q_rope.x, sb = rope.y * q_rope.y;
 #pragma unroll

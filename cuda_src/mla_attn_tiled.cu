@@ -142,12 +142,6 @@ __device__ __forceinline__ void mbar_arrive_after_copies(unsigned long long* bar
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-template <typename CacheT>
-__device__ __forceinline__ void unpack4(uint2 raw, float (&x)[4]) {
-    const float2 a = pair_to_f32<CacheT>(raw.x), b = pair_to_f32<CacheT>(raw.y);
-    x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
-}
-
 }  // namespace tiled
 
 template <int HPB, typename CacheT, typename QT>
@@ -225,7 +219,7 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
                 }
                 float x[kRowsPerThread][kUnitCols];
 #pragma unroll
-                for (int i = 0; i < kRowsPerThread; ++i) unpack4<CacheT>(cur[i], x[i]);
+                for (int i = 0; i < kRowsPerThread; ++i) unpack_f32<CacheT>(cur[i], x[i]);
 #pragma unroll
                 for (int kk = 0; kk < kUnitCols; ++kk) {
                     const float4* qk = reinterpret_cast<const float4*>(q_slice + (u * kUnitCols + kk) * kHeads);
@@ -329,7 +323,7 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
 #pragma unroll
             for (int t = 0; t < kTile / 8; ++t) {
                 float x[kValueCols];
-                unpack4<CacheT>(*reinterpret_cast<const uint2*>(x_row + t * 8 * kRowBytes), x);
+                unpack_f32<CacheT>(*reinterpret_cast<const uint2*>(x_row + t * 8 * kRowBytes), x);
 #pragma unroll
                 for (int j4 = 0; j4 < kHeads / 4; ++j4) {
                     const float4 pv = reinterpret_cast<const float4*>(p_row + t * 8 * kPStride)[j4];

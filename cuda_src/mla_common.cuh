@@ -39,6 +39,20 @@ template <> __device__ __forceinline__ float2 pair_to_f32<__nv_bfloat16>(unsigne
     return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
+// The 2, 4 or 8 cache elements packed in a 4-, 8- or 16-byte word read from a tile, as f32
+// in order, into x[0..).
+template <typename CacheT> __device__ __forceinline__ void unpack_f32(unsigned int w, float* x) {
+    const float2 a = pair_to_f32<CacheT>(w);
+    x[0] = a.x; x[1] = a.y;
+}
+template <typename CacheT> __device__ __forceinline__ void unpack_f32(uint2 w, float* x) {
+    unpack_f32<CacheT>(w.x, x); unpack_f32<CacheT>(w.y, x + 2);
+}
+template <typename CacheT> __device__ __forceinline__ void unpack_f32(uint4 w, float* x) {
+    unpack_f32<CacheT>(w.x, x); unpack_f32<CacheT>(w.y, x + 2);
+    unpack_f32<CacheT>(w.z, x + 4); unpack_f32<CacheT>(w.w, x + 6);
+}
+
 // ---- cp.async (sm_80+) -----------------------------------------------------------------
 // The 32-bit shared-state-space address of a generic pointer into shared memory, the operand
 // form of cp.async, ldmatrix and mbarrier.
