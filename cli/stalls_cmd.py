@@ -1,0 +1,205 @@
+"""`mlasandbox stalls`: where one variant's warps wait, per SASS instruction (mlasandbox.stalls).
+
+Profiles the variant's attention kernel under Nsight Compute (mlasandbox.ncu; needs a GPU and
+ncu), or reads a profile saved earlier with --save, and prints the kernel-wide issue figures,
+then the hottest blocks of equally-often-run instructions with each opcode's share of the
+block's instructions against its share of the block's stall samples.
+"""
+from __future__ import annotations
+
+import os
+
+import click
+from rich import box
+from rich.markup import escape
+from rich.table import Table
+
+from mlasandbox import registry
+
+from . import render
+from .lab_options import auto_or_int, deliver_json, json_option, stderr_console
+
+__all__ = ["stalls"]
+
+CUDA_VARIANTS = tuple(n for n in registry.variant_names() if registry.variant(n).is_cuda)
+# An opcode "waits" when its share of a block's samples is at least this many times its share
+# of the block's instructions (and it holds at least MIN_WAIT_SHARE of the samples).
+WAIT_RATIO = 2.0
+MIN_WAIT_SHARE = 0.05
+
+
+def _profile(**opts):
+    """Hook (tests replace it): mlasandbox.ncu.profile_attention."""
+    from mlasandbox.ncu import profile_attention
+
+    return profile_attention(**opts)
+
+
+def _read_saved(path: str) -> tuple[str, str | None]:
+    """(source page CSV, raw page CSV or None) of a --save directory (its source.csv may be
+    gzipped), or of a source page CSV file (gzipped if its name ends in .gz)."""
+    if os.path.isdir(path):
+        source, raw = os.path.join(path, "source.csv"), os.path.join(path, "raw.csv")
+        if not os.path.exists(source) and os.path.exists(source + ".gz"):
+            source += ".gz"
+    else:
+        source, raw = path, None
+    if not os.path.exists(source):
+        raise click.BadParameter(f"{source} does not exist (--from takes a directory written "
+                                 "by --save, or ncu's per-SASS CSV)", param_hint="--from")
+    import gzip
+
+    opener = gzip.open if source.endswith(".gz") else open
+    with opener(source, "rt", encoding="utf-8") as f:
+        source_text = f.read()
+    raw_text = None
+    if raw and os.path.exists(raw):
+        with open(raw, encoding="utf-8") as f:
+            raw_text = f.read()
+    return source_text, raw_text
+
+
+def short_name(kernel: str) -> str:
+    """`mla::attn_tiled<(int)16, __half, float>` of ncu's `void mla::attn_tiled<(int)16, __half,
+    float>(const T3 *, ...)`: the parameter list is the first "(" outside the template."""
+    depth = 0
+    for i, ch in enumerate(kernel):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0:
+            kernel = kernel[:i]
+            break
+    return kernel.removeprefix("void ").strip()
+
+
+def _reasons(pairs, total, n=3) -> str:
+    return ", ".join(f"{r} {100 * s / total:.0f}%" for r, s in pairs[:n]) if total else "-"
+
+
+def kernel_table(metrics: dict, title: str) -> Table:
+    from mlasandbox.stalls import KERNEL_METRICS
+
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
+              caption="stalled X (per issue): warps found waiting for X per instruction "
+                      "issued; 'selected' is the issue itself")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for name, label in KERNEL_METRICS.items():
+        if name in metrics:
+            v = metrics[name]
+            if label.startswith("stalled") and v < 0.005:
+                continue  # a reason no warp waited on
+            t.add_row(label, f"{v:,.2f}" if v < 1000 else f"{v:,.0f}")
+    return t
+
+
+def block_table(block, title: str, top_opcodes: int) -> Table:
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
+    for col, j in (("opcode", "left"), ("instr", "right"), ("of instr", "right"),
+                   ("of samples", "right")):
+        t.add_column(col, justify=j, no_wrap=True, min_width=len(col))
+    t.add_column("top reasons")  # wraps before anything else is cut
+    t.add_column("", no_wrap=True)
+    for o in block.opcodes[:top_opcodes]:
+        waits = o.sample_share >= WAIT_RATIO * o.instr_share and o.sample_share >= MIN_WAIT_SHARE
+        t.add_row(o.opcode, str(o.instructions), f"{100 * o.instr_share:.1f}%",
+                  f"{100 * o.sample_share:.1f}%", _reasons(o.reasons, o.samples, 2),
+                  "<- waits" if waits else "")
+    rest = block.opcodes[top_opcodes:]
+    if rest:
+        n = sum(o.instructions for o in rest)
+        t.add_row(f"({len(rest)} more opcodes)", str(n), f"{100 * n / block.instructions:.1f}%",
+                  f"{100 * sum(o.sample_share for o in rest):.1f}%", "", "")
+    return t
+
+
+@click.command("stalls")
+@click.option("--variant", type=click.Choice(CUDA_VARIANTS), default="tiled16",
+              show_default=True)
+@click.option("--heads", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--ctx", "n_ctx", type=click.IntRange(min=1), default=131072, show_default=True)
+@click.option("--cache", type=click.Choice(["f16", "bf16"]), default="f16", show_default=True)
+@click.option("--q", "q_dtype", type=click.Choice(["f32", "cache"]), default="f32",
+              show_default=True)
+@click.option("--splits", callback=auto_or_int, default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--blocks", "top_blocks", type=click.IntRange(min=1), default=4, show_default=True,
+              help="How many of the hottest instruction blocks to show.")
+@click.option("--opcodes", "top_opcodes", type=click.IntRange(min=1), default=8,
+              show_default=True, help="Opcodes listed per block (the rest are summed).")
+@click.option("--ncu", "ncu_path", default=None, metavar="PATH",
+              help="The ncu executable (default: $NCU, then PATH, then /usr/local/cuda/bin).")
+@click.option("--save", "save_dir", default=None, metavar="DIR",
+              type=click.Path(file_okay=False),
+              help="Keep ncu's report and its raw.csv / source.csv pages in DIR.")
+@click.option("--from", "from_path", default=None, metavar="PATH", type=click.Path(),
+              help="Read a profile saved with --save (or ncu's per-SASS CSV, .gz allowed) "
+                   "instead of running ncu; needs no GPU.")
+@json_option
+def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_opcodes, ncu_path,
+           save_dir, from_path, json_out):
+    """Where a variant's warps wait: ncu's stall samples per SASS instruction.
+
+    Instructions that ran equally often form a block (a loop body is one), so the hot loops
+    are the blocks with the most samples. Within a block, an opcode whose share of the
+    samples is well above its share of the instructions is where the warps wait.
+    """
+    from mlasandbox import stalls as st
+
+    as_json = json_out == "-"
+
+    def fail(msg, usage=False):
+        if as_json:
+            render.emit_json({"ok": False, "error": msg})
+        raise (click.UsageError if usage else click.ClickException)(msg)
+
+    err = stderr_console()
+    q = cache if q_dtype == "cache" else q_dtype
+    if from_path:
+        source_text, raw_text = _read_saved(from_path)
+        config = {"from": from_path}
+    else:
+        from mlasandbox import toolkit
+        from mlasandbox.ncu import NcuError
+
+        ok, why = toolkit.device_available()
+        if not ok:
+            fail(f"stalls profiles a kernel on a GPU: {why} (or read a saved profile with --from)")
+        config = {"variant": variant, "n_head": heads, "n_ctx": n_ctx, "cache": cache, "q": q,
+                  "splits": splits, "seed": seed}
+        try:
+            with err.status(f"ncu: profiling {variant} (H={heads}, n_ctx={n_ctx})"):
+                run = _profile(variant=variant, n_head=heads, n_ctx=n_ctx, cache=cache, q=q,
+                               splits=None if splits == "auto" else splits, seed=seed,
+                               ncu=ncu_path, save_dir=save_dir)
+        except ValueError as exc:
+            fail(str(exc), usage=True)
+        except NcuError as exc:
+            fail(str(exc))
+        source_text, raw_text = run.source_csv, run.raw_csv
+        if save_dir:
+            err.print(f"saved the report and its pages in {escape(save_dir)}")
+    try:
+        kernel, lines = st.read_source_csv(source_text)
+        metrics = st.read_raw_csv(raw_text) if raw_text else {}
+    except st.NcuFormatError as exc:
+        fail(str(exc))
+    report = st.summarize(kernel, lines, top_blocks=top_blocks)
+    result = {"ok": True, "config": config, "kernel_metrics": metrics, **report.as_dict()}
+    if deliver_json(result, json_out, err):
+        return
+    out = render.console()
+    name = escape(short_name(kernel or metrics.get("Kernel Name", "") or "kernel"))
+    if metrics:
+        out.print(f"[bold]{name}[/bold]")
+        out.print(kernel_table(metrics, "kernel-wide (ncu's raw page)"))
+    out.print(f"{name}: {report.samples:,.0f} stall samples over {report.instructions} SASS "
+              "instructions;"
+              f" by reason: {_reasons(report.reasons, report.samples, 6)}")
+    for b in report.blocks:
+        out.print(block_table(
+            b, f"instructions run {b.executed:,} times each: {b.instructions} of them, "
+               f"{100 * b.sample_share:.1f}% of the samples ({_reasons(b.reasons, b.samples)})",
+            top_opcodes))

@@ -1,0 +1,132 @@
+"""Run Nsight Compute over one attention launch of a variant: the data of `mlasandbox stalls`.
+
+ncu profiles a process, so the launch runs in a child, `python -m mlasandbox.ncu`, which draws
+the inputs, compiles, and runs the attn phase once. ncu, filtered to that kernel's name,
+collects the per-SASS warp-state samples (sections SourceCounters and WarpStateStats) and the
+kernel-wide metrics of mlasandbox.stalls.KERNEL_METRICS into one report, replaying the kernel
+for as many passes as they need (with the clock locked: durations read longer than timed
+ones), then prints the report's raw and source pages as CSV for mlasandbox.stalls to read.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from . import registry
+from .stalls import KERNEL_METRICS
+
+__all__ = ["NcuError", "NcuRun", "find_ncu", "kernel_filter", "profile_attention"]
+
+# Where ncu is looked for when --ncu / $NCU do not name it and it is not on PATH.
+_NCU_PLACES = ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu")
+
+
+class NcuError(RuntimeError):
+    """ncu is missing, failed, or profiled no kernel."""
+
+
+@dataclass(frozen=True)
+class NcuRun:
+    raw_csv: str       # --page raw --csv: the kernel-wide metrics
+    source_csv: str    # --page source --print-source sass --csv: the per-SASS samples
+    kernel: str        # the attention instance's readable name
+    command: tuple     # the profiling command line
+
+
+def find_ncu(explicit: str | None = None) -> str:
+    """The ncu executable: `explicit`, else $NCU, else ncu on PATH, else the usual places."""
+    for cand in (explicit, os.environ.get("NCU")):
+        if cand:
+            path = shutil.which(cand)
+            if path is None:
+                raise NcuError(f"ncu not found at {cand!r}")
+            return path
+    path = shutil.which("ncu") or next((p for p in _NCU_PLACES if os.access(p, os.X_OK)), None)
+    if path is None:
+        raise NcuError("ncu (Nsight Compute) is not on PATH nor in "
+                       f"{', '.join(_NCU_PLACES)}: install it with the CUDA toolkit, or name "
+                       "it with --ncu PATH or $NCU")
+    return path
+
+
+def kernel_filter(instance: registry.KernelInstance) -> str:
+    """An ncu `-k regex:` that matches the instance's kernel however ncu spells the name
+    (`attn_tiled`, `void mla::attn_tiled<(int)16, ...>(...)`) and no other kernel of the
+    sandbox (`attn` must not match `attn_tiled`)."""
+    base = instance.expression.split("<")[0].split("::")[-1]
+    return rf"(^|::| ){re.escape(base)}(<|\(|$)"
+
+
+def _tail(text: str, lines: int = 15) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
+
+
+def _run(cmd: list, timeout: float) -> str:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise NcuError(f"ncu ran past {timeout:.0f} s: {' '.join(cmd[:4])} ...") from None
+    out = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise NcuError(f"ncu exited {done.returncode}:\n{_tail(out)}")
+    return out
+
+
+def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
+                      q: str = "f32", splits: int | None = None, seed: int = 0,
+                      ncu: str | None = None, save_dir: str | None = None,
+                      timeout: float = 600.0) -> NcuRun:
+    """Profile the attention kernel of one decode step of `variant` under ncu."""
+    var = registry.variant(variant)
+    if not var.is_cuda:
+        raise ValueError(f"variant {variant!r} launches no attention kernel of its own (it runs "
+                         "cuBLAS); stalls profiles the CUDA variants")
+    instance = registry.attention_instance(var, cache, q)
+    exe = find_ncu(ncu)
+    with tempfile.TemporaryDirectory() as tmp:
+        where = save_dir or tmp
+        os.makedirs(where, exist_ok=True)
+        report = os.path.join(where, "stalls")
+        metrics = ",".join(KERNEL_METRICS)
+        cmd = [exe, "-f", "-o", report, "--section", "SourceCounters", "--section",
+               "WarpStateStats", "--metrics", metrics, "-k", f"regex:{kernel_filter(instance)}",
+               "--launch-count", "1", sys.executable, "-m", "mlasandbox.ncu", variant,
+               str(n_head), str(n_ctx), cache, q, str(splits or 0), str(seed)]
+        log = _run(cmd, timeout)
+        if not os.path.exists(report + ".ncu-rep"):
+            raise NcuError(f"ncu profiled no {instance.name} launch:\n{_tail(log)}")
+        rep = report + ".ncu-rep"
+        raw = _run([exe, "-i", rep, "--page", "raw", "--csv", "--metrics", metrics], timeout)
+        source = _run([exe, "-i", rep, "--page", "source", "--print-source", "sass", "--csv"],
+                      timeout)
+        if save_dir:
+            for name, text in (("raw.csv", raw), ("source.csv", source)):
+                with open(os.path.join(save_dir, name), "w", encoding="utf-8") as f:
+                    f.write(text)
+    return NcuRun(raw, source, instance.name, tuple(cmd))
+
+
+def _launch(argv: list) -> int:
+    """The child ncu profiles: one attn phase of VARIANT H N_CTX CACHE Q SPLITS SEED."""
+    import cupy
+
+    from .api import DecodeStep
+    from .dims import Dims
+    from .inputs import make_inputs
+
+    variant, n_head, n_ctx, cache, q, splits, seed = argv
+    n_head, n_ctx, splits, seed = int(n_head), int(n_ctx), int(splits), int(seed)
+    inputs = make_inputs(Dims(n_head=n_head), n_ctx, n_ctx, cache, q, seed=seed, xp=cupy)
+    step = DecodeStep(**inputs.decode_args(), variant=variant, splits=splits or None)
+    step.run_attn()
+    cupy.cuda.Device().synchronize()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_launch(sys.argv[1:]))

@@ -1,0 +1,211 @@
+"""Where a kernel's warps wait, from Nsight Compute's per-SASS stall samples.
+
+`ncu --section SourceCounters --section WarpStateStats --page source --print-source sass --csv`
+prints one row per SASS instruction: how many times a warp executed it, and how many of the
+periodic warp-state samples found a warp at it, by reason (`selected`: the warp issued).
+This module turns those rows into the table that says why a kernel is slow:
+
+* **blocks**: instructions grouped by how many times they ran. Code that runs equally often
+  (one loop body, or the straight line around it) lands in one group, so a kernel's hot loops
+  are the groups that hold most of the samples. In attn_tiled at 16 heads and 131072 context
+  every score-loop instruction runs 147,456 times (512 score warps x 32 tiles x 9 units) and
+  every value-loop instruction 65,536 times.
+* **opcodes per block**: each opcode's share of the block's instructions against its share of
+  the block's samples. Where the second is far above the first, that is where the warps
+  wait: attn_tiled's f16 -> f32 conversions (HADD2.F32) are 5% of each loop's instructions
+  and 17-19% of its samples, mostly math-pipe throttle
+  (results/h200-2026-11-30-f8ff5b9/tiled16_where_cycles_go.txt).
+
+Also the kernel-wide figures of ncu's raw page (issue active, warp instructions, stalls per
+issue). Reads text only: no GPU, no ncu (mlasandbox.ncu runs ncu).
+"""
+from __future__ import annotations
+
+import csv
+import re
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass
+
+__all__ = ["SassLine", "OpcodeShare", "Block", "StallReport", "NcuFormatError",
+           "read_source_csv", "summarize", "read_raw_csv", "KERNEL_METRICS", "stall_metric"]
+
+# The reasons of ncu's warp-state sampling, as the source page names its columns
+# ("stall_<reason>"; the "(Not Issued)" copies are skipped).
+_REASON_COLUMN = re.compile(r"^stall_([a-z_]+)$")
+_PREDICATE = re.compile(r"^@!?U?P[T0-9]+\s+")
+
+
+class NcuFormatError(ValueError):
+    """Text that is not the ncu CSV page this module reads."""
+
+
+@dataclass(frozen=True)
+class SassLine:
+    address: str
+    source: str           # the SASS text, predicate included
+    opcode: str           # the mnemonic with its modifiers, predicate dropped (FFMA.FTZ)
+    executed: int         # warp-level executions
+    samples: dict         # reason -> samples
+
+
+@dataclass(frozen=True)
+class OpcodeShare:
+    opcode: str
+    instructions: int     # how many SASS instructions of the block have this opcode
+    instr_share: float    # of the block's instructions
+    samples: float
+    sample_share: float   # of the block's samples
+    reasons: tuple        # ((reason, samples), ...), most first
+
+
+@dataclass(frozen=True)
+class Block:
+    executed: int         # times each of its instructions ran
+    instructions: int
+    samples: float
+    sample_share: float   # of the kernel's samples
+    reasons: tuple        # ((reason, samples), ...), most first
+    opcodes: tuple        # OpcodeShare, most samples first
+
+
+@dataclass(frozen=True)
+class StallReport:
+    kernel: str
+    instructions: int     # SASS instructions in the listing
+    samples: float
+    reasons: tuple        # ((reason, samples), ...) over the whole kernel, most first
+    blocks: tuple         # Block, most samples first
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _number(text: str) -> float:
+    text = text.strip().replace(",", "")
+    if not text or text == "-":
+        return 0.0
+    try:
+        return float(text)
+    except ValueError:
+        return 0.0
+
+
+def _opcode(source: str) -> str:
+    text = _PREDICATE.sub("", source.strip())
+    return text.split()[0] if text else ""
+
+
+def read_source_csv(text: str) -> tuple[str, list[SassLine]]:
+    """(kernel name, one SassLine per instruction) of ncu's `--page source --print-source sass
+    --csv` output. Lines ncu prints around it (==PROF==, the program's own) are skipped."""
+    lines = text.splitlines()
+    kernel = ""
+    header_at = None
+    for i, line in enumerate(lines):
+        if line.startswith('"Kernel Name"'):
+            row = next(csv.reader([line]))
+            kernel = row[1] if len(row) > 1 else ""
+        elif line.startswith('"Address"'):
+            header_at = i
+            break
+    if header_at is None:
+        raise NcuFormatError("no per-SASS table: expected ncu's `--page source --print-source "
+                             "sass --csv` output, with a header row starting \"Address\"")
+    header = next(csv.reader([lines[header_at]]))
+    for needed in ("Source", "Instructions Executed"):
+        if needed not in header:
+            raise NcuFormatError(f"the per-SASS table has no {needed!r} column (ncu needs "
+                                 "--section SourceCounters --section WarpStateStats)")
+    reasons = {col: m.group(1) for col in header if (m := _REASON_COLUMN.match(col))}
+    if not reasons:
+        raise NcuFormatError("the per-SASS table has no stall_<reason> columns (ncu needs "
+                             "--section WarpStateStats)")
+    out = []
+    for row in csv.reader(line for line in lines[header_at + 1:] if line.startswith('"0x')):
+        cells = dict(zip(header, row))
+        samples = {reason: _number(cells.get(col, "")) for col, reason in reasons.items()}
+        out.append(SassLine(cells.get("Address", ""), cells.get("Source", "").strip(),
+                            _opcode(cells.get("Source", "")),
+                            int(_number(cells.get("Instructions Executed", ""))), samples))
+    if not out:
+        raise NcuFormatError("the per-SASS table has a header and no instruction rows")
+    return kernel, out
+
+
+def _ranked(counter: Counter) -> tuple:
+    return tuple((k, v) for k, v in counter.most_common() if v > 0)
+
+
+def summarize(kernel: str, lines: list[SassLine], top_blocks: int = 6,
+              min_share: float = 0.01) -> StallReport:
+    """The kernel's samples by reason, and its `top_blocks` blocks of equally-often-run
+    instructions that hold at least `min_share` of the samples, each with its opcode mix."""
+    total = Counter()
+    groups = defaultdict(list)
+    for line in lines:
+        total.update(line.samples)
+        if line.executed > 0:
+            groups[line.executed].append(line)
+    all_samples = sum(total.values())
+    blocks = []
+    for executed, members in groups.items():
+        reasons = Counter()
+        by_op = defaultdict(Counter)
+        count = Counter()
+        for line in members:
+            reasons.update(line.samples)
+            by_op[line.opcode].update(line.samples)
+            count[line.opcode] += 1
+        samples = sum(reasons.values())
+        if not all_samples or samples / all_samples < min_share:
+            continue
+        opcodes = sorted(
+            (OpcodeShare(op, count[op], count[op] / len(members), sum(c.values()),
+                         sum(c.values()) / samples if samples else 0.0, _ranked(c))
+             for op, c in by_op.items()),
+            key=lambda o: (-o.samples, o.opcode))
+        blocks.append(Block(executed, len(members), samples, samples / all_samples,
+                            _ranked(reasons), tuple(opcodes)))
+    blocks.sort(key=lambda b: (-b.samples, -b.executed))
+    return StallReport(kernel, len(lines), all_samples, _ranked(total), tuple(blocks[:top_blocks]))
+
+
+# The kernel-wide metrics `mlasandbox stalls` asks ncu for, with their labels.
+STALL_REASONS = ("selected", "not_selected", "dispatch_stall", "wait", "long_scoreboard",
+                 "short_scoreboard", "math_pipe_throttle", "mio_throttle", "barrier",
+                 "no_instruction", "branch_resolving", "membar", "lg_throttle")
+
+
+def stall_metric(reason: str) -> str:
+    return f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio"
+
+
+KERNEL_METRICS = {
+    "gpu__time_duration.sum": "duration (us, at ncu's locked clock)",
+    "sm__cycles_elapsed.avg.per_second": "SM clock (GHz)",
+    "smsp__issue_active.avg.pct_of_peak_sustained_active": "issue active (% of cycles)",
+    "smsp__inst_executed.sum": "warp instructions",
+    "smsp__inst_executed_pipe_fma.sum": "on the FMA pipe",
+    "smsp__inst_executed_pipe_alu.sum": "on the ALU pipe",
+    "smsp__inst_executed_pipe_lsu.sum": "on the LSU pipe",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum": "shared-memory bank conflicts",
+    **{stall_metric(r): f"stalled {r} (per issue)" for r in STALL_REASONS},
+}
+
+
+def read_raw_csv(text: str) -> dict:
+    """{metric: value} of the first kernel in ncu's `--page raw --csv` output (a header row,
+    a units row, then one row per profiled kernel)."""
+    rows = [r for r in csv.reader(line for line in text.splitlines() if line.startswith('"'))]
+    at = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
+    if at is None or len(rows) < at + 3:
+        raise NcuFormatError("no kernel row: expected ncu's `--page raw --csv` output (a "
+                             "header with \"Kernel Name\", a units row, a row per kernel)")
+    header, values = rows[at], rows[at + 2]
+    out = {}
+    for name, value in zip(header, values):
+        if name == "Kernel Name":
+            out[name] = value
+        elif "__" in name:
+            out[name] = _number(value)
+    return out

@@ -1,0 +1,257 @@
+"""`mlasandbox stalls`: ncu's per-SASS stall samples turned into blocks and opcode shares.
+
+The claims: instructions that ran equally often form one block, so a kernel's loops stand
+out; within a block an opcode whose share of the samples is far above its share of the
+instructions is where warps wait. The recorded profile of tiled16 at 16 heads
+(results/h200-2026-11-30-f8ff5b9/ncu_tiled16_sass.csv.gz) must read back as
+tiled16_where_cycles_go.txt says: the score loop, 295 instructions run 147,456 times, whose 16
+f16 -> f32 conversions hold over three times their share of its instructions in samples.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from mlasandbox import ncu, registry, stalls
+from mlasandbox.cli.main import main
+
+from gpu_support import HAVE_GPU, gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORDED = os.path.join(ROOT, "results", "h200-2026-11-30-f8ff5b9", "ncu_tiled16_sass.csv.gz")
+
+HEADER = ('"Address","Source","Instructions Executed","stall_selected","stall_math",'
+          '"stall_wait","stall_selected (Not Issued)"')
+
+
+def sass_csv(rows) -> str:
+    """ncu's source page as it prints it: a kernel line, the header, one row per instruction."""
+    lines = ['==PROF== Connected to process 1', '"Kernel Name","void k<1>(float *)",', HEADER]
+    for i, (source, executed, selected, math, wait) in enumerate(rows):
+        lines.append(f'"0x{16 * i:x}","      {source}","{executed}","{selected}","{math}",'
+                     f'"{wait}","999"')
+    return "\n".join(lines) + "\n"
+
+
+# A loop of 3 FFMA and a predicated conversion (100 runs each), a prologue of 2 instructions
+# (1 run each), and an instruction that never ran.
+LOOP = [("FFMA.FTZ R1, R2, R3, R1", 100, 10, 0, 0), ("FFMA.FTZ R4, R2, R5, R4", 100, 10, 0, 0),
+        ("FFMA.FTZ R6, R2, R7, R6", 100, 10, 0, 2), ("@!P0 HADD2.F32 R2, -RZ, R8.H0_H0", 100, 2, 20, 0)]
+PROLOGUE = [("LDC R1, c[0x0][0x28]", 1, 0, 0, 3), ("MOV R9, RZ", 1, 1, 0, 0)]
+NEVER = [("BRA 0x100", 0, 0, 0, 0)]
+
+
+def test_source_page_reads_every_instruction_and_drops_predicates_and_not_issued_copies():
+    kernel, lines = stalls.read_source_csv(sass_csv(LOOP + PROLOGUE + NEVER))
+    assert kernel == "void k<1>(float *)"
+    assert len(lines) == 7
+    conv = lines[3]
+    assert conv.opcode == "HADD2.F32" and conv.source.startswith("@!P0 HADD2.F32")
+    assert conv.executed == 100
+    assert conv.samples == {"selected": 2.0, "math": 20.0, "wait": 0.0}  # not the 999s
+
+
+def test_blocks_group_equally_often_run_instructions_and_share_their_samples():
+    kernel, lines = stalls.read_source_csv(sass_csv(LOOP + PROLOGUE + NEVER))
+    report = stalls.summarize(kernel, lines)
+    assert report.samples == 58 and report.instructions == 7
+    assert report.reasons == (("selected", 33.0), ("math", 20.0), ("wait", 5.0))
+    loop, prologue = report.blocks  # the never-run instruction forms no block
+    assert (loop.executed, loop.instructions, loop.samples) == (100, 4, 54)
+    assert loop.sample_share == pytest.approx(54 / 58)
+    assert (prologue.executed, prologue.instructions, prologue.samples) == (1, 2, 4)
+    conv = next(o for o in loop.opcodes if o.opcode == "HADD2.F32")
+    assert conv.instr_share == pytest.approx(1 / 4) and conv.sample_share == pytest.approx(22 / 54)
+    assert conv.reasons == (("math", 20.0), ("selected", 2.0))
+    ffma = loop.opcodes[0]
+    assert ffma.opcode == "FFMA.FTZ" and ffma.instructions == 3 and ffma.samples == 32
+
+
+def test_blocks_below_the_minimum_share_and_past_the_top_are_left_out():
+    kernel, lines = stalls.read_source_csv(sass_csv(LOOP + PROLOGUE))
+    assert [b.executed for b in stalls.summarize(kernel, lines, min_share=0.1).blocks] == [100]
+    assert [b.executed for b in stalls.summarize(kernel, lines, top_blocks=1).blocks] == [100]
+
+
+@pytest.mark.parametrize("text, why", [
+    ("", "no per-SASS table"),
+    ('"Address","Source","stall_selected"\n"0x0","FFMA","1"\n', "'Instructions Executed'"),
+    ('"Address","Source","Instructions Executed"\n"0x0","FFMA","1"\n', "stall_<reason>"),
+    (HEADER + "\n", "no instruction rows"),
+])
+def test_text_that_is_not_the_source_page_is_refused_with_what_is_missing(text, why):
+    with pytest.raises(stalls.NcuFormatError, match=why.replace("(", r"\(")):
+        stalls.read_source_csv(text)
+
+
+def test_raw_page_gives_the_first_kernels_metrics_by_name():
+    text = ('"ID","Kernel Name","gpu__time_duration.sum","smsp__inst_executed.sum"\n'
+            '"","","us","inst"\n'
+            '"0","void k<1>(float *)","32.608000","12,715,312"\n')
+    assert stalls.read_raw_csv("==PROF== x\n" + text) == {
+        "Kernel Name": "void k<1>(float *)", "gpu__time_duration.sum": 32.608,
+        "smsp__inst_executed.sum": 12715312.0}
+    with pytest.raises(stalls.NcuFormatError, match="no kernel row"):
+        stalls.read_raw_csv(text.splitlines()[0])
+
+
+def recorded_text() -> str:
+    with gzip.open(RECORDED, "rt", encoding="utf-8") as f:
+        return f.read()
+
+
+def test_the_recorded_tiled16_profile_shows_the_conversions_waiting_in_the_score_loop():
+    kernel, lines = stalls.read_source_csv(recorded_text())
+    assert "attn_tiled" in kernel
+    report = stalls.summarize(kernel, lines)
+    score = report.blocks[0]
+    assert (score.executed, score.instructions) == (147456, 295)
+    ops = {o.opcode: o for o in score.opcodes}
+    assert ops["FFMA.FTZ"].instructions == 256
+    conv = ops["HADD2.F32"]
+    assert conv.instructions == 16 and conv.sample_share > 3 * conv.instr_share
+    assert conv.reasons[0][0] == "math"
+    value = report.blocks[1]
+    assert (value.executed, value.instructions) == (65536, 601)
+
+
+def test_kernel_filter_matches_its_kernel_in_every_spelling_and_no_other():
+    import re
+
+    tiled = re.compile(ncu.kernel_filter(registry.tiled_instance(16)))
+    batched = re.compile(ncu.kernel_filter(registry.attn_instance(16)))
+    tiled_names = ("attn_tiled", "void mla::attn_tiled<(int)16, __half, float>(const T3 *)",
+                   "void attn_tiled<16, __half, float>(const T3 *, const T2 *)")
+    batched_names = ("attn", "void mla::attn<(int)16, __half, float>(const T3 *)")
+    assert all(tiled.search(n) for n in tiled_names)
+    assert all(batched.search(n) for n in batched_names)
+    assert not any(batched.search(n) for n in tiled_names + ("attn_rows", "mma_attn"))
+    assert not tiled.search("void mla::attn_tiled2<16>(float *)")
+
+
+def test_a_missing_ncu_is_reported_with_where_it_was_looked_for(monkeypatch):
+    monkeypatch.delenv("NCU", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    with pytest.raises(ncu.NcuError, match="not on PATH.*--ncu PATH or \\$NCU"):
+        ncu.find_ncu()
+    with pytest.raises(ncu.NcuError, match="ncu not found at '/nowhere/ncu'"):
+        ncu.find_ncu("/nowhere/ncu")
+
+
+def test_the_cublas_engine_is_refused_before_ncu_is_looked_for(monkeypatch):
+    monkeypatch.setattr(ncu, "find_ncu", lambda *a: pytest.fail("looked for ncu"))
+    with pytest.raises(ValueError, match="cublas.*launches no attention kernel"):
+        ncu.profile_attention("cublas", 16, 4096)
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture
+def saved(tmp_path):
+    (tmp_path / "source.csv").write_text(recorded_text(), encoding="utf-8")
+    (tmp_path / "raw.csv").write_text(
+        '"ID","Kernel Name","smsp__issue_active.avg.pct_of_peak_sustained_active",'
+        '"smsp__inst_executed.sum"\n"","","%","inst"\n"0","attn_tiled","69.94","91463680"\n',
+        encoding="utf-8")
+    return tmp_path
+
+
+def test_cli_reads_a_saved_profile_and_marks_where_warps_wait(saved):
+    res = run("stalls", "--from", saved, "--blocks", "2")
+    assert res.exit_code == 0, res.output
+    assert "issue active (% of cycles)" in res.output and "91,463,680" in res.output
+    assert "run 147,456 times each: 295 of them" in res.output
+    conv_row = next(line for line in res.output.splitlines() if "HADD2.F32" in line)
+    assert "<- waits" in conv_row
+    assert "run 16,384 times" not in res.output  # --blocks 2
+
+
+def test_cli_json_carries_the_blocks_and_the_kernel_metrics(saved):
+    res = run("stalls", "--from", saved / "source.csv", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert data["ok"] and data["kernel_metrics"] == {}  # a lone source CSV has no raw page
+    assert data["blocks"][0]["executed"] == 147456
+    assert data["blocks"][0]["opcodes"][0]["opcode"] == "FFMA.FTZ"
+
+
+def test_cli_reads_the_recorded_gzipped_page_as_it_is():
+    res = run("stalls", "--from", RECORDED, "--blocks", "1")
+    assert res.exit_code == 0, res.output
+    assert "run 147,456 times each: 295 of them" in res.output
+
+
+def test_cli_refuses_a_missing_or_foreign_profile(tmp_path):
+    res = run("stalls", "--from", tmp_path / "nothing.csv")
+    assert res.exit_code == 2 and "does not exist" in res.output
+    (tmp_path / "x.csv").write_text("not ncu\n")
+    res = run("stalls", "--from", tmp_path / "x.csv")
+    assert res.exit_code == 1 and "no per-SASS table" in res.output
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
+def test_cli_without_a_gpu_says_so_and_how_to_read_a_saved_profile():
+    res = run("stalls", "--variant", "tiled16")
+    assert res.exit_code == 1
+    assert "stalls profiles a kernel on a GPU" in res.output and "--from" in res.output
+
+
+def test_cli_profiles_through_ncu_and_names_ncu_failures(monkeypatch, saved):
+    from mlasandbox import toolkit
+    from mlasandbox.cli import stalls_cmd
+
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: fake"))
+    calls = []
+
+    def fake(**opts):
+        calls.append(opts)
+        return ncu.NcuRun((saved / "raw.csv").read_text(), recorded_text(), "attn_tiled<...>", ())
+
+    monkeypatch.setattr(stalls_cmd, "_profile", fake)
+    res = run("stalls", "--variant", "batched16", "--heads", "96", "--ctx", "8192", "--q", "cache",
+              "--cache", "bf16", "--splits", "7")
+    assert res.exit_code == 0, res.output
+    assert calls == [{"variant": "batched16", "n_head": 96, "n_ctx": 8192, "cache": "bf16",
+                      "q": "bf16", "splits": 7, "seed": 0, "ncu": None, "save_dir": None}]
+
+    def broken(**opts):
+        raise ncu.NcuError("ncu exited 1:\n==ERROR== ERR_NVGPUCTRPERM")
+
+    monkeypatch.setattr(stalls_cmd, "_profile", broken)
+    res = run("stalls")
+    assert res.exit_code == 1 and "ERR_NVGPUCTRPERM" in res.output
+
+
+@gpu
+@pytest.mark.skipif(shutil.which("ncu") is None and not os.path.exists("/usr/local/cuda/bin/ncu"),
+                    reason="needs ncu (Nsight Compute)")
+def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
+    run_ = ncu.profile_attention("tiled16", 16, 8192, save_dir=str(tmp_path))
+    kernel, lines = stalls.read_source_csv(run_.source_csv)
+    report = stalls.summarize(kernel, lines)
+    # 8192 rows over S slices of 32-row tiles: whatever S is, the score loop's 295-ish
+    # instructions run 9 units x 4 warps x tiles x slices times, more than anything else
+    # but the FFMA-dense value loop, and both loops are among the hottest blocks.
+    loops = [b for b in report.blocks if any(o.opcode == "FFMA.FTZ" and o.instructions >= 256
+                                             for o in b.opcodes)]
+    assert len(loops) == 2, [(b.executed, b.instructions) for b in report.blocks]
+    metrics = stalls.read_raw_csv(run_.raw_csv)
+    assert metrics["smsp__inst_executed.sum"] > 0
+    assert 0 < metrics["smsp__issue_active.avg.pct_of_peak_sustained_active"] <= 100
+    assert (tmp_path / "source.csv").exists() and (tmp_path / "stalls.ncu-rep").exists()
+
+
+def test_kernel_names_lose_their_parameter_list_not_their_template_arguments():
+    from mlasandbox.cli.stalls_cmd import short_name
+
+    assert short_name("void mla::attn_tiled<(int)16, __half, float>(const T3 *, int)") == \
+        "mla::attn_tiled<(int)16, __half, float>"
+    assert short_name("attn_rows") == "attn_rows"
