@@ -230,9 +230,9 @@ def test_cli_profiles_through_ncu_and_names_ncu_failures(monkeypatch, saved):
     assert res.exit_code == 1 and "ERR_NVGPUCTRPERM" in res.output
 
 
-@gpu
 @pytest.mark.skipif(shutil.which("ncu") is None and not os.path.exists("/usr/local/cuda/bin/ncu"),
                     reason="needs ncu (Nsight Compute)")
+@gpu  # checked first: without a GPU, that is the reason to give
 def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
     run_ = ncu.profile_attention("tiled16", 16, 8192, save_dir=str(tmp_path))
     kernel, lines = stalls.read_source_csv(run_.source_csv)
