@@ -7,6 +7,7 @@ block's instructions against its share of the block's stall samples.
 """
 from __future__ import annotations
 
+import gzip
 import os
 
 import click
@@ -47,8 +48,6 @@ def _read_saved(path: str) -> tuple[str, str | None]:
     if not os.path.exists(source):
         raise click.BadParameter(f"{source} does not exist (--from takes a directory written "
                                  "by --save, or ncu's per-SASS CSV)", param_hint="--from")
-    import gzip
-
     opener = gzip.open if source.endswith(".gz") else open
     with opener(source, "rt", encoding="utf-8") as f:
         source_text = f.read()
@@ -79,7 +78,9 @@ def _reasons(pairs, total, n=3) -> str:
 
 
 def kernel_table(metrics: dict, title: str) -> Table:
-    from mlasandbox.stalls import KERNEL_METRICS
+    from mlasandbox.stalls import KERNEL_METRICS, STALL_REASONS, stall_metric
+
+    stall_rows = {stall_metric(r) for r in STALL_REASONS}
 
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
               caption="stalled X (per issue): warps found waiting for X per instruction "
@@ -89,7 +90,7 @@ def kernel_table(metrics: dict, title: str) -> Table:
     for name, label in KERNEL_METRICS.items():
         if name in metrics:
             v = metrics[name]
-            if label.startswith("stalled") and v < 0.005:
+            if name in stall_rows and v < 0.005:
                 continue  # a reason no warp waited on
             t.add_row(label, f"{v:,.2f}" if v < 1000 else f"{v:,.0f}")
     return t

@@ -22,8 +22,14 @@ from .stalls import KERNEL_METRICS
 
 __all__ = ["NcuError", "NcuRun", "find_ncu", "kernel_filter", "profile_attention"]
 
-# Where ncu is looked for when --ncu / $NCU do not name it and it is not on PATH.
-_NCU_PLACES = ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu")
+
+
+def _ncu_places() -> list:
+    """Where ncu is looked for when --ncu / $NCU do not name it and it is not on PATH: the
+    CUDA roots the header lookup uses (mlasandbox.toolkit), then Nsight Compute's own."""
+    roots = [os.environ[v] for v in ("CUDA_PATH", "CUDA_HOME") if os.environ.get(v)]
+    return [os.path.join(r, "bin", "ncu") for r in (*roots, "/usr/local/cuda")] + \
+        ["/opt/nvidia/nsight-compute/ncu"]
 
 
 class NcuError(RuntimeError):
@@ -39,18 +45,18 @@ class NcuRun:
 
 
 def find_ncu(explicit: str | None = None) -> str:
-    """The ncu executable: `explicit`, else $NCU, else ncu on PATH, else the usual places."""
+    """The ncu executable: `explicit`, else $NCU, else ncu on PATH, else _ncu_places()."""
     for cand in (explicit, os.environ.get("NCU")):
         if cand:
             path = shutil.which(cand)
             if path is None:
                 raise NcuError(f"ncu not found at {cand!r}")
             return path
-    path = shutil.which("ncu") or next((p for p in _NCU_PLACES if os.access(p, os.X_OK)), None)
+    places = _ncu_places()
+    path = shutil.which("ncu") or next((p for p in places if os.access(p, os.X_OK)), None)
     if path is None:
-        raise NcuError("ncu (Nsight Compute) is not on PATH nor in "
-                       f"{', '.join(_NCU_PLACES)}: install it with the CUDA toolkit, or name "
-                       "it with --ncu PATH or $NCU")
+        raise NcuError(f"ncu (Nsight Compute) is not on PATH nor in {', '.join(places)}: "
+                       "install it with the CUDA toolkit, or name it with --ncu PATH or $NCU")
     return path
 
 

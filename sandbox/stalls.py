@@ -27,7 +27,8 @@ from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 
 __all__ = ["SassLine", "OpcodeShare", "Block", "StallReport", "NcuFormatError",
-           "read_source_csv", "summarize", "read_raw_csv", "KERNEL_METRICS", "stall_metric"]
+           "read_source_csv", "summarize", "read_raw_csv", "KERNEL_METRICS", "STALL_REASONS",
+           "stall_metric"]
 
 # The reasons of ncu's warp-state sampling, as the source page names its columns
 # ("stall_<reason>"; the "(Not Issued)" copies are skipped).

@@ -135,10 +135,14 @@ def test_kernel_filter_matches_its_kernel_in_every_spelling_and_no_other():
 
 
 def test_a_missing_ncu_is_reported_with_where_it_was_looked_for(monkeypatch):
-    monkeypatch.delenv("NCU", raising=False)
+    for var in ("NCU", "CUDA_PATH", "CUDA_HOME"):
+        monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.setattr(os, "access", lambda path, mode: False)
     with pytest.raises(ncu.NcuError, match="not on PATH.*--ncu PATH or \\$NCU"):
+        ncu.find_ncu()
+    monkeypatch.setenv("CUDA_HOME", "/opt/cuda-x")
+    with pytest.raises(ncu.NcuError, match="/opt/cuda-x/bin/ncu, /usr/local/cuda/bin/ncu"):
         ncu.find_ncu()
     with pytest.raises(ncu.NcuError, match="ncu not found at '/nowhere/ncu'"):
         ncu.find_ncu("/nowhere/ncu")
@@ -230,8 +234,15 @@ def test_cli_profiles_through_ncu_and_names_ncu_failures(monkeypatch, saved):
     assert res.exit_code == 1 and "ERR_NVGPUCTRPERM" in res.output
 
 
-@pytest.mark.skipif(shutil.which("ncu") is None and not os.path.exists("/usr/local/cuda/bin/ncu"),
-                    reason="needs ncu (Nsight Compute)")
+def _have_ncu() -> bool:
+    try:
+        ncu.find_ncu()
+    except ncu.NcuError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _have_ncu(), reason="needs ncu (Nsight Compute)")
 @gpu  # checked first: without a GPU, that is the reason to give
 def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
     run_ = ncu.profile_attention("tiled16", 16, 8192, save_dir=str(tmp_path))
