@@ -2,7 +2,7 @@
 //
 // Template parameters
 //   HM      head m-tiles per block: the block serves 16*HM heads (mma16: 1, mma32: 2), so one
-//           pass over the cache (and one ldmatrix of each cache fragment) serves 16*HM heads
+//           pass over the cache serves 16*HM heads
 //   CacheT  cache element: __half or __nv_bfloat16 (also the MMA operand type)
 //   QT      query element: float, or CacheT
 // Fixed geometry (sandbox/registry.py mirrors it)
@@ -19,16 +19,27 @@
 // already 16-bit and exact, and every accumulation is f32.
 //
 // One tile of 64 rows:
-//   scores: S[16HM heads x 64 rows] = Q C^T. Warp w computes rows 16*(w%4) .. +15 (two n8
-//           tiles) over k16 steps 18*(w/4) .. +17; the two k halves meet in shared memory
-//           (mma16: a buffer of their own, the next tile is issued before the scores;
-//           mma32: the spare tile buffer, the next tile is issued after the softmax).
+//   scores: S[16HM heads x 64 rows] = Q C^T. Warp w serves k-group w % 4 (9 of the 36 k16
+//           steps) of one m tile (mma32: m tile w / 4, all 64 rows) or of 32 rows (mma16:
+//           rows 32 (w / 4) ..), and keeps that k-group's q fragments, hi and lo, in 72
+//           registers for the whole slice: the loop reads only cache fragments from shared
+//           memory, each feeding 4 MMAs. The four k-groups meet in `red`, which reuses q's
+//           staging buffer once the fragments are in registers.
 //   softmax: warp w owns heads w, w+8, ... (one lane per two rows), all of them at once: tile
 //           max, p = 2^(s - m), written as hi/lo halves [head][row] for ldmatrix; (m, l, alpha).
 //           The max is lazy (mla_common.cuh): the accumulators are rescaled only on the tiles
 //           where some head's max grew by more than 2^8.
 //   values: warp w owns latent columns 64w .. 64w+63 (8 n8 tiles) for all heads,
 //           A = p (ldmatrix), B = cache rows (ldmatrix.trans), 4 k16 steps per tile.
+// The next tile's copy is issued at the top of each tile, so a whole tile of compute covers it.
+//
+// Why q lives in registers. Up to 5d845a7 warp w took rows 16 (w % 4) over half the k-steps
+// and re-read its q fragments, hi and lo, from shared memory on every tile: per 64-row tile the
+// score loop issued 720 ldmatrix.x4 (368 KB) for mma32's 1,152 MMAs and 432 for mma16's 576.
+// Now it issues 288 and 144, and the 4 k-groups' partials cost one float2 store per fragment.
+// Timed in one process at 131072 context (L2 flushed, interleaved): mma16 51.3 -> 45.9 us at
+// 16 heads; mma32 201 -> 167 us at 96 heads and 267 -> 220 at 128; 176 and 240 registers
+// under NVRTC 13.0 (results/h200-2026-11-30-mma-qreg/mma_q_registers.txt).
 #include "mla_common.cuh"
 
 namespace mla {
@@ -41,32 +52,31 @@ constexpr int kMmaKey = MLA_KV_LORA + MLA_ROPE;
 constexpr int kMmaChunks = kMmaKey / 8;                   // 16-byte chunks per cache row (72)
 constexpr int kKSteps = kMmaKey / 16;                     // 36
 constexpr int kPChunks = kMmaTile / 8;                    // 16-byte chunks per p row (8)
-static_assert(kKSteps % 2 == 0 && kMmaChunks % 8 == 0, "two k halves and the 8-chunk swizzle");
-static_assert(kMmaTile == 16 * (kMmaWarps / 2), "score phase: 4 row pairs x 2 k halves");
+static_assert(kMmaChunks % 8 == 0, "the 8-chunk swizzle");
 static_assert(kMmaLora == 64 * kMmaWarps, "value phase: 64 columns per warp");
 
-// The score halves (`red`) get their own buffer when it fits the 227 KB a Hopper block may
-// opt into (mma16). Then the next tile's copy is issued at the top of the tile, so a whole
-// tile of compute covers it: at 16 heads the kernel is bound by how many bytes are in flight,
-// and issuing after the softmax left the load a third less time. mma32's q halves leave no
-// room: its scores borrow the spare tile buffer, and the copy waits until the softmax has
-// consumed them.
-constexpr int kMmaSmemMax = 227 * 1024;
+constexpr int kScoreKGroups = 4;                          // k-groups of the score phase
+constexpr int kGroupKSteps = kKSteps / kScoreKGroups;     // 9 k16 steps, 72 q registers
+constexpr int kRedStride = kMmaTile + 8;                  // floats per [k-group][head] row of
+                                                          // red: a fragment's 8 row groups
+                                                          // land on distinct bank pairs
+static_assert(kKSteps % kScoreKGroups == 0, "whole k-steps per k-group");
+constexpr int kMmaSmemMax = 227 * 1024;                   // what a Hopper block may opt into
 
 template <int HM> struct MmaSmem {
     static constexpr int heads = 16 * HM;
     static constexpr int tile_bytes = kMmaTile * kMmaKey * 2;
-    static constexpr int red_bytes = 2 * heads * kMmaTile * 4;        // [k half][heads][64] f32
+    static constexpr int q_bytes = 2 * heads * kMmaKey * 2;           // hi, lo: [heads][72 chunks]
+    static constexpr int red_bytes = kScoreKGroups * heads * kRedStride * 4;  // [k-group][heads][72] f32
     static constexpr int tiles = 0;                                   // 2 x [64][72 chunks]
-    static constexpr int q = tiles + 2 * tile_bytes;                  // hi, lo: [heads][72 chunks]
-    static constexpr int p = q + 2 * heads * kMmaKey * 2;             // hi, lo: [heads][8 chunks]
+    static constexpr int q = tiles + 2 * tile_bytes;                  // q's staging, then red
+    static constexpr int red = q;
+    static constexpr int p = q + (q_bytes > red_bytes ? q_bytes : red_bytes);  // hi, lo: [heads][8 chunks]
     static constexpr int m = p + 2 * heads * kMmaTile * 2;            // [heads] f32 each
     static constexpr int l = m + heads * 4;
     static constexpr int alpha = l + heads * 4;
-    static constexpr int red = alpha + heads * 4;                     // when red_own
-    static constexpr bool red_own = red + red_bytes <= kMmaSmemMax;
-    static constexpr int bytes = red + (red_own ? red_bytes : 0);
-    static_assert(red_own || red_bytes <= tile_bytes, "the score halves live in the spare tile");
+    static constexpr int bytes = alpha + heads * 4;
+    static_assert(bytes <= kMmaSmemMax, "one block per SM");
 };
 
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
@@ -151,82 +161,84 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
 
     const unsigned q_base = smem_u32(q_hl);
     const unsigned p_base = smem_u32(p_hl);
+    float* red = reinterpret_cast<float*>(smem + Smem::red);
     const int n_tiles = (row_end - row_start + kMmaTile - 1) / kMmaTile;
     // ldmatrix row addresses: lane l feeds row (l & 7) of matrix (l >> 3).
     const int lm_mat = lane >> 3, lm_row = lane & 7;
-    const int row_pair = warp & 3, k_half = warp >> 2;
+
+    // Score identity: k-group kg (k16 steps ks0 .. ks0 + 8) of m tile s_mt over rows
+    // s_row0 .. s_row0 + 8 kNTiles - 1.
+    constexpr int kRowGroups = 2 / HM;                   // mma16: 2 x 32 rows, mma32: 1 x 64
+    constexpr int kNTiles = kMmaTile / 8 / kRowGroups;   // n8 tiles of a warp: 4 HM
+    static_assert(kScoreKGroups * HM * kRowGroups == kMmaWarps, "a warp per (k-group, m tile, rows)");
+    const int kg = warp % kScoreKGroups, s_rest = warp / kScoreKGroups;
+    const int s_mt = HM == 1 ? 0 : s_rest, s_row0 = HM == 1 ? 32 * s_rest : 0;
+    const int ks0 = kg * kGroupKSteps;
+
+    // This warp's q fragments, hi and lo, for the whole slice. A: matrices (heads 0-7 | 8-15
+    // of the m tile) x (k lo | k hi).
+    unsigned qf_hi[kGroupKSteps][4], qf_lo[kGroupKSteps][4];
+    {
+        const int a_head = 16 * s_mt + (lm_mat & 1) * 8 + lm_row, a_khalf = lm_mat >> 1;
+        __syncthreads();  // q_hl is staged
+#pragma unroll
+        for (int j = 0; j < kGroupKSteps; ++j) {
+            const unsigned qa = q_base + swizzled_chunk(a_head, 2 * (ks0 + j) + a_khalf, kMmaChunks) * 16;
+            ldsm_x4(qa, qf_hi[j]);
+            ldsm_x4(qa + kHeads * kMmaKey * 2, qf_lo[j]);
+        }
+    }
+    // (red overwrites q_hl: the barrier at the top of the first tile orders every warp's
+    // fragment loads above before any warp's first partials.)
+
+    // B (cache rows): matrices (n tile 2np | 2np + 1) x (k lo | k hi). Every row this lane
+    // addresses has row & 7 == lm_row, and the swizzle flips only the low three bits of a
+    // chunk index, so chunk 2ks + khalf of k-step ks0 + 4i + j sits 8i chunks (128 bytes)
+    // after that of k-step ks0 + j, and n-tile pair np 16 rows after pair 0: four addresses
+    // per tile, and the fully unrolled loop adds immediates. (Swizzling every step's address
+    // cost mma32 a third of its score-loop instructions: results/h200-2026-11-29/
+    // mma_addr_e84cb41.txt.)
+    const int b_row = s_row0 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
+    unsigned b_off[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b_off[j] = swizzled_chunk(b_row, 2 * (ks0 + j) + b_khalf, kMmaChunks) * 16;
 
     for (int it = 0; it < n_tiles; ++it) {
         const int buf = it & 1;
         cp_async_wait<0>();
-        __syncthreads();  // tile `it` visible; everyone is done with the other buffer
-        if (Smem::red_own && it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
+        __syncthreads();  // tile `it` visible; everyone is done with the other buffer and red
+        if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
         const unsigned tile_base = smem_u32(tiles + buf * kMmaTile * kMmaChunks);
-        float* red = Smem::red_own ? reinterpret_cast<float*>(smem + Smem::red)
-                                   : reinterpret_cast<float*>(tiles + (buf ^ 1) * kMmaTile * kMmaChunks);
 
-        // ---- scores: rows 16*row_pair .. +15 (two n8 tiles), k16 steps of this k half ----
+        // ---- scores: this warp's k-group, hi and lo products into one f32 accumulator ----
         {
-            float sp[HM][2][2][4];  // [m tile][n tile][q hi, q lo][fragment]
+            float sp[kNTiles][4];
 #pragma unroll
-            for (int mt = 0; mt < HM; ++mt)
+            for (int n = 0; n < kNTiles; ++n) sp[n][0] = sp[n][1] = sp[n][2] = sp[n][3] = 0.f;
 #pragma unroll
-                for (int n = 0; n < 2; ++n)
+            for (int j = 0; j < kGroupKSteps; ++j) {
+                const unsigned b_addr = tile_base + b_off[j % 4] + 128u * (j / 4);
 #pragma unroll
-                    for (int v = 0; v < 2; ++v) sp[mt][n][v][0] = sp[mt][n][v][1] = sp[mt][n][v][2] = sp[mt][n][v][3] = 0.f;
-            // A (q): matrices (heads 0-7 | 8-15 of the m tile) x (k lo | k hi)
-            const int a_head = (lm_mat & 1) * 8 + lm_row, a_khalf = lm_mat >> 1;
-            // B (cache rows): matrices (n tile 0 | 1) x (k lo | k hi)
-            const int b_row = row_pair * 16 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
-            // Every row this lane addresses has row & 7 == lm_row, and the swizzle flips only
-            // the low three bits of a chunk index, so chunk 2ks + khalf of k-step ks0 + 4i + j
-            // sits 8i chunks (128 bytes) after that of k-step ks0 + j: four addresses per
-            // operand, once per tile, and the fully unrolled k loop adds immediates. (Swizzling
-            // every step's address cost mma32 a third of its score-loop instructions; unrolled
-            // by 6, the XOR's period of 4 steps did not line up with the loop's. Measured at
-            // 131072 context: mma32 210.3 -> 199.2 us at 96 heads, 277.9 -> 264.6 at 128;
-            // mma16 unchanged, with 123 registers instead of 163. results/h200-2026-11-29/
-            // mma_addr_e84cb41.txt.)
-            const int ks0 = k_half * (kKSteps / 2);
-            unsigned b_addr[4], q_addr[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                b_addr[j] = tile_base + swizzled_chunk(b_row, 2 * (ks0 + j) + b_khalf, kMmaChunks) * 16;
-                q_addr[j] = q_base + swizzled_chunk(a_head, 2 * (ks0 + j) + a_khalf, kMmaChunks) * 16;
-            }
-            auto k_step = [&](int j, unsigned skip) {  // k-step ks0 + j + 4 * (skip / 128)
-                unsigned b[4];
-                ldsm_x4(b_addr[j] + skip, b);
-#pragma unroll
-                for (int mt = 0; mt < HM; ++mt) {
-                    unsigned a_hi[4], a_lo[4];
-                    const unsigned qa = q_addr[j] + skip + mt * 16 * kMmaChunks * 16;
-                    ldsm_x4(qa, a_hi);
-                    ldsm_x4(qa + kHeads * kMmaKey * 2, a_lo);
-                    M::mma(sp[mt][0][0], a_hi, b[0], b[1]);
-                    M::mma(sp[mt][1][0], a_hi, b[2], b[3]);
-                    M::mma(sp[mt][0][1], a_lo, b[0], b[1]);
-                    M::mma(sp[mt][1][1], a_lo, b[2], b[3]);
+                for (int np = 0; np < kNTiles / 2; ++np) {
+                    unsigned b[4];
+                    ldsm_x4(b_addr + np * 16 * kMmaChunks * 16, b);
+                    M::mma(sp[2 * np], qf_hi[j], b[0], b[1]);
+                    M::mma(sp[2 * np + 1], qf_hi[j], b[2], b[3]);
+                    M::mma(sp[2 * np], qf_lo[j], b[0], b[1]);
+                    M::mma(sp[2 * np + 1], qf_lo[j], b[2], b[3]);
                 }
-            };
-            static_assert(kKSteps / 2 == 4 * 4 + 2, "a k half is 4 x 4 k-steps and 2 more");
+            }
+            // red[kg][head][row]; fragment e: head 16 s_mt + g + 8 (e >> 1), row
+            // s_row0 + 8n + 2c4 + (e & 1)
 #pragma unroll
-            for (int i = 0; i < 4; ++i)
+            for (int n = 0; n < kNTiles; ++n)
 #pragma unroll
-                for (int j = 0; j < 4; ++j) k_step(j, 128u * i);
-            k_step(0, 512u);
-            k_step(1, 512u);
-            // red[k_half][head][row]; fragment e: head 16mt + g + 8*(e >> 1), row 8n + 2c4 + (e & 1)
-#pragma unroll
-            for (int mt = 0; mt < HM; ++mt)
-#pragma unroll
-                for (int n = 0; n < 2; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int head = 16 * mt + g + 8 * (e >> 1);
-                        const int row = row_pair * 16 + 8 * n + 2 * c4 + (e & 1);
-                        red[(k_half * kHeads + head) * kMmaTile + row] = sp[mt][n][0][e] + sp[mt][n][1][e];
-                    }
+                for (int hh = 0; hh < 2; ++hh) {
+                    const int head = 16 * s_mt + g + 8 * hh;
+                    const int row = s_row0 + 8 * n + 2 * c4;
+                    *reinterpret_cast<float2*>(red + (kg * kHeads + head) * kRedStride + row) =
+                        make_float2(sp[n][2 * hh], sp[n][2 * hh + 1]);
+                }
         }
         __syncthreads();
 
@@ -242,8 +254,13 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
 #pragma unroll
             for (int i = 0; i < kWarpHeads; ++i) {
                 const int h = warp + i * kMmaWarps;
-                s0[i] = red[h * kMmaTile + lane] + red[(kHeads + h) * kMmaTile + lane];
-                s1[i] = red[h * kMmaTile + lane + 32] + red[(kHeads + h) * kMmaTile + lane + 32];
+                s0[i] = 0.f;
+                s1[i] = 0.f;
+#pragma unroll
+                for (int k = 0; k < kScoreKGroups; ++k) {
+                    s0[i] += red[(k * kHeads + h) * kRedStride + lane];
+                    s1[i] += red[(k * kHeads + h) * kRedStride + lane + 32];
+                }
                 s0[i] = (row_a < row_end) ? s0[i] : -INFINITY;
                 s1[i] = (row_a + 32 < row_end) ? s1[i] : -INFINITY;
                 m_old[i] = m_s[h];
@@ -290,9 +307,6 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
         }
         // p and (m, l, alpha) are visible; rescale only if some head's max moved
         const int rescale = __syncthreads_or(moved);
-        // The score halves are consumed: the spare buffer takes the next tile, which lands
-        // while this tile's value phase runs.
-        if (!Smem::red_own && it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
 
         // ---- values: acc = acc * alpha + p @ cache[:, 64w .. 64w+63] ----
         if (rescale) {

@@ -101,7 +101,7 @@ def ablate(variant: str, dims, n_ctx: int, cache: str = "f16", q: str = "f32", s
                          f"n_ctx {n_ctx}: each of its {step.plan.splits} slices holds at most "
                          f"{slice_rows} rows, which its stage buffers take whole (tiles of "
                          f"{step.attn_inst.tile_rows} rows); ablate a longer context")
-    # Kernels whose score partials borrow the spare tile buffer (batched, mma32) compute the
+    # Kernels whose score partials borrow the spare tile buffer (batched) compute the
     # later tiles on those partials' bits, often NaN: a relL2 of inf. Float pipes take NaN at
     # full speed, so the timing is unaffected.
     change = rel_l2(ablated_latent, real_latent)

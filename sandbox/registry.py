@@ -192,19 +192,19 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
 
 
 MMA_SMEM_MAX = 227 * 1024  # kMmaSmemMax: what a Hopper block may opt into
+MMA_SCORE_KGROUPS = 4  # kScoreKGroups: the score phase's k-groups, one per warp of a quad
 
 
 def mma_smem_bytes(heads: int) -> int:
     """Dynamic shared memory of mma_attn<heads/16>: mirrors MmaSmem in mla_mma.cu (two 64-row
-    tiles; q and p as hi/lo 16-bit halves; m, l, alpha; the f32 score halves in a buffer of
-    their own where that fits MMA_SMEM_MAX, else in the spare tile)."""
+    tiles; q as hi/lo 16-bit halves, whose buffer the score partials of the four k-groups,
+    [4][heads][64 + 8] f32, reuse once q is in registers; p as hi/lo halves; m, l, alpha)."""
     tiles = 2 * MMA_TILE * KEY_DIM * 2
     q = 2 * heads * KEY_DIM * 2
+    red = MMA_SCORE_KGROUPS * heads * (MMA_TILE + 8) * 4
     p = 2 * heads * MMA_TILE * 2
     stats = 3 * heads * 4
-    red = 2 * heads * MMA_TILE * 4
-    base = tiles + q + p + stats
-    return base + red if base + red <= MMA_SMEM_MAX else base
+    return tiles + max(q, red) + p + stats
 
 
 def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:

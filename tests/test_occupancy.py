@@ -157,16 +157,19 @@ def test_device_limits_reads_the_device_or_says_there_is_none():
         assert d.arch_limits().smem_per_sm == d.smem_per_sm
 
 
-def test_mma16_scores_get_their_own_buffer_and_mma32_borrows_the_spare_tile():
-    # mma16's score halves fit beside the two tiles, so its next tile is issued before the
-    # scores; mma32's q halves leave no room, and its scores borrow the spare tile buffer
-    # (the copy then waits for the softmax). Both stay within what a Hopper block may use.
-    from mlasandbox.registry import MMA_SMEM_MAX, MMA_TILE, mma_smem_bytes
-    score_halves = lambda heads: 2 * heads * MMA_TILE * 4
+def test_mma_score_partials_reuse_q_staging_buffer_and_fit_one_block_per_sm():
+    # Once each warp holds its k-group's q fragments in registers, q's staging buffer takes
+    # the four k-groups' score partials ([4][heads][64 + 8] f32, smaller than q's hi/lo
+    # halves), so neither variant needs a buffer for them and both issue the next tile's copy
+    # before the scores. mma32 is within 3 KB of what a Hopper block may use.
+    from mlasandbox.registry import MMA_SCORE_KGROUPS, MMA_SMEM_MAX, MMA_TILE, mma_smem_bytes
     tiles = 2 * MMA_TILE * 576 * 2
-    assert mma_smem_bytes(16) == tiles + 2 * 16 * 576 * 2 + 2 * 16 * MMA_TILE * 2 + 3 * 16 * 4 + score_halves(16)
-    assert mma_smem_bytes(32) == tiles + 2 * 32 * 576 * 2 + 2 * 32 * MMA_TILE * 2 + 3 * 32 * 4
-    assert mma_smem_bytes(32) + score_halves(32) > MMA_SMEM_MAX
+    for heads in (16, 32):
+        q_halves = 2 * heads * 576 * 2
+        partials = MMA_SCORE_KGROUPS * heads * (MMA_TILE + 8) * 4
+        assert partials < q_halves
+        assert mma_smem_bytes(heads) == tiles + q_halves + 2 * heads * MMA_TILE * 2 + 3 * heads * 4
+    assert MMA_SMEM_MAX - 3 * 1024 < mma_smem_bytes(32) <= MMA_SMEM_MAX
     for heads in (16, 32):
         o = occupancy("sm_90", 128, 256, mma_smem_bytes(heads))
         assert o.blocks_per_sm == 1, (heads, o)
