@@ -39,7 +39,7 @@
 // Now it issues 288 and 144, and the 4 k-groups' partials cost one float2 store per fragment.
 // Timed in one process at 131072 context (L2 flushed, interleaved): mma16 51.3 -> 45.9 us at
 // 16 heads; mma32 201 -> 167 us at 96 heads and 267 -> 220 at 128; 176 and 240 registers
-// under NVRTC 13.0 (results/h200-2026-11-30-mma-qreg/mma_q_registers.txt).
+// under NVRTC 13.0 (results/h200-2026-11-30-94e032c/mma_q_registers.txt).
 #include "mla_common.cuh"
 
 namespace mla {
