@@ -25,8 +25,12 @@
 //           registers for the whole slice: the loop reads only cache fragments from shared
 //           memory, each feeding 4 MMAs. The four k-groups meet in `red`, which reuses q's
 //           staging buffer once the fragments are in registers.
-//   softmax: warp w owns heads w, w+8, ... (one lane per two rows), all of them at once: tile
-//           max, p = 2^(s - m), written as hi/lo halves [head][row] for ldmatrix; (m, l, alpha).
+//   softmax: warp w owns heads w, w+8, ...; each head's 64 rows are spread over 8 (mma32) or
+//           16 (mma16) lanes, 8 or 4 adjacent rows a lane: tile max, p = 2^(s - m), written as
+//           hi/lo halves [head][row] for ldmatrix, one vector store each; (m, l, alpha).
+//           (Until 5ae18e1 every lane held rows lane and lane + 32 of each of the warp's
+//           heads: scalar loads and 16-bit stores, 5 shuffle steps a reduction; the lane groups
+//           took mma32 from 219 to 215 us at 128 heads and mma16 from 270 to 259 at 128.)
 //           The max is lazy (mla_common.cuh): the accumulators are rescaled only on the tiles
 //           where some head's max grew by more than 2^8.
 //   values: warp w owns latent columns 64w .. 64w+63 (8 n8 tiles) for all heads,
@@ -111,6 +115,13 @@ template <typename T>
 __device__ __forceinline__ void split_hi_lo(float x, T& hi, T& lo) {
     hi = from_f32<T>(x);
     lo = from_f32<T>(x - to_f32(hi));
+}
+// The 16 bits of a half or bfloat16, in the low half of a word.
+template <typename T>
+__device__ __forceinline__ unsigned bits16(T x) {
+    unsigned short u;
+    memcpy(&u, &x, sizeof u);
+    return u;
 }
 
 template <int HM, typename CacheT, typename QT>
@@ -242,68 +253,68 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
         }
         __syncthreads();
 
-        // ---- softmax: warp w owns heads w, w+8, ...; lane owns rows lane and lane+32 ----
-        // A warp's heads go through each step together, so their shuffle reductions overlap
-        // instead of queueing one head's latency behind the other's.
-        bool moved = false;  // some head of this warp moved its max (lazy max, mla_common.cuh)
+        // ---- softmax: warp w owns heads w + 8i; a head's kLanesPerHead lanes hold
+        // kRowsPerLane adjacent rows each (vector loads of the partials, one vector store of
+        // p's hi and lo halves, log2(kLanesPerHead) shuffle steps per reduction) ----
+        bool moved = false;  // this lane's head moved its max (lazy max, mla_common.cuh)
         {
-            constexpr int kWarpHeads = kHeads / kMmaWarps;  // 2 (mma16) or 4 (mma32)
-            const int row_a = row_start + it * kMmaTile + lane;
-            float s0[kWarpHeads], s1[kWarpHeads], m_old[kWarpHeads], t_max[kWarpHeads],
-                p_sum[kWarpHeads];
+            constexpr int kWarpHeads = kHeads / kMmaWarps;            // 2 (mma16) or 4 (mma32)
+            constexpr int kLanesPerHead = 32 / kWarpHeads;            // 16 or 8
+            constexpr int kRowsPerLane = kMmaTile / kLanesPerHead;    // 4 or 8
+            static_assert(kRowsPerLane % 4 == 0 && 8 % kRowsPerLane == 0, "float4 loads within one p chunk");
+            const int h = warp + (lane / kLanesPerHead) * kMmaWarps;
+            const int r0 = (lane % kLanesPerHead) * kRowsPerLane;
+            const int rows_valid = row_end - (row_start + it * kMmaTile + r0);  // >= 1 for lane 0
+            float sc[kRowsPerLane];
 #pragma unroll
-            for (int i = 0; i < kWarpHeads; ++i) {
-                const int h = warp + i * kMmaWarps;
-                s0[i] = 0.f;
-                s1[i] = 0.f;
+            for (int r = 0; r < kRowsPerLane; ++r) sc[r] = 0.f;
 #pragma unroll
-                for (int k = 0; k < kScoreKGroups; ++k) {
-                    s0[i] += red[(k * kHeads + h) * kRedStride + lane];
-                    s1[i] += red[(k * kHeads + h) * kRedStride + lane + 32];
+            for (int k = 0; k < kScoreKGroups; ++k)
+#pragma unroll
+                for (int r4 = 0; r4 < kRowsPerLane; r4 += 4) {
+                    const float4 v = *reinterpret_cast<const float4*>(red + (k * kHeads + h) * kRedStride + r0 + r4);
+                    sc[r4] += v.x; sc[r4 + 1] += v.y; sc[r4 + 2] += v.z; sc[r4 + 3] += v.w;
                 }
-                s0[i] = (row_a < row_end) ? s0[i] : -INFINITY;
-                s1[i] = (row_a + 32 < row_end) ? s1[i] : -INFINITY;
-                m_old[i] = m_s[h];
-                t_max[i] = fmaxf(s0[i], s1[i]);
+            float t_max = -INFINITY;
+#pragma unroll
+            for (int r = 0; r < kRowsPerLane; ++r) {
+                sc[r] = r < rows_valid ? sc[r] : -INFINITY;
+                t_max = fmaxf(t_max, sc[r]);
             }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
+            for (int o = kLanesPerHead / 2; o > 0; o >>= 1) t_max = fmaxf(t_max, __shfl_xor_sync(0xffffffffu, t_max, o));
+            // m_new (lazy, kLazyLog2): t_max is finite (the first row is valid), and
+            // m_old = -inf on the first tile always moves
+            const float m_old = m_s[h];
+            moved = t_max > m_old + kLazyLog2;
+            const float m_new = moved ? t_max : m_old;
+            float p_sum = 0.f;
+            unsigned hi_w[kRowsPerLane / 2], lo_w[kRowsPerLane / 2];  // pairs of 16-bit halves
 #pragma unroll
-                for (int i = 0; i < kWarpHeads; ++i)
-                    t_max[i] = fmaxf(t_max[i], __shfl_xor_sync(0xffffffffu, t_max[i], o));
-#pragma unroll
-            for (int i = 0; i < kWarpHeads; ++i) {
-                const int h = warp + i * kMmaWarps;
-                // m_new (lazy, kLazyLog2): t_max is finite (the first row is valid), and
-                // m_old = -inf on the first tile always moves
-                const bool move = t_max[i] > m_old[i] + kLazyLog2;
-                t_max[i] = move ? t_max[i] : m_old[i];
-                moved |= move;
-                const float p0 = exp2f(s0[i] - t_max[i]), p1 = exp2f(s1[i] - t_max[i]);
-                p_sum[i] = p0 + p1;
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int col = lane + 32 * half;
-                    CacheT hi, lo;
-                    split_hi_lo(half ? p1 : p0, hi, lo);
-                    const int off = swizzled_chunk(h, col >> 3, kPChunks) * 8 + (col & 7);
-                    p_hl[off] = hi;
-                    p_hl[kHeads * kMmaTile + off] = lo;
-                }
+            for (int r = 0; r < kRowsPerLane; r += 2) {
+                const float p0 = exp2f(sc[r] - m_new), p1 = exp2f(sc[r + 1] - m_new);
+                p_sum += p0 + p1;
+                CacheT hi0, lo0, hi1, lo1;
+                split_hi_lo(p0, hi0, lo0);
+                split_hi_lo(p1, hi1, lo1);
+                hi_w[r / 2] = bits16(hi0) | (bits16(hi1) << 16);
+                lo_w[r / 2] = bits16(lo0) | (bits16(lo1) << 16);
+            }
+            const int off = swizzled_chunk(h, r0 >> 3, kPChunks) * 8 + (r0 & 7);
+            if constexpr (kRowsPerLane == 8) {
+                *reinterpret_cast<uint4*>(p_hl + off) = make_uint4(hi_w[0], hi_w[1], hi_w[2], hi_w[3]);
+                *reinterpret_cast<uint4*>(p_hl + kHeads * kMmaTile + off) = make_uint4(lo_w[0], lo_w[1], lo_w[2], lo_w[3]);
+            } else {
+                *reinterpret_cast<uint2*>(p_hl + off) = make_uint2(hi_w[0], hi_w[1]);
+                *reinterpret_cast<uint2*>(p_hl + kHeads * kMmaTile + off) = make_uint2(lo_w[0], lo_w[1]);
             }
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-                for (int i = 0; i < kWarpHeads; ++i)
-                    p_sum[i] += __shfl_xor_sync(0xffffffffu, p_sum[i], o);
-            // Every lane has read m_s[] above; lane 0 overwrites it. The shuffles order the
-            // two in practice, the barrier makes it formal (racecheck flags it otherwise).
+            for (int o = kLanesPerHead / 2; o > 0; o >>= 1) p_sum += __shfl_xor_sync(0xffffffffu, p_sum, o);
+            // Every lane of the head has read m_s[h] above; its first lane overwrites it. The
+            // shuffles order the two in practice, the barrier makes it formal (racecheck flags
+            // it otherwise).
             __syncwarp();
-            if (lane == 0) {
-#pragma unroll
-                for (int i = 0; i < kWarpHeads; ++i)
-                    online_softmax_step(m_s, l_s, alpha_s, warp + i * kMmaWarps, m_old[i], t_max[i], p_sum[i]);
-            }
+            if (lane % kLanesPerHead == 0) online_softmax_step(m_s, l_s, alpha_s, h, m_old, m_new, p_sum);
         }
         // p and (m, l, alpha) are visible; rescale only if some head's max moved
         const int rescale = __syncthreads_or(moved);
