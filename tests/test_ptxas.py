@@ -144,3 +144,9 @@ def test_report_covers_every_registry_instance():
         assert r.barriers is not None
         # shared memory is O(head dims + tile), never O(n_ctx): static + dynamic fits an SM
         assert r.smem_bytes + inst.smem_bytes <= 227 * 1024, inst.name
+        # Registers, not local memory: the kernels that hold operands in registers for a
+        # whole slice (mma's q fragments, 230 registers for mma32) must still fit without
+        # spilling under the compiler CI has. The combine without its rescale is a negative
+        # control, not a kernel anyone times (it spills 4 bytes under NVRTC 13.5).
+        if "rescale=false" not in inst.name:
+            assert r.spill_stores == 0 and r.spill_loads == 0, f"{inst.name} spills"
