@@ -191,7 +191,6 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
                           ATTN_THREADS, attn_smem_bytes(hpb), ATTN_TILE)
 
 
-MMA_SMEM_MAX = 227 * 1024  # kMmaSmemMax: what a Hopper block may opt into
 MMA_SCORE_KGROUPS = 4  # kScoreKGroups: the score phase's k-groups, one per warp of a quad
 
 
