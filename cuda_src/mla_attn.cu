@@ -6,9 +6,11 @@
 //   HPB     heads served by one pass over the cache: 2, 4, 8, 12, 16, 24
 //   CacheT  cache element: __half or __nv_bfloat16
 //   QT      query element: float, or CacheT
-// Fixed geometry (sandbox/registry.py mirrors it: change both together)
+// Fixed geometry
 //   kThreads = 256 (8 warps), kTile = 32 cache rows per step,
 //   MLA_KV_LORA = 512 and MLA_ROPE = 64 come from the compile options.
+//   sandbox/registry.py passes its own values for these and for the shared memory
+//   (AttnSmem<HPB>::bytes); the kernel static_asserts them (mla_common.cuh).
 //
 // Launch: grid = (ceil(H / HPB), S), block = kThreads, dynamic smem = attn_smem_bytes(HPB).
 // Block (g, s) serves heads g*HPB .. g*HPB+HPB-1 (heads >= H are masked, not dropped) over
@@ -53,9 +55,7 @@ static_assert(kTile == 32, "the softmax phase maps one tile row to one lane");
 
 // Tuning knobs, overridable with -D for experiments (the registry compiles the defaults).
 // Full unrolls (9 score chunks, 4 steps of 4 rows) let every shared-memory address be a base
-// register plus an immediate; at 96 heads they took split 2134 -> 1947 us and per_head
-// 7098 -> 6334 us when this kernel also served one head per block (attn<1>, before
-// mla_attn_rows.cu; results/h200-2026-11-29/attn_unroll.txt).
+// register plus an immediate.
 #ifndef MLA_SCORE_UNROLL
 #define MLA_SCORE_UNROLL 9
 #endif
@@ -120,6 +120,12 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
      int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
      float* __restrict__ part_l) {
     using Smem = AttnSmem<HPB>;
+#ifdef MLA_REGISTRY_FACTS
+    static_assert(MLA_ATTN_THREADS == kThreads, "registry.ATTN_THREADS differs from kThreads");
+    static_assert(MLA_ATTN_TILE == kTile, "registry.ATTN_TILE differs from kTile");
+    static_assert(registry_fact(HPB, MLA_ATTN_SMEM) == Smem::bytes,
+                  "registry.attn_smem_bytes(HPB) differs from AttnSmem<HPB>::bytes");
+#endif
     // Score phase: a lane owns TPT rows x HPT heads. Two head groups of 8 at HPB 16 keep a
     // lane at 2 rows x 8 heads (16 FMAs per 2 q broadcasts and 2 conversions); one below.
     constexpr int HG = (HPB >= 16 && HPB >= MLA_WIDE_HPB) ? 2 : 1;

@@ -4,10 +4,11 @@
 // Template parameters
 //   CacheT  cache element: __half or __nv_bfloat16
 //   QT      query element: float, or CacheT
-// Fixed geometry (sandbox/registry.py mirrors it: change both together)
+// Fixed geometry
 //   kThreads = 128 (4 warps), kTile = 32 cache rows per step (8 per warp, taken 2 at a time),
 //   6 resident blocks per SM (the launch bounds: 80 registers); MLA_KV_LORA = 512 and
-//   MLA_ROPE = 64 come from the compile options.
+//   MLA_ROPE = 64 come from the compile options. sandbox/registry.py passes its own values
+//   for the block, the tile and the shared memory; the kernel static_asserts them.
 //
 // Launch: grid = (H, S), block = kThreads, dynamic smem = RowsSmem::bytes (36,864 B).
 // Block (h, s) serves head h over the contiguous slice s of [0, n_ctx) (begin_slice) and writes
@@ -17,16 +18,13 @@
 // weighs each partial by 2^(m - m_max), right for any m that l and acc were scaled to. An empty
 // slice writes m = -inf, l = 0, acc = 0. wv_b runs in the combine, after the merge.
 //
-// Why not attn<1>: with one head, no cache row is reused across heads, so no row needs to be
-// seen by the whole block. Here a warp owns whole rows. Lane l holds the same columns of q, of
-// every row it reads and of its value accumulator: latent 8l..8l+7 and 256+8l..256+8l+7 (two
-// 16-byte chunks) and rope 2l, 2l+1. One shared-memory read of a row (9 wavefronts) feeds both
-// its score and its value update, and each warp runs its own online softmax, with no block
-// barrier between scores and values. attn<1>, which served one head per block before, read
-// each row twice and broadcast q from shared memory: 31 shared-memory wavefronts a row and 99
-// instructions a row (ncu, split at 96 heads), against 9.4 read wavefronts (+ the copy's 9)
-// and 81 instructions here; split at 96 heads went from 1,952 to 1,453 us
-// (results/h200-2026-11-29/attn_rows_design.txt).
+// Why a kernel of its own: with one head, no cache row is reused across heads, so no row
+// needs to be seen by the whole block. Here a warp owns whole rows. Lane l holds the same
+// columns of q, of every row it reads and of its value accumulator: latent 8l..8l+7 and
+// 256+8l..256+8l+7 (two 16-byte chunks) and rope 2l, 2l+1. One shared-memory read of a row
+// (9 wavefronts) feeds both its score and its value update, and each warp runs its own online
+// softmax, with no block barrier between scores and values. The heads-batched kernel with one
+// head would read each row twice and broadcast q from shared memory.
 //
 // One step of two rows, per warp:
 //   1. each lane converts its 18 elements of both rows and takes its partial dot products with q;
@@ -39,9 +37,9 @@
 //
 // Single stage: the next tile is copied once every warp is done with this one, and other
 // resident blocks (6 per SM) cover the copy's latency. A lone block -- per_head's 96 on 132
-// SMs -- has nothing to cover it with: the lecture's section 1 shape.
+// SMs -- has nothing to cover it with: the shape that cannot scale with depth.
 // Registers: q (18) + acc (16) + two converted rows (32) are live across a step, and the
-// kernel sits at its 80-register limit (6 blocks of 4 warps: with 5, split was 7% slower).
+// kernel sits at its 80-register limit (6 blocks of 4 warps).
 // The slice's last tile goes one row a step, which frees the registers its bookkeeping needs.
 // Shared memory is O(tile), never O(n_ctx).
 #include "mla_common.cuh"
@@ -143,6 +141,12 @@ attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head
           int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
           float* __restrict__ part_l) {
     using namespace rows;
+#ifdef MLA_REGISTRY_FACTS
+    static_assert(MLA_ROWS_THREADS == kThreads, "registry.ROWS_THREADS differs from kThreads");
+    static_assert(MLA_ROWS_TILE == kTile, "registry.ROWS_TILE differs from kTile");
+    static_assert(registry_fact(1, MLA_ROWS_SMEM) == RowsSmem::bytes,
+                  "registry.rows_smem_bytes() differs from RowsSmem::bytes");
+#endif
     require_dynamic_smem(RowsSmem::bytes);
     extern __shared__ __align__(16) unsigned char smem[];
     uint4* tile = reinterpret_cast<uint4*>(smem);

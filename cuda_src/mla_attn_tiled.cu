@@ -5,20 +5,20 @@
 //   HPB     heads per block: 16 (the thread tiles below are sized for it)
 //   CacheT  cache element: __half or __nv_bfloat16
 //   QT      query element: float, or CacheT
-// Fixed geometry (sandbox/registry.py mirrors it: change both together)
+// Fixed geometry
 //   kThreads = 256: warps 0-3 compute scores, warps 4-7 copy tiles, run the softmax and
 //   accumulate values; kTile = 32 cache rows per tile, kStages = 3 tile buffers; one block
-//   per SM (the shared memory below).
+//   per SM (the shared memory below). sandbox/registry.py passes its own values for the
+//   block, the tile and the shared memory; the kernel static_asserts them.
 //
 // Same contract, launch and partials as mla::attn (mla_attn.cu): grid (ceil(H/HPB), S),
 // block (g, s) serves heads g*HPB.. over the contiguous slice s, and writes (m, l, acc) in
 // the log2 domain; empty slices are neutral; wv_b runs in the combine.
 //
-// Why warp-specialized. An earlier version ran both phases in every warp, each warp holding
-// 16 x 8 value accumulators and 4 x 16 score accumulators at once (247 registers): its loops
-// could not keep loads ahead of their uses, and both warps of a scheduler stalled at the
-// same places, so it issued on 65% of cycles (tiled16 147.5 us at 16 heads, commit d6507f6).
-// Here the two phases are two pipelines of 128 threads, one tile apart:
+// Why warp-specialized: a kernel that runs both phases in every warp holds 16 x 8 value
+// accumulators and 4 x 16 score accumulators at once; its loops cannot keep loads ahead of
+// their uses, and both warps of a scheduler stall at the same places. Here the two phases are
+// two pipelines of 128 threads, one tile apart:
 //   score warps   S[32 x 16] = X[32 x 576] Q[576 x 16] for tile i+1: a thread owns 4 rows x
 //                 16 heads over 36 key columns (one of 16 k-slices); per key column, 4
 //                 conversions and 4 broadcast loads of q feed 64 FMAs. The partials go to
@@ -28,8 +28,7 @@
 //                 over all rows (64 accumulators for the whole slice); per row, 4
 //                 conversions and 4 broadcast loads of p feed 64 FMAs. Then they refill the
 //                 tile buffer they are done with, three tiles ahead.
-// 127 registers (NVRTC 13.0); each scheduler holds one warp of each pipeline, and the two
-// stall at different places.
+// Each scheduler holds one warp of each pipeline, and the two stall at different places.
 //
 // Synchronization (no __syncthreads after the prologue):
 //   full[b]     mbarrier of tile buffer b: each value thread arrives once its cp.async copies
@@ -41,10 +40,10 @@
 //               score warps wait on it before writing tile i+1's.
 //   Values      named barrier of the 128 value threads (p, alpha, the rescale vote, and the
 //               end of a tile buffer's use).
-// Named barriers (bar.arrive -> bar.sync) ordered red_full's and red_free's edges from
-// 2e7f9f6 to 709071c just as well, but racecheck does not model them: it reported every read
-// of `red` as racing the next tile's writes (110,419 reports). It does model an mbarrier's
-// release arrive -> acquire wait, and reports none; the mbarriers also measured 1% faster.
+// red_full and red_free are mbarriers, not named barriers (bar.arrive -> bar.sync), which
+// would order the same edges: compute-sanitizer's racecheck does not model named barriers and
+// reports every read of `red` as racing the next tile's writes; it does model an mbarrier's
+// release arrive -> acquire wait, and reports no race.
 //
 // The softmax is lazy (kLazyLog2, mla_common.cuh): a head's reference max m moves only when a
 // tile's max exceeds it by more than 2^8, so the value accumulators are rescaled only on
@@ -86,8 +85,8 @@ constexpr int kBarValues = 1;
 
 // Tuning knobs, overridable with -D for experiments (the registry compiles the defaults).
 // Score units (4 key columns) per loop trip, and value row-groups (4 rows) per loop trip:
-// the two loops share each scheduler's instruction cache, and full unrolls (2,700
-// instructions each) missed it on 61% of stall samples (218 us at 16 heads).
+// the two loops share each scheduler's instruction cache, which full unrolls (2,700
+// instructions each) overflow.
 #ifndef MLA_TILED_SCORE_UNROLL
 #define MLA_TILED_SCORE_UNROLL 1
 #endif
@@ -151,6 +150,12 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
            float* __restrict__ part_l) {
     using namespace tiled;
     static_assert(HPB == kHeads, "attn_tiled's thread tiles are sized for 16 heads per block");
+#ifdef MLA_REGISTRY_FACTS
+    static_assert(MLA_TILED_THREADS == kThreads, "registry.TILED_THREADS differs from kThreads");
+    static_assert(MLA_TILED_TILE == kTile, "registry.TILED_TILE differs from kTile");
+    static_assert(registry_fact(HPB, MLA_TILED_SMEM) == Smem::bytes,
+                  "registry.tiled_smem_bytes(HPB) differs from tiled::Smem::bytes");
+#endif
     require_dynamic_smem(Smem::bytes);
     extern __shared__ __align__(16) unsigned char smem[];
     uint4* tiles = reinterpret_cast<uint4*>(smem + Smem::tiles);

@@ -7,7 +7,8 @@
 // Fixed geometry
 //   kThreads = 256 = kGroups (8) split groups x 32 threads of 4 latent columns,
 //   kColBlocks = 4 blocks per head, each merging 128 of the MLA_KV_LORA = 512 columns,
-//   kSplitTile = 256 split weights computed per step.
+//   kSplitTile = 256 split weights computed per step. sandbox/registry.py passes its own
+//   block size and blocks per head; the kernel static_asserts them.
 //
 // Launch: grid = (H, kColBlocks), block = kThreads, no dynamic shared memory.
 // Block (h, cb) merges columns [128 cb, 128 cb + 128) of head h:
@@ -20,7 +21,7 @@
 // kColBlocks blocks to finish (a ticket per head) adds the four parts in a fixed order, so
 // `out` is deterministic run to run, and resets the ticket for the next launch.
 // Four blocks per head and eight split groups per block keep many partial loads in flight:
-// at batch 1 a merge that waits on one split's load at a time costs ~0.2 us a split (seed 001).
+// at batch 1 a merge that waits on one split's load at a time costs ~0.2 us a split.
 #include "mla_common.cuh"
 
 namespace mla {
@@ -53,6 +54,12 @@ combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
         const float* __restrict__ part_l, int n_head, int splits, const WvT* __restrict__ wv_b,
         int v_head, float* __restrict__ out, float* __restrict__ latent, float* __restrict__ lse,
         float* __restrict__ out_part, unsigned int* __restrict__ tickets) {
+#ifdef MLA_REGISTRY_FACTS
+    static_assert(MLA_COMBINE_THREADS == kCombineThreads,
+                  "registry.COMBINE_THREADS differs from kCombineThreads");
+    static_assert(MLA_COMBINE_COL_BLOCKS == kColBlocks,
+                  "registry.COMBINE_COL_BLOCKS differs from kColBlocks");
+#endif
     __shared__ float scratch[kCombineThreads / 32];
     __shared__ float w_s[kSplitTile];
     __shared__ __align__(16) float group_acc[kGroups][kBlockCols];

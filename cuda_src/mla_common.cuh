@@ -153,9 +153,7 @@ constexpr bool kAblateCacheLoads = false;
 // block's threads copy (attn_tiled's value warps, threads 128..255, pass 0..127). Rows a
 // multiple of 8 apart share a swizzle, and the swizzle flips only the low three bits of the
 // chunk index, so a thread's destinations are one base plus immediates and its sources one
-// row pointer plus immediates: no per-chunk index arithmetic. (mma_attn's copy once walked
-// the tile chunk by chunk, idx / 72 and a swizzle per chunk: ~350 instructions a thread per
-// tile, in front of its scores.)
+// row pointer plus immediates: no per-chunk index arithmetic.
 template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true, typename CacheT>
 __device__ __forceinline__ void cp_async_tile(uint4* tiles, int buf, int tile_index,
                                               const CacheT* __restrict__ cache, int row_start,
@@ -248,6 +246,20 @@ __device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int
             if (idx < kTotal) store(j, k, v[i] * scale);
         }
     }
+}
+
+// ---- the registry's launch values ---------------------------------------------------------
+// sandbox/registry.py launches each kernel with a block size, a tile and an amount of dynamic
+// shared memory it computes itself, and passes those values to every compile it makes, with
+// -DMLA_REGISTRY_FACTS: MLA_<FAMILY>_THREADS and MLA_<FAMILY>_TILE as numbers, and
+// MLA_<FAMILY>_SMEM as a list of (heads per block, bytes) pairs, e.g. "2,78640,4,83504".
+// Each kernel static_asserts them against its own constants and its layout struct, so a
+// formula that drifts from the kernel fails the NVRTC compile of that instance, with no GPU.
+// registry_fact(key, list...) is the value paired with `key` in such a list, or -1.
+__host__ __device__ constexpr int registry_fact(int) { return -1; }
+template <typename... Rest>
+__host__ __device__ constexpr int registry_fact(int key, int k, int v, Rest... rest) {
+    return key == k ? v : registry_fact(key, rest...);
 }
 
 // A kernel that needs `need` bytes of dynamic shared memory traps when launched with less,

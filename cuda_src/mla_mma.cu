@@ -1,15 +1,15 @@
-// mla_mma.cu: the tensor-core attention variants, mla::mma_attn<HM, CacheT, QT>.
+// mla_mma.cu: the tensor-core attention variants, mla::mma_attn<HEADS, CacheT, QT>.
 //
 // Template parameters
-//   HM      head m-tiles per block: the block serves 16*HM heads (mma16: 1, mma32: 2), so one
-//           pass over the cache serves 16*HM heads
+//   HEADS   heads per block: 16 (mma16) or 32 (mma32), as HM = HEADS / 16 m-tiles of 16 heads
 //   CacheT  cache element: __half or __nv_bfloat16 (also the MMA operand type)
 //   QT      query element: float, or CacheT
-// Fixed geometry (sandbox/registry.py mirrors it)
+// Fixed geometry
 //   kThreads = 256 (8 warps), kTile = 64 cache rows per step, two stages;
-//   MLA_KV_LORA = 512, MLA_ROPE = 64.
+//   MLA_KV_LORA = 512, MLA_ROPE = 64. sandbox/registry.py passes its own values for the
+//   block, the tile and the shared memory; the kernel static_asserts them.
 //
-// Launch: grid = (ceil(H / (16*HM)), S), block = 256, dynamic smem = MmaSmem<HM>::bytes.
+// Launch: grid = (ceil(H / HEADS), S), block = 256, dynamic smem = MmaSmem<HM>::bytes.
 // Same slices and same partial (m, l, acc[512]) in the log2 domain as mla_attn.cu, so the
 // same combine merges it.
 //
@@ -19,7 +19,7 @@
 // already 16-bit and exact, and every accumulation is f32.
 //
 // One tile of 64 rows:
-//   scores: S[16HM heads x 64 rows] = Q C^T. Warp w serves k-group w % 4 (9 of the 36 k16
+//   scores: S[HEADS x 64 rows] = Q C^T. Warp w serves k-group w % 4 (9 of the 36 k16
 //           steps) of one m tile (mma32: m tile w / 4, all 64 rows) or of 32 rows (mma16:
 //           rows 32 (w / 4) ..), and keeps that k-group's q fragments, hi and lo, in 72
 //           registers for the whole slice: the loop reads only cache fragments from shared
@@ -28,22 +28,16 @@
 //   softmax: warp w owns heads w, w+8, ...; each head's 64 rows are spread over 8 (mma32) or
 //           16 (mma16) lanes, 8 or 4 adjacent rows a lane: tile max, p = 2^(s - m), written as
 //           hi/lo halves [head][row] for ldmatrix, one vector store each; (m, l, alpha).
-//           (Until 5ae18e1 every lane held rows lane and lane + 32 of each of the warp's
-//           heads: scalar loads and 16-bit stores, 5 shuffle steps a reduction; the lane groups
-//           took mma32 from 219 to 215 us at 128 heads and mma16 from 270 to 259 at 128.)
 //           The max is lazy (mla_common.cuh): the accumulators are rescaled only on the tiles
 //           where some head's max grew by more than 2^8.
 //   values: warp w owns latent columns 64w .. 64w+63 (8 n8 tiles) for all heads,
 //           A = p (ldmatrix), B = cache rows (ldmatrix.trans), 4 k16 steps per tile.
 // The next tile's copy is issued at the top of each tile, so a whole tile of compute covers it.
 //
-// Why q lives in registers. Up to 5d845a7 warp w took rows 16 (w % 4) over half the k-steps
-// and re-read its q fragments, hi and lo, from shared memory on every tile: per 64-row tile the
-// score loop issued 720 ldmatrix.x4 (368 KB) for mma32's 1,152 MMAs and 432 for mma16's 576.
-// Now it issues 288 and 144, and the 4 k-groups' partials cost one float2 store per fragment.
-// Timed in one process at 131072 context (L2 flushed, interleaved): mma16 51.3 -> 45.9 us at
-// 16 heads; mma32 201 -> 167 us at 96 heads and 267 -> 220 at 128; 176 and 240 registers
-// under NVRTC 13.0 (results/h200-2026-11-30-94e032c/mma_q_registers.txt).
+// Why q lives in registers: a warp that re-read its q fragments, hi and lo, from shared memory
+// on every tile would issue 720 ldmatrix.x4 (368 KB) per 64-row tile for mma32's 1,152 MMAs
+// and 432 for mma16's 576; with q in registers the score loop issues 288 and 144, and the 4
+// k-groups' partials cost one float2 store per fragment.
 #include "mla_common.cuh"
 
 namespace mla {
@@ -124,13 +118,21 @@ __device__ __forceinline__ unsigned bits16(T x) {
     return u;
 }
 
-template <int HM, typename CacheT, typename QT>
+template <int HEADS, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
          int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
          float* __restrict__ part_l) {
+    static_assert(HEADS == 16 || HEADS == 32, "mma_attn serves 16 or 32 heads per block");
+    constexpr int HM = HEADS / 16;  // m tiles of 16 heads
     using M = MmaType<CacheT>;
     using Smem = MmaSmem<HM>;
+#ifdef MLA_REGISTRY_FACTS
+    static_assert(MLA_MMA_THREADS == kMmaThreads, "registry.MMA_THREADS differs from kMmaThreads");
+    static_assert(MLA_MMA_TILE == kMmaTile, "registry.MMA_TILE differs from kMmaTile");
+    static_assert(registry_fact(HEADS, MLA_MMA_SMEM) == Smem::bytes,
+                  "registry.mma_smem_bytes(HEADS) differs from MmaSmem<HEADS / 16>::bytes");
+#endif
     constexpr int kHeads = Smem::heads;
     require_dynamic_smem(Smem::bytes);
     extern __shared__ __align__(128) unsigned char smem[];
@@ -206,9 +208,8 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     // addresses has row & 7 == lm_row, and the swizzle flips only the low three bits of a
     // chunk index, so chunk 2ks + khalf of k-step ks0 + 4i + j sits 8i chunks (128 bytes)
     // after that of k-step ks0 + j, and n-tile pair np 16 rows after pair 0: four addresses
-    // per tile, and the fully unrolled loop adds immediates. (Swizzling every step's address
-    // cost mma32 a third of its score-loop instructions: results/h200-2026-11-29/
-    // mma_addr_e84cb41.txt.)
+    // per tile, and the fully unrolled loop adds immediates, where swizzling every step's
+    // address would cost a third of mma32's score-loop instructions.
     const int b_row = s_row0 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
     unsigned b_off[4];
 #pragma unroll

@@ -1,14 +1,15 @@
 // mla_q_absorb.cu: the absorbed query, q[h] = (q_nope[h] @ wk_b[h]) || q_rope[h].
 //
 // No attention variant touches this phase, so the bench reports it before and after every
-// comparison as the CONTROL phase (lecture section 3.1): if it moves more than the noise
-// floor, the harness moved, not the kernel.
+// comparison as the CONTROL phase: if it moves more than the noise floor, the harness moved,
+// not the kernel.
 //
 // Template parameters
 //   InT  q_nope, q_rope and wk_b element: __half or __nv_bfloat16
 //   QT   q element written: float, or InT
 // Fixed geometry
-//   kThreads = 128, kNope = 128 (q_nope width), MLA_KV_LORA = 512, MLA_ROPE = 64
+//   kThreads = 128, kNope = 128 (q_nope width), MLA_KV_LORA = 512, MLA_ROPE = 64;
+//   sandbox/registry.py passes its own block size, which the kernel static_asserts.
 //
 // Launch: grid = H, block = kThreads. Thread t owns q[h, 4t .. 4t+3]; the rows of wk_b[h]
 // are read whole by the block, so the loads are coalesced.
@@ -27,6 +28,10 @@ template <typename InT, typename QT>
 __global__ void __launch_bounds__(kAbsorbThreads)
 q_absorb(const InT* __restrict__ q_nope, const InT* __restrict__ q_rope,
          const InT* __restrict__ wk_b, int n_head, QT* __restrict__ q) {
+#ifdef MLA_REGISTRY_FACTS
+    static_assert(MLA_Q_ABSORB_THREADS == kAbsorbThreads,
+                  "registry.Q_ABSORB_THREADS differs from kAbsorbThreads");
+#endif
     __shared__ float qn[kNope];
     const int h = blockIdx.x, tid = threadIdx.x;
     if (tid < kNope) qn[tid] = to_f32(q_nope[static_cast<size_t>(h) * kNope + tid]);

@@ -10,25 +10,29 @@ bench times phases through it, and the tests poke at its plan and scratch.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from . import registry
-from .dims import Dims, check_inputs
+from .cublas_engine import cublas_attention, cublas_projection
+from .dims import Dims, check_inputs, dtype_name
 from .guard import Launch, PhaseGuard
+from .kernels import blocks_per_sm, device_info, get_kernel
 from .reference import DecodeResult
 from .splits import SplitPlan, plan_splits
 
 __all__ = ["DecodeResult", "DecodeStep", "decode", "q_absorb", "scratch_for_device"]
 
 _LOG2E = 1.4426950408889634
-# variant="batched" without heads_per_block: the fastest of the H200 sweep at 131072 context
-# (results/h200-2026-11-29/sweep.txt), the largest HPB that keeps two blocks per SM.
+# variant="batched" without heads_per_block: the fastest of the heads-per-block sweep on the
+# H200 at 131072 context, the largest HPB that keeps two blocks per SM.
 DEFAULT_BATCHED_HPB = 16
 
 
-# Scratch for the split partials, one pool per device (lecture section 2: a single static
-# pointer allocated by whichever rank arrives first is then dereferenced on devices it does
-# not belong to). Grown on demand, never shrunk. Every DecodeStep on a device shares it, so
-# steps on one device must run on one stream (or be synchronized between), as a decode
-# loop's layers do; two concurrent streams would race on the partials and the tickets.
+# Scratch for the split partials, one pool per device: a single static pointer allocated by
+# whichever rank arrives first would be dereferenced on devices it does not belong to. Grown
+# on demand, never shrunk. Every DecodeStep on a device shares it, so steps on one device
+# must run on one stream (or be synchronized between), as a decode loop's layers do; two
+# concurrent streams would race on the partials and the tickets.
 _scratch: dict[int, dict[str, object]] = {}
 
 
@@ -48,18 +52,6 @@ def scratch_for_device(device_id: int, name: str, size: int, dtype="float32"):
     return buf[:size]
 
 
-def _resolve_hpb(var: registry.Variant, heads_per_block) -> int:
-    if var.family in ("batched", "tiled", "mma"):
-        if heads_per_block not in (None, var.hpb):
-            raise ValueError(f"variant {var.name} has heads_per_block={var.hpb}; "
-                             f"got heads_per_block={heads_per_block}")
-        return var.hpb
-    if heads_per_block not in (None, 1):
-        raise ValueError(f"variant {var.name} serves one head per block; use a batched "
-                         f"variant for heads_per_block={heads_per_block}")
-    return 1
-
-
 def _check_device_array(name, arr):
     import cupy
 
@@ -77,11 +69,9 @@ def _check_device_array(name, arr):
 
 
 def _as_variant_name(variant, heads_per_block) -> str:
-    if variant == "batched":  # generic spelling: pick the instance from heads_per_block
-        hpb = heads_per_block or DEFAULT_BATCHED_HPB
-        registry.attn_instance(hpb)  # raises naming the instantiated values
-        return registry.variant_for_hpb(hpb)
-    return variant
+    """The registry name of `variant` with `heads_per_block` (registry.resolve_variant)."""
+    return registry.resolve_variant(variant, heads_per_block,
+                                    default_hpb=DEFAULT_BATCHED_HPB).name
 
 
 class DecodeStep:
@@ -95,14 +85,12 @@ class DecodeStep:
                  sync_check: bool = False, rescale: bool = True):
         import cupy
 
-        var = registry.variant(_as_variant_name(variant, heads_per_block))
+        var = registry.resolve_variant(variant, heads_per_block, default_hpb=DEFAULT_BATCHED_HPB)
         self.dims, self.n_ctx, self.scale, dts = check_inputs(q, cache, wv_b, n_ctx, scale)
         for name, arr in (("q", q), ("cache", cache), ("wv_b", wv_b)):
             _check_device_array(name, arr)
-        if var.is_cuda and (self.dims.kv_lora, self.dims.rope) != (registry.KV_LORA, registry.ROPE):
-            raise ValueError(f"the CUDA variants are built for kv_lora={registry.KV_LORA}, "
-                             f"rope={registry.ROPE}; got kv_lora={self.dims.kv_lora}, "
-                             f"rope={self.dims.rope} (the NumPy reference takes any dims)")
+        if var.is_cuda:
+            registry.check_cuda_dims(self.dims.kv_lora, self.dims.rope)
         self.variant = var
         self.q, self.cache, self.wv_b = q, cache, wv_b
         self.cache_dtype, self.q_dtype = dts["cache"], dts["q"]
@@ -116,12 +104,9 @@ class DecodeStep:
         if not var.is_cuda:
             if splits not in (None, "auto"):
                 raise ValueError("the cublas engine does not split; splits must be None")
-            _resolve_hpb(var, heads_per_block)
             return
 
-        from .kernels import blocks_per_sm, device_info, get_kernel
-
-        hpb = _resolve_hpb(var, heads_per_block)
+        hpb = var.hpb
         self.attn_inst = registry.attention_instance(var, self.cache_dtype, self.q_dtype)
         self.combine_inst = registry.combine_instance(self.cache_dtype, rescale)
         info = device_info(self.device_id)
@@ -144,11 +129,7 @@ class DecodeStep:
 
     # ---- phases -------------------------------------------------------------------------
     def run_attn(self) -> None:
-        import numpy as np
-
         if not self.variant.is_cuda:
-            from .cublas_engine import cublas_attention
-
             with self.guard.phase("attn"):
                 cublas_attention(self.q, self.cache, self.n_ctx, self.scale, self.cache_dtype,
                                  self.latent, self.lse)
@@ -162,11 +143,7 @@ class DecodeStep:
             smem_bytes=self.attn_inst.smem_bytes, kernel_name=self.attn_inst.name)
 
     def run_combine(self) -> None:
-        import numpy as np
-
         if not self.variant.is_cuda:
-            from .cublas_engine import cublas_projection
-
             with self.guard.phase("combine"):
                 cublas_projection(self.wv_b, self.latent, self.cache_dtype, self.out)
             return
@@ -212,9 +189,6 @@ class QAbsorb:
                  sync_check: bool = False):
         import cupy
 
-        from .dims import dtype_name
-        from .kernels import get_kernel
-
         for name, arr in (("q_nope", q_nope), ("q_rope", q_rope), ("wk_b", wk_b)):
             _check_device_array(name, arr)
         h = int(q_nope.shape[0])
@@ -238,8 +212,6 @@ class QAbsorb:
         self.guard = PhaseGuard("q_absorb", sync_check=sync_check)
 
     def run(self):
-        import numpy as np
-
         self.guard.launch("q_absorb", self.kernel, (self.n_head, 1, 1), (self.inst.threads, 1, 1),
                           (*self.args, np.int32(self.n_head), self.q), kernel_name=self.inst.name)
         return self.q

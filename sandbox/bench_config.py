@@ -79,9 +79,7 @@ def make_config(*, preset: str | None = "lecture", heads: int | None = None,
         if int(heads) != heads or heads < 1:
             raise ValueError(f"heads must be an integer >= 1, got {heads!r}")
         dims = dims.with_heads(int(heads))
-    if (dims.kv_lora, dims.rope) != (registry.KV_LORA, registry.ROPE):
-        raise ValueError(f"the CUDA variants are built for kv_lora={registry.KV_LORA}, "
-                         f"rope={registry.ROPE}")
+    registry.check_cuda_dims(dims.kv_lora, dims.rope)
     contexts = tuple(int(c) for c in (contexts or DEFAULT_CONTEXTS))
     if any(c < 1 for c in contexts):
         raise ValueError(f"contexts must be >= 1, got {contexts}")
@@ -89,9 +87,7 @@ def make_config(*, preset: str | None = "lecture", heads: int | None = None,
     names = list(variants) if variants else registry.variant_names()
     if hpbs:
         # --hpb narrows the batched family to these values (1 is `split`)
-        want = {("split" if h == 1 else f"batched{h}") for h in hpbs}
-        for h in hpbs:
-            registry.attn_instance(h)  # ValueError naming the instantiated values
+        want = {registry.variant_for_hpb(h) for h in hpbs}  # ValueError for an HPB not built
         names = [n for n in names if registry.variant(n).family not in ("batched", "split")
                  or n in want] + sorted(want - set(names), key=lambda n: registry.variant(n).hpb)
     for n in names:

@@ -17,6 +17,8 @@ variants', which keep q and p in f32.
 """
 from __future__ import annotations
 
+import numpy as np
+
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
 __all__ = ["cublas_attention", "cublas_projection"]
@@ -29,7 +31,6 @@ _OP_N, _OP_T = 0, 1
 def _gemm(transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha=1.0):
     """Column-major C[m,n] (f32) = alpha op(A) op(B), f32 compute, via cublasGemmEx."""
     import cupy
-    import numpy as np
     from cupy_backends.cuda.libs import cublas
 
     handle = cupy.cuda.device.get_cublas_handle()

@@ -14,24 +14,15 @@ from __future__ import annotations
 
 import math
 
-from . import registry
-from .registry import HPB_VALUES
+from . import occupancy, ptxas, registry
+from .registry import HPB_VALUES, KINDS
+from .splits import plan_splits, slice_bounds
 
 __all__ = ["DEFAULT_ARCH", "DEFAULT_SMS", "KINDS", "instances_for", "occupancy_of", "resource_rows",
-           "theoretical_blocks_per_sm", "resolve_variant", "grid_report"]
+           "theoretical_blocks_per_sm", "grid_report"]
 
 DEFAULT_ARCH = "sm_90"
-DEFAULT_SMS = 132  # H100 SXM / H200: the lecture's part
-
-
-def _occupancy_module():
-    try:
-        from . import occupancy
-    except ImportError as exc:
-        raise RuntimeError(
-            "mlasandbox.occupancy is not available (the occupancy calculator): "
-            f"{exc}") from exc
-    return occupancy
+DEFAULT_SMS = 132  # H100 SXM / H200
 
 
 def occupancy_of(arch: str, registers: int, threads: int, smem_bytes: int) -> dict:
@@ -40,27 +31,15 @@ def occupancy_of(arch: str, registers: int, threads: int, smem_bytes: int) -> di
     An unknown arch raises ValueError; a kernel that cannot fit on an SM at all (over a
     per-block limit) gets blocks_per_sm 0 and the calculator's reason as its limiter.
     """
-    mod = _occupancy_module()
-    mod.arch_limits(arch)  # ValueError naming the known archs
+    occupancy.arch_limits(arch)  # ValueError naming the known archs
     try:
-        occ = mod.occupancy(arch, registers, threads, smem_bytes)
+        occ = occupancy.occupancy(arch, registers, threads, smem_bytes)
     except ValueError as exc:
         return {"blocks_per_sm": 0, "limiter": f"does not fit: {exc}", "warp_occupancy": 0.0}
     return {"blocks_per_sm": int(occ.blocks_per_sm), "limiter": str(occ.limiter),
             "warp_occupancy": float(occ.fraction)}
 
 
-def _parse_name(inst) -> dict:
-    """kind and template values from a KernelInstance's readable name; attn_rows, HPB 1 of
-    the heads-per-block ladder, gets hpb '1' too."""
-    kind, _, rest = inst.name.partition("<")
-    vals = dict(kv.split("=", 1) for kv in rest.rstrip(">").split(",") if "=" in kv)
-    if kind == "attn_rows":
-        vals.setdefault("hpb", "1")
-    return {"kind": kind, **vals}
-
-
-KINDS = ("attn_rows", "attn", "attn_tiled", "mma_attn", "q_absorb", "combine")
 LADDER_KINDS = ("attn_rows", "attn")  # the heads-per-block ladder: HPB 1, then attn<HPB>
 
 
@@ -71,21 +50,16 @@ def instances_for(hpbs=HPB_VALUES, caches=("f16", "bf16"), q_dtypes=("f32", "cac
         if h not in HPB_VALUES:
             raise ValueError(f"heads per block must be among {HPB_VALUES}, got {h}")
     wanted = registry.all_instances(tuple(caches), tuple(q_dtypes), negative_controls=controls)
-    keep = []
-    for inst in wanted:
-        info = _parse_name(inst)
-        if info["kind"] not in kinds:
-            continue
-        if info["kind"] in LADDER_KINDS and int(info["hpb"]) not in hpbs:
-            continue
-        keep.append(inst)
-    return keep
+    return [inst for inst in wanted if inst.kind in kinds
+            and (inst.kind not in LADDER_KINDS or inst.heads in hpbs)]
 
 
 def _resource_row(inst, r, arch: str) -> dict:
     """One instance's ptxas resources (`r`), block size, shared memory and occupancy."""
     occ = occupancy_of(arch, r.registers, inst.threads, r.smem_bytes + inst.smem_bytes)
-    return {"name": inst.name, **_parse_name(inst), "registers": r.registers,
+    return {"name": inst.name, "kind": inst.kind, "heads": inst.heads, "cache": inst.cache,
+            "q": inst.q, "rescale": inst.rescale, "min_arch": inst.min_arch,
+            "registers": r.registers,
             "spill_stores": r.spill_stores, "spill_loads": r.spill_loads,
             "stack_bytes": r.stack_bytes, "static_smem": r.smem_bytes,
             "dynamic_smem": inst.smem_bytes, "threads": inst.threads, **occ, "step": False,
@@ -98,13 +72,11 @@ def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf1
     """One row per kernel instance: ptxas resources, block size, smem, blocks/SM, limiter.
 
     `step` is True on a ladder row (attn_rows, attn) whose blocks/SM is below the previous
-    HPB's for the same dtypes: the occupancy step of the lecture's section 4.
+    HPB's for the same dtypes: the occupancy step of the register wall.
     """
-    from .ptxas import ptxas_report
-
     insts = instances_for(hpbs, caches, q_dtypes, controls, kinds)
-    _occupancy_module().arch_limits(arch)  # an unknown arch fails before the compile
-    rep = report if report is not None else ptxas_report(insts, arch=arch)
+    occupancy.arch_limits(arch)  # an unknown arch fails before the compile
+    rep = report if report is not None else ptxas.ptxas_report(insts, arch=arch)
     rows = []
     prev: dict[tuple, int] = {}
     for inst in insts:
@@ -122,34 +94,16 @@ def theoretical_blocks_per_sm(variant, cache: str = "f16", q: str = "f32",
                               arch: str = DEFAULT_ARCH) -> dict:
     """Blocks/SM of a registry Variant's attention kernel on `arch`, from a real compile:
     a resource row."""
-    from .ptxas import ptxas_report
-
     inst = registry.attention_instance(variant, cache, q)  # ValueError for a bad dtype pair
-    _occupancy_module().arch_limits(arch)
-    return _resource_row(inst, ptxas_report([inst], arch=arch)[inst.name], arch)
-
-
-def resolve_variant(name: str, hpb: int | None = None):
-    """The registry Variant for `name`; 'batched' plus hpb names batched<hpb>."""
-    if name == "batched":
-        if hpb is None:
-            raise ValueError("variant 'batched' needs --hpb (one of "
-                             f"{', '.join(str(h) for h in HPB_VALUES)}; 1 is split)")
-        name = registry.variant_for_hpb(hpb)
-    v = registry.variant(name)
-    if hpb is not None and v.hpb is not None and hpb != v.hpb:
-        raise ValueError(f"variant {v.name} serves {v.hpb} head(s) per block; --hpb {hpb} "
-                         f"contradicts it (use --variant batched --hpb {hpb})")
-    return v
+    occupancy.arch_limits(arch)
+    return _resource_row(inst, ptxas.ptxas_report([inst], arch=arch)[inst.name], arch)
 
 
 def grid_report(variant: str, heads: int, ctx: int, *, splits="auto", hpb: int | None = None,
                 sms: int = DEFAULT_SMS, blocks_per_sm="auto", arch: str = DEFAULT_ARCH,
                 cache: str = "f16", q: str = "f32") -> dict:
     """The launch geometry of `variant` for `heads` heads at context `ctx`."""
-    from .splits import plan_splits, slice_bounds
-
-    v = resolve_variant(variant, hpb)
+    v = registry.resolve_variant(variant, hpb, option="--hpb")
     if not v.is_cuda:
         raise ValueError(f"variant {v.name} is CuPy matmuls (cuBLAS): it has no launch "
                          "geometry of its own; pick one of "

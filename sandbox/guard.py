@@ -1,6 +1,6 @@
 """The phase guard: every phase of a decode step ends with a poll for CUDA errors.
 
-Lecture section 5.3: CUDA errors are sticky and surface at the next API call that checks, so
+CUDA errors are sticky and surface at the next API call that checks, so
 without a poll per phase a broken attention launch is reported somewhere else entirely.
 The guard turns any error into a `PhaseError` that names the phase, the variant, the kernel,
 the grid, the block and the shared memory.

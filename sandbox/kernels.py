@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from .registry import KernelInstance
 from .sources import read_source
+from .toolkit import compile_options, device_properties
 
-__all__ = ["get_kernel", "DeviceInfo", "device_info", "blocks_per_sm", "cupy_caches_name_expressions"]
+__all__ = ["get_kernel", "DeviceInfo", "device_info", "blocks_per_sm",
+           "cupy_caches_name_expressions"]
 
 _kernels: dict = {}
 
@@ -33,16 +35,15 @@ _device_infos: dict[int, DeviceInfo] = {}
 
 
 def device_info(device_id: int | None = None) -> DeviceInfo:
-    """The launch-relevant limits of a device (the current one by default), read once."""
+    """The launch-relevant limits of a device (the current one by default), read once from
+    toolkit.device_properties."""
     import cupy
-
-    from .toolkit import device_info as read_device
 
     if device_id is None:
         device_id = cupy.cuda.Device().id
     info = _device_infos.get(device_id)
     if info is None:
-        d = read_device(device_id)
+        d = device_properties(device_id)
         info = DeviceInfo(device_id=d["index"], name=d["name"], arch=d["arch"],
                           num_sms=d["sms"], l2_bytes=d["l2_bytes"],
                           smem_per_block_optin=d["smem_per_block_optin"],
@@ -59,8 +60,6 @@ def cupy_caches_name_expressions() -> bool:
 
 def _nvrtc_options() -> tuple[str, ...]:
     # CuPy adds the arch option for the current device itself; passing a second one clashes.
-    from .toolkit import compile_options
-
     return tuple(o for o in compile_options() if not o.startswith(("--gpu-architecture", "-arch")))
 
 

@@ -5,37 +5,44 @@ Two levels:
 * `Variant` is what a user picks (`per_head`, `split`, `batched12`, `tiled16`, `mma16`,
   `cublas`). `per_head` and `split` serve one head per block with `cuda_src/mla_attn_rows.cu`
   (`attn_rows`): `per_head` over one slice, `split` over S contiguous slices; below the split
-  gate `split` runs exactly the kernel `per_head` runs (the lecture's A/A). `batched<HPB>`
+  gate `split` runs exactly the kernel `per_head` runs (the A/A test). `batched<HPB>`
   (`cuda_src/mla_attn.cu`, `attn<HPB>`) serves HPB >= 2 heads per pass over the cache, also
   split over context. HPB 1 of the heads-per-block ladder (`attn_instance(1)`, the sweep) is
   attn_rows. `tiled16` (`cuda_src/mla_attn_tiled.cu`) is the same contract on CUDA cores
   with GEMM-style register tiles in two warp-specialized pipelines (scores; softmax and
   values) at one block per SM; `mma<16|32>` (`cuda_src/mla_mma.cu`)
   puts the heads on the tensor cores.
-* `KernelInstance` is one template instantiation: its source file, the C++ name expression
-  handed to NVRTC (`name_expressions`), a readable name built from every template value,
-  the block size and the dynamic shared memory it needs.
+* `KernelInstance` is one template instantiation, held as its kind and template values
+  (`heads`, `cache`, `q`, `rescale`); everything else follows from them through its
+  `Family`: the source file, the C++ name expression handed to NVRTC (`name_expressions`),
+  the readable name, the block size, the tile, the dynamic shared memory and the oldest
+  architecture it compiles for.
 
-The geometry constants mirror the tops of the .cu files; a GPU test checks that each kernel
-agrees (it traps when launched with less shared memory than it needs).
+The launch values below are the registry's own; `compile_defines()` passes them to every
+compile, and each kernel static_asserts them against its own constants and layout struct
+(mla_common.cuh), so a formula that drifts from its kernel fails the NVRTC compile.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 __all__ = [
     "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
-    "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant", "variant_names",
-    "attn_instance", "mma_instance", "attention_instance", "combine_instance", "MMA_M_TILES", "q_absorb_instance", "all_instances",
+    "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant",
+    "variant_names", "attn_instance", "mma_instance", "attention_instance", "combine_instance",
+    "MMA_HEADS", "MMA_M_TILES", "q_absorb_instance", "all_instances",
     "attn_smem_bytes", "CXX_TYPES", "TILED_HEADS", "tiled_instance", "tiled_smem_bytes",
     "ROWS_THREADS", "ROWS_TILE", "rows_instance", "rows_smem_bytes", "variant_for_hpb",
+    "Family", "FAMILIES", "KINDS", "compile_defines", "resolve_variant", "check_cuda_dims",
+    "mma_smem_bytes",
 ]
 
 # The heads-per-block ladder of the CUDA-core variants: 1 is attn_rows (per_head, split), the
 # others are attn<HPB> (batched<HPB>).
 HPB_VALUES = (1, 2, 4, 8, 12, 16, 24)
 
-# Fixed geometry of cuda_src/mla_attn.cu (kThreads, kTile) and the dims it is built for.
+# The launch values of cuda_src/mla_attn.cu (kThreads, kTile) and the dims it is built for.
 ATTN_THREADS = 256
 ATTN_TILE = 32
 KV_LORA = 512
@@ -45,7 +52,8 @@ KEY_DIM = KV_LORA + ROPE
 ROWS_THREADS = 128
 ROWS_TILE = 32
 assert ROWS_TILE == ATTN_TILE, "splits.py sizes slices in tiles of ATTN_TILE rows for both"
-MMA_M_TILES = (1, 2)  # HM of mla_mma.cu: 16 or 32 heads per block
+MMA_HEADS = (16, 32)  # heads per block of mla_mma.cu, as 1 or 2 m tiles of 16 heads
+MMA_M_TILES = tuple(h // 16 for h in MMA_HEADS)
 MMA_THREADS = 256
 MMA_TILE = 64
 # cuda_src/mla_attn_tiled.cu: register-tiled CUDA-core kernel, sized for 16 heads per block
@@ -79,25 +87,26 @@ class Variant:
 def _make_variants() -> dict[str, Variant]:
     out = {
         "per_head": Variant("per_head", "per_head", 1, False,
-                            "one block per head walks all n_ctx positions (lecture section 1)"),
+                            "one block per head walks all n_ctx positions"),
         "split": Variant("split", "split", 1, True,
-                         "heads x S contiguous slices, partials merged by combine (section 2)"),
+                         "heads x S contiguous slices, partials merged by the combine"),
     }
     for hpb in HPB_VALUES:
         if hpb == 1:
             continue  # batched1 would be `split` under another name
         out[f"batched{hpb}"] = Variant(
             f"batched{hpb}", "batched", hpb, True,
-            f"one pass over the cache serves {hpb} heads, split over context (section 4)")
+            f"one pass over the cache serves {hpb} heads, split over context")
     for heads in TILED_HEADS:
         out[f"tiled{heads}"] = Variant(
             f"tiled{heads}", "tiled", heads, True,
             f"CUDA cores, GEMM-style register tiles in a score and a value pipeline: {heads} "
             "heads per block, one block per SM, split over context")
-    for hm in MMA_M_TILES:
-        out[f"mma{16 * hm}"] = Variant(
-            f"mma{16 * hm}", "mma", 16 * hm, True,
-            f"tensor cores: {16 * hm} heads as {hm} M tile(s) of mma.m16n8k16, split over context")
+    for heads in MMA_HEADS:
+        out[f"mma{heads}"] = Variant(
+            f"mma{heads}", "mma", heads, True,
+            f"tensor cores: {heads} heads as {heads // 16} M tile(s) of mma.m16n8k16, split "
+            "over context")
     out["cublas"] = Variant("cublas", "cublas", None, False,
                             "CuPy matmuls (cuBLAS) + softmax: the reference engine")
     return out
@@ -111,7 +120,11 @@ def variant_names() -> list[str]:
 
 
 def variant_for_hpb(hpb: int) -> str:
-    """The variant name of `hpb` heads per block: one head per block is `split`."""
+    """The variant name of `hpb` heads per block on the CUDA-core ladder: one head per block
+    is `split`, more are batched<hpb>."""
+    if hpb not in HPB_VALUES:
+        raise ValueError(f"heads_per_block must be one of {', '.join(map(str, HPB_VALUES))} "
+                         f"(the instantiated heads per block; 1 is split), got {hpb}")
     return "split" if hpb == 1 else f"batched{hpb}"
 
 
@@ -123,21 +136,40 @@ def variant(name: str) -> Variant:
             f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
 
 
-@dataclass(frozen=True)
-class KernelInstance:
-    source: str       # file in cuda_src/
-    expression: str   # C++ name expression for NVRTC
-    name: str         # readable, every template value spelled out
-    threads: int
-    smem_bytes: int   # dynamic shared memory per block
-    tile_rows: int = 0  # cache rows per step (attention kernels only)
+def resolve_variant(name: str, heads_per_block: int | None = None, *,
+                    default_hpb: int | None = None, option: str = "heads_per_block") -> Variant:
+    """The Variant that `name` and a heads-per-block value pick: the one resolver of both.
 
-    def __str__(self) -> str:
-        return self.name
+    'batched' is the generic spelling: heads_per_block (or `default_hpb` when it is None)
+    picks batched<hpb>, and 1 is `split`. A named variant serves its own heads per block
+    (one for per_head, split and the cuBLAS engine); a heads_per_block that contradicts it
+    raises. `option` is how the caller's user spells the parameter, for the messages.
+    """
+    hpb = heads_per_block
+    if name == "batched":
+        hpb = default_hpb if hpb is None else hpb
+        if hpb is None:
+            raise ValueError(f"variant 'batched' needs {option} (one of "
+                             f"{', '.join(map(str, HPB_VALUES))}; 1 is split)")
+        return VARIANTS[variant_for_hpb(hpb)]
+    v = variant(name)
+    if hpb is not None and hpb != (v.hpb or 1):
+        raise ValueError(f"variant {v.name} serves {v.hpb or 1} head(s) per block; "
+                         f"{option}={hpb} contradicts it (use variant batched with "
+                         f"{option}={hpb})")
+    return v
+
+
+def check_cuda_dims(kv_lora: int, rope: int) -> None:
+    """The CUDA variants are compiled for one latent and rope width (MLA_KV_LORA, MLA_ROPE)."""
+    if (kv_lora, rope) != (KV_LORA, ROPE):
+        raise ValueError(f"the CUDA variants are built for kv_lora={KV_LORA}, rope={ROPE}; "
+                         f"got kv_lora={kv_lora}, rope={rope} (the NumPy reference takes any "
+                         "dims)")
 
 
 def attn_smem_bytes(hpb: int) -> int:
-    """Dynamic shared memory of attn<HPB> (HPB >= 2): mirrors AttnSmem in mla_attn.cu.
+    """Dynamic shared memory of attn<HPB> (HPB >= 2), AttnSmem<HPB>::bytes in mla_attn.cu.
 
     two cache tiles (the cross-warp score partials borrow the spare one) + q in f32 + p +
     (m, l, alpha). One head per block is attn_rows: rows_smem_bytes().
@@ -152,10 +184,162 @@ def attn_smem_bytes(hpb: int) -> int:
     return tiles + q + p + stats
 
 
-def rows_smem_bytes() -> int:
-    """Dynamic shared memory of attn_rows: mirrors RowsSmem in mla_attn_rows.cu (one tile of
+def rows_smem_bytes(heads: int = 1) -> int:
+    """Dynamic shared memory of attn_rows, RowsSmem::bytes in mla_attn_rows.cu (one tile of
     unswizzled rows; the merge of the warps borrows it after the slice)."""
     return ROWS_TILE * KEY_DIM * 2
+
+
+MMA_SCORE_KGROUPS = 4  # kScoreKGroups: the score phase's k-groups, one per warp of a quad
+
+
+def mma_smem_bytes(heads: int) -> int:
+    """Dynamic shared memory of mma_attn<heads>, MmaSmem<heads / 16>::bytes in mla_mma.cu (two
+    64-row tiles; q as hi/lo 16-bit halves, whose buffer the score partials of the four
+    k-groups, [4][heads][64 + 8] f32, reuse once q is in registers; p as hi/lo halves; m, l,
+    alpha)."""
+    tiles = 2 * MMA_TILE * KEY_DIM * 2
+    q = 2 * heads * KEY_DIM * 2
+    red = MMA_SCORE_KGROUPS * heads * (MMA_TILE + 8) * 4
+    p = 2 * heads * MMA_TILE * 2
+    stats = 3 * heads * 4
+    return tiles + max(q, red) + p + stats
+
+
+def tiled_smem_bytes(heads: int = 16) -> int:
+    """Dynamic shared memory of attn_tiled<16>, tiled::Smem::bytes in mla_attn_tiled.cu (three
+    32-row tile buffers; q as 16 k-slices of [36][16] f32 plus an 8-float pad; the score
+    partials, [16 k-slices][32 rows][16 + 4] f32; p as [32][16 + 4] f32; alpha; one 8-byte
+    mbarrier per tile buffer and two for the partials' handoff)."""
+    tiles = TILED_STAGES * TILED_TILE * KEY_DIM * 2
+    q = 16 * (36 * heads + 8) * 4
+    red = 16 * TILED_TILE * (heads + 4) * 4
+    p = TILED_TILE * (heads + 4) * 4
+    return tiles + q + red + p + heads * 4 + (TILED_STAGES + 2) * 8
+
+
+@dataclass(frozen=True)
+class Family:
+    """One kernel template of cuda_src/: what every instance of it shares.
+
+    `template_args` are the template values of the C++ name, in order, among "heads",
+    "cache", "q", "rescale". `heads` are the heads-per-block values instantiated (attn_rows:
+    1, not a template value). `macro` names its launch values in compile_defines()
+    (MLA_<macro>_THREADS, ...). `min_arch` is the oldest architecture NVRTC compiles it for
+    (sm_75, the oldest NVRTC 13 targets, for plain CUDA; sm_80: cp.async, ldmatrix and
+    mma.sync; sm_90: mbarrier.try_wait.parity), found by compiling for each.
+    """
+
+    kind: str
+    source: str
+    function: str
+    template_args: tuple[str, ...]
+    macro: str
+    threads: int
+    tile_rows: int = 0            # cache rows per step (attention kernels only)
+    heads: tuple[int, ...] = ()
+    smem: Callable[[int], int] | None = None  # dynamic shared memory of `heads` heads
+    min_arch: str = "sm_80"
+
+
+FAMILIES: dict[str, Family] = {f.kind: f for f in (
+    Family("attn_rows", "mla_attn_rows.cu", "mla::attn_rows", ("cache", "q"), "ROWS",
+           ROWS_THREADS, ROWS_TILE, (1,), rows_smem_bytes),
+    Family("attn", "mla_attn.cu", "mla::attn", ("heads", "cache", "q"), "ATTN", ATTN_THREADS,
+           ATTN_TILE, tuple(h for h in HPB_VALUES if h > 1), attn_smem_bytes),
+    Family("attn_tiled", "mla_attn_tiled.cu", "mla::attn_tiled", ("heads", "cache", "q"),
+           "TILED", TILED_THREADS, TILED_TILE, TILED_HEADS, tiled_smem_bytes, "sm_90"),
+    Family("mma_attn", "mla_mma.cu", "mla::mma_attn", ("heads", "cache", "q"), "MMA",
+           MMA_THREADS, MMA_TILE, MMA_HEADS, mma_smem_bytes),
+    Family("q_absorb", "mla_q_absorb.cu", "mla::q_absorb", ("cache", "q"), "Q_ABSORB",
+           Q_ABSORB_THREADS, min_arch="sm_75"),
+    Family("combine", "mla_combine.cu", "mla::combine", ("cache", "rescale"), "COMBINE",
+           COMBINE_THREADS, min_arch="sm_75"),
+)}
+KINDS = tuple(FAMILIES)
+
+
+def compile_defines() -> tuple[str, ...]:
+    """The registry's launch values as NVRTC -D options, for every compile of cuda_src/.
+
+    Each kernel static_asserts them (mla_common.cuh, "the registry's launch values"):
+    MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
+    and MLA_COMBINE_COL_BLOCKS. They only feed static_asserts, so they change no code.
+    """
+    out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}"]
+    for f in FAMILIES.values():
+        out.append(f"MLA_{f.macro}_THREADS={f.threads}")
+        if f.tile_rows:
+            out.append(f"MLA_{f.macro}_TILE={f.tile_rows}")
+        if f.smem is not None:
+            pairs = ",".join(f"{h},{f.smem(h)}" for h in f.heads)
+            out.append(f"MLA_{f.macro}_SMEM={pairs}")
+    return tuple(f"-D{d}" for d in out)
+
+
+@dataclass(frozen=True)
+class KernelInstance:
+    """One template instantiation: its kind and template values; the rest is derived.
+
+    `heads` is the heads served per block (1 for attn_rows; None for q_absorb and combine),
+    `cache` the 16-bit element of the cache (q_absorb: of its inputs; combine: of wv_b), `q`
+    the query element (None for combine), `rescale` the combine's merge (False is the
+    negative control; None for the other kinds).
+    """
+
+    kind: str
+    cache: str
+    q: str | None = None
+    heads: int | None = None
+    rescale: bool | None = None
+
+    @property
+    def family(self) -> Family:
+        return FAMILIES[self.kind]
+
+    @property
+    def params(self) -> dict:
+        """The template values, as the readable name spells them, in template order."""
+        vals = {"heads": self.heads, "cache": self.cache, "q": self.q,
+                "rescale": None if self.rescale is None else str(self.rescale).lower()}
+        return {k: vals[k] for k in self.family.template_args}
+
+    @property
+    def name(self) -> str:
+        """Readable, every template value spelled out: attn<heads=12,cache=f16,q=f32>."""
+        return f"{self.kind}<{','.join(f'{k}={v}' for k, v in self.params.items())}>"
+
+    @property
+    def expression(self) -> str:
+        """The C++ name expression handed to NVRTC."""
+        cxx = {"heads": str(self.heads), "cache": CXX_TYPES.get(self.cache),
+               "q": CXX_TYPES.get(self.q), "rescale": str(self.rescale).lower()}
+        return f"{self.family.function}<{', '.join(cxx[k] for k in self.family.template_args)}>"
+
+    @property
+    def source(self) -> str:
+        return self.family.source
+
+    @property
+    def threads(self) -> int:
+        return self.family.threads
+
+    @property
+    def tile_rows(self) -> int:
+        return self.family.tile_rows
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per block."""
+        f = self.family
+        return 0 if f.smem is None else f.smem(self.heads)
+
+    @property
+    def min_arch(self) -> str:
+        return self.family.min_arch
+
+    def __str__(self) -> str:
+        return self.name
 
 
 def _check_attention_dtypes(cache: str, q: str) -> None:
@@ -169,12 +353,17 @@ def _check_dtype(kind: str, dt: str, allowed) -> None:
         raise ValueError(f"{kind} dtype must be one of {', '.join(allowed)}, got {dt!r}")
 
 
+def _check_heads(kind: str, heads: int) -> None:
+    allowed = FAMILIES[kind].heads
+    if heads not in allowed:
+        raise ValueError(f"{kind} serves {', '.join(map(str, allowed))} heads per block "
+                         f"(the instantiated values), got {heads}")
+
+
 def rows_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
     """attn_rows: one head per block (per_head, split)."""
     _check_attention_dtypes(cache, q)
-    return KernelInstance("mla_attn_rows.cu", f"mla::attn_rows<{CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
-                          f"attn_rows<cache={cache},q={q}>", ROWS_THREADS, rows_smem_bytes(),
-                          ROWS_TILE)
+    return KernelInstance("attn_rows", cache, q, heads=1)
 
 
 def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstance:
@@ -186,58 +375,19 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
     if hpb == 1:
         return rows_instance(cache, q)
     _check_attention_dtypes(cache, q)
-    expr = f"mla::attn<{hpb}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>"
-    return KernelInstance("mla_attn.cu", expr, f"attn<hpb={hpb},cache={cache},q={q}>",
-                          ATTN_THREADS, attn_smem_bytes(hpb), ATTN_TILE)
-
-
-MMA_SCORE_KGROUPS = 4  # kScoreKGroups: the score phase's k-groups, one per warp of a quad
-
-
-def mma_smem_bytes(heads: int) -> int:
-    """Dynamic shared memory of mma_attn<heads/16>: mirrors MmaSmem in mla_mma.cu (two 64-row
-    tiles; q as hi/lo 16-bit halves, whose buffer the score partials of the four k-groups,
-    [4][heads][64 + 8] f32, reuse once q is in registers; p as hi/lo halves; m, l, alpha)."""
-    tiles = 2 * MMA_TILE * KEY_DIM * 2
-    q = 2 * heads * KEY_DIM * 2
-    red = MMA_SCORE_KGROUPS * heads * (MMA_TILE + 8) * 4
-    p = 2 * heads * MMA_TILE * 2
-    stats = 3 * heads * 4
-    return tiles + max(q, red) + p + stats
+    return KernelInstance("attn", cache, q, heads=hpb)
 
 
 def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:
-    if heads % 16 or heads // 16 not in MMA_M_TILES:
-        raise ValueError(f"the mma kernels serve {', '.join(str(16 * m) for m in MMA_M_TILES)} "
-                         f"heads per block, got {heads}")
+    _check_heads("mma_attn", heads)
     _check_attention_dtypes(cache, q)
-    return KernelInstance("mla_mma.cu",
-                          f"mla::mma_attn<{heads // 16}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
-                          f"mma_attn<heads={heads},cache={cache},q={q}>", MMA_THREADS,
-                          mma_smem_bytes(heads), MMA_TILE)
-
-
-def tiled_smem_bytes(heads: int = 16) -> int:
-    """Dynamic shared memory of attn_tiled<16>: mirrors tiled::Smem in mla_attn_tiled.cu (three
-    32-row tile buffers; q as 16 k-slices of [36][16] f32 plus an 8-float pad; the score
-    partials, [16 k-slices][32 rows][16 + 4] f32; p as [32][16 + 4] f32; alpha; one 8-byte
-    mbarrier per tile buffer and two for the partials' handoff)."""
-    tiles = TILED_STAGES * TILED_TILE * KEY_DIM * 2
-    q = 16 * (36 * heads + 8) * 4
-    red = 16 * TILED_TILE * (heads + 4) * 4
-    p = TILED_TILE * (heads + 4) * 4
-    return tiles + q + red + p + heads * 4 + (TILED_STAGES + 2) * 8
+    return KernelInstance("mma_attn", cache, q, heads=heads)
 
 
 def tiled_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:
-    if heads not in TILED_HEADS:
-        raise ValueError(f"the tiled kernel serves {', '.join(map(str, TILED_HEADS))} heads per "
-                         f"block, got {heads}")
+    _check_heads("attn_tiled", heads)
     _check_attention_dtypes(cache, q)
-    return KernelInstance("mla_attn_tiled.cu",
-                          f"mla::attn_tiled<{heads}, {CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
-                          f"attn_tiled<hpb={heads},cache={cache},q={q}>", TILED_THREADS,
-                          tiled_smem_bytes(heads), TILED_TILE)
+    return KernelInstance("attn_tiled", cache, q, heads=heads)
 
 
 def attention_instance(var: Variant, cache: str = "f16", q: str = "f32") -> KernelInstance:
@@ -255,17 +405,13 @@ def combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance
     """The merge + wv_b kernel. rescale=False is the negative control: a combine that
     drops the exp(m_i - m) rescale, which every correctness check must reject."""
     _check_dtype("wv_b", cache, ("f16", "bf16"))
-    r = "true" if rescale else "false"
-    return KernelInstance("mla_combine.cu", f"mla::combine<{CXX_TYPES[cache]}, {r}>",
-                          f"combine<wv_b={cache},rescale={r}>", COMBINE_THREADS, 0)
+    return KernelInstance("combine", cache, rescale=bool(rescale))
 
 
 def q_absorb_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
     _check_dtype("weights", cache, ("f16", "bf16"))
     _check_dtype("q", q, ("f32", cache))
-    return KernelInstance("mla_q_absorb.cu",
-                          f"mla::q_absorb<{CXX_TYPES[cache]}, {CXX_TYPES[q]}>",
-                          f"q_absorb<in={cache},q={q}>", Q_ABSORB_THREADS, 0)
+    return KernelInstance("q_absorb", cache, q)
 
 
 def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
@@ -279,14 +425,11 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
                 out.append(attn_instance(hpb, cache, q))
             for heads in TILED_HEADS:
                 out.append(tiled_instance(heads, cache, q))
-            for hm in MMA_M_TILES:
-                out.append(mma_instance(16 * hm, cache, q))
+            for heads in MMA_HEADS:
+                out.append(mma_instance(heads, cache, q))
             out.append(q_absorb_instance(cache, q))
         out.append(combine_instance(cache, True))
         if negative_controls:
             out.append(combine_instance(cache, False))
     # one instance may be reached twice (q=cache listed via both spellings); keep the first
-    seen: dict[str, KernelInstance] = {}
-    for inst in out:
-        seen.setdefault(inst.name, inst)
-    return list(seen.values())
+    return list(dict.fromkeys(out))

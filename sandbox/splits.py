@@ -1,15 +1,15 @@
 """How many contiguous slices to split the context into: the launch geometry of one step.
 
-The rule (lecture section 5.1, seed 001):
+The rule (Flash-Decoding's split over context, budgeted against the SM count):
 
-* Below the split gate there is one slice. The gate is the lecture's 4096 for one head per
-  block (`split`): its 96 head blocks already fill most of the GPU, the combine's extra
-  work costs more than the parallelism buys, and below it `split` runs per_head's kernel
-  on one slice, the same code (the A/A pair). Blocks that serve several heads (batched,
-  tiled, mma) are few, 6 at 96 heads for 16 per block, and one slice leaves most SMs idle,
-  so they have no gate: the sizing rule's `min_tiles` alone keeps their slices long enough.
-  Measured on the H200 (`results/h200-2026-11-29/split_gate_short_contexts.txt`): at n_ctx
-  4095 and 96 heads mma16 takes 208 us on one slice and 34 us on 13, batched16 647 and 68.
+* Below the split gate there is one slice. The gate is 4096 for one head per block
+  (`split`): its 96 head blocks already fill most of the GPU, the combine's extra work costs
+  more than the parallelism buys, and below it `split` runs per_head's kernel on one slice,
+  the same code (the A/A pair). Blocks that serve several heads (batched, tiled, mma) are
+  few, 6 at 96 heads for 16 per block, and one slice leaves most SMs idle, so they have no
+  gate: the sizing rule's `min_tiles` alone keeps their slices long enough (at n_ctx 4095
+  and 96 heads one slice is several times slower for mma16 and batched16; docs/ has the
+  measurement).
   `min_ctx=` sets the gate for any variant.
 * Above it, the budget is on the PRODUCT head_blocks x S against the resident-block slots of
   the GPU (blocks/SM x SMs), so S grows as the number of head blocks shrinks (head sharding,
@@ -67,7 +67,7 @@ class SplitPlan:
 
     @property
     def idle_sms(self) -> int:
-        """SMs that get no block at all in the first wave (lecture section 1: 36 of 132)."""
+        """SMs that get no block at all in the first wave (96 one-head blocks: 36 of 132)."""
         return max(0, self.num_sms - self.blocks)
 
     def tiles_per_block(self) -> int:
@@ -87,7 +87,7 @@ def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
 
 def default_gate(heads_per_block: int, split_gate: int = SPLIT_MIN_CTX) -> int:
     """The split gate of blocks serving `heads_per_block` heads (see the module docstring):
-    `split_gate` (the lecture's SPLIT_MIN_CTX) for one head per block, none (1) for more."""
+    `split_gate` (SPLIT_MIN_CTX by default) for one head per block, none (1) for more."""
     return split_gate if heads_per_block == 1 else 1
 
 

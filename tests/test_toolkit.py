@@ -136,14 +136,14 @@ def test_no_device_errors_are_clear():
     ok, why = toolkit.device_available()
     if ok:
         assert toolkit.arch_of_device().startswith("sm_")
-        info = toolkit.device_info()
+        info = toolkit.device_properties()
         assert info["sms"] > 0 and info["arch"].startswith("sm_")
     else:
         assert "no CUDA device" in why or "not" in why
         with pytest.raises(toolkit.NoDeviceError, match=why.split(":")[0]):
             toolkit.arch_of_device()
         with pytest.raises(toolkit.NoDeviceError):
-            toolkit.device_info()
+            toolkit.device_properties()
 
 
 def test_device_available_when_cupy_raises(monkeypatch):
