@@ -35,8 +35,8 @@
 // The next tile's copy is issued at the top of each tile, so a whole tile of compute covers it.
 //
 // Why q lives in registers: a warp that re-read its q fragments, hi and lo, from shared memory
-// on every tile would issue 720 ldmatrix.x4 (368 KB) per 64-row tile for mma32's 1,152 MMAs
-// and 432 for mma16's 576; with q in registers the score loop issues 288 and 144, and the 4
+// on every tile would need 720 ldmatrix.x4 (368 KB) per 64-row tile for mma32's 1,152 MMAs
+// and 432 for mma16's 576; with q in registers the score loop needs 288 and 144, and the 4
 // k-groups' partials cost one float2 store per fragment.
 #include "mla_common.cuh"
 
