@@ -3,7 +3,8 @@ file's number, formatted as the CLI formats it, in the row and column it belongs
 
 The fixture (tests/data/results_run/) is a hand-made run whose numbers are chosen so that each
 cell has one right value (variant i, context j: attn = base * (i + 1) * (j + 1) + 0.123, step =
-attn + 29.5), so a table that swaps rows, columns, phases or files shows a wrong number here.
+attn + 29.5, combine 11 + i, plus 10 at 96 heads), so a table that swaps rows, columns, phases
+or files shows a wrong number here.
 """
 from __future__ import annotations
 
@@ -61,11 +62,12 @@ def test_kinds_follow_content():
 def test_phase_table_cells(run):
     text = _render(run)
     assert text.startswith(rr.HEADER)
-    head = "| variant | attn, 16 heads | attn, 96 heads | step, 16 heads | step, 96 heads |"
+    head = ("| variant | attn, 16 heads | attn, 96 heads | combine, 16 heads | combine, 96 heads | "
+            "step, 16 heads | step, 96 heads |")
     assert head in text
     # 16 heads: base 100; 96 heads: base 1000 (>= 1000 prints without decimals)
-    assert _row(text, "split", "### Phases") == "| split | 100.1 | 1,000 | 129.6 | 1,030 |"
-    assert _row(text, "mma16", "### Phases") == "| mma16 | 200.1 | 2,000 | 229.6 | 2,030 |"
+    assert _row(text, "split", "### Phases") == "| split | 100.1 | 1,000 | 11.0 | 21.0 | 129.6 | 1,030 |"
+    assert _row(text, "mma16", "### Phases") == "| mma16 | 200.1 | 2,000 | 12.0 | 22.0 | 229.6 | 2,030 |"
     assert ("ceilings 4,322 GB/s copy, 654 TFLOP/s f16 GEMM, 61.2 TFLOP/s f32 FMA; "
             "A/A floor 0.23%; control phase q_absorb 18.5 -> 18.6 us (moved at most 0.51%)"
             in text)
@@ -103,7 +105,7 @@ def test_a_changed_number_changes_the_page(run):
             r["median_us"] = 77.7
     (run / "bench_h16.json").write_text(json.dumps(doc))
     after = _render(run)
-    assert _row(after, "mma16", "### Phases") == "| mma16 | 77.7 | 2,000 | 229.6 | 2,030 |"
+    assert _row(after, "mma16", "### Phases") == "| mma16 | 77.7 | 2,000 | 12.0 | 22.0 | 229.6 | 2,030 |"
     assert _row(before, "split", "### Phases") == _row(after, "split", "### Phases")
 
 

@@ -125,13 +125,12 @@ def phases_section(files: list, out_dir: Path) -> list[str]:
     cache = docs[0][1]["config"]["cache_dtypes"][0]
     heads = [f"{_heads(d)} heads" for _, d in docs]
     out = [f"### Phases at n_ctx {ctx:,} (cache {cache}, q {docs[0][1]['config']['q_dtype']})",
-           "", "Median us; attn is the variant's own kernel, step = q_absorb + attn + combine.", ""]
-    rows = []
-    for v in _variants([d for _, d in docs]):
-        rows.append([v] + [fmt_us(_median(d, v, "attn", ctx)) for _, d in docs]
-                    + [fmt_us(_median(d, v, "step", ctx)) for _, d in docs])
-    out += _table(["variant"] + [f"attn, {h}" for h in heads] + [f"step, {h}" for h in heads],
-                  rows)
+           "", "Median us; attn is the variant's own kernel, combine merges the slices and applies "
+           "wv_b (the cuBLAS engine's: its wv_b projection), step = q_absorb + attn + combine.", ""]
+    phases = ("attn", "combine", "step")
+    rows = [[v] + [fmt_us(_median(d, v, ph, ctx)) for ph in phases for _, d in docs]
+            for v in _variants([d for _, d in docs])]
+    out += _table(["variant"] + [f"{ph}, {h}" for ph in phases for h in heads], rows)
     out += [""] + sum((_context_lines(p, d, out_dir) for p, d in docs), []) + [""]
     return out
 
