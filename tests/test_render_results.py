@@ -66,11 +66,22 @@ def test_phase_table_cells(run):
             "step, 16 heads | step, 96 heads |")
     assert head in text
     # 16 heads: base 100; 96 heads: base 1000 (>= 1000 prints without decimals)
-    assert _row(text, "split", "### Phases") == "| split | 100.1 | 1,000 | 11.0 | 21.0 | 129.6 | 1,030 |"
-    assert _row(text, "mma16", "### Phases") == "| mma16 | 200.1 | 2,000 | 12.0 | 22.0 | 229.6 | 2,030 |"
+    assert _row(text, "split", "### Phases") == (
+        "| split | 100.1 | 1,000 | 11.0 | 21.0 | 129.6 | 1,030 |")
+    assert _row(text, "mma16", "### Phases") == (
+        "| mma16 | 200.1 | 2,000 | 12.0 | 22.0 | 229.6 | 2,030 |")
     assert ("ceilings 4,322 GB/s copy, 654 TFLOP/s f16 GEMM, 61.2 TFLOP/s f32 FMA; "
             "A/A floor 0.23%; control phase q_absorb 18.5 -> 18.6 us (moved at most 0.51%)"
             in text)
+
+
+def test_checks_table_flags_a_failure(run):
+    text = _render(run)
+    assert "### Checks against the float64 reference ([`bench_h16.json`]" in text
+    assert _row(text, "split", "### Checks") == (
+        "| split | 16 | 20,000 | 49 | 1.75e-07 | 1.23e-07 | 9.9e-07 | 0.0001 | ok |")
+    assert _row(text, "mma16", "### Checks").endswith(
+        "| 3.10e-04 | 2.50e-03 | 1.2e-05 | 0.0001 | FAIL |")
 
 
 def test_depth_sweep_ablate_cells(run):
@@ -105,7 +116,8 @@ def test_a_changed_number_changes_the_page(run):
             r["median_us"] = 77.7
     (run / "bench_h16.json").write_text(json.dumps(doc))
     after = _render(run)
-    assert _row(after, "mma16", "### Phases") == "| mma16 | 77.7 | 2,000 | 12.0 | 22.0 | 229.6 | 2,030 |"
+    assert _row(after, "mma16", "### Phases") == (
+        "| mma16 | 77.7 | 2,000 | 12.0 | 22.0 | 229.6 | 2,030 |")
     assert _row(before, "split", "### Phases") == _row(after, "split", "### Phases")
 
 

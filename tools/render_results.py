@@ -132,7 +132,21 @@ def phases_section(files: list, out_dir: Path) -> list[str]:
             for v in _variants([d for _, d in docs])]
     out += _table(["variant"] + [f"{ph}, {h}" for ph in phases for h in heads], rows)
     out += [""] + sum((_context_lines(p, d, out_dir) for p, d in docs), []) + [""]
-    return out
+    return out + checks_section(docs[0], out_dir)
+
+
+def checks_section(file: tuple, out_dir: Path) -> list[str]:
+    """The bench's own correctness check of every variant against the float64 reference."""
+    path, doc = file
+    checks = doc.get("checks") or []
+    if not checks:
+        return []
+    out = [f"### Checks against the float64 reference ({_link(path, out_dir)})", ""]
+    rows = [[c["variant"], str(c["heads"]), f"{c['n_ctx']:,}", str(c.get("splits") or "-"),
+             f"{c['latent_relL2']:.2e}", f"{c['out_relL2']:.2e}", f"{c['lse_abs']:.1e}",
+             f"{c['tolerance']:g}", "ok" if c["ok"] else "FAIL"] for c in checks]
+    return out + _table(["variant", "heads", "n_ctx", "S", "relL2 latent", "relL2 out",
+                         "max abs lse", "tolerance", ""], rows) + [""]
 
 
 def depth_section(files: list, out_dir: Path) -> list[str]:
