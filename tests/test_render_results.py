@@ -19,15 +19,15 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = Path(__file__).resolve().parent / "data" / "results_run"
 
 
-def _load_renderer():
-    spec = importlib.util.spec_from_file_location("render_results",
-                                                  ROOT / "tools" / "render_results.py")
+def _load_tool(name: str):
+    """A script of tools/ as a module (tools/ is not a package: the scripts run as files)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-rr = _load_renderer()
+rr = _load_tool("render_results")
 
 
 @pytest.fixture()
@@ -75,28 +75,29 @@ def test_phase_table_cells(run):
             in text)
 
 
-def test_checks_table_flags_a_failure(run):
+# (first cell, the heading the table follows, how the row starts): exact cells of each table
+ROWS = [
+    ("split", "### Checks",
+     "| split | 16 | 20,000 | 49 | 1.75e-07 | 1.23e-07 | 9.9e-07 | 0.0001 | ok |"),
+    ("mma16", "### Checks",
+     "| mma16 | 16 | 20,000 | 63 | 3.10e-04 | 2.50e-03 | 1.2e-05 | 0.0001 | FAIL |"),
+    ("split", "### Depth curve", "| split | 39.6 | 49.6 | 4,321 |"),
+    ("mma16", "### Depth curve", "| mma16 | 49.6 | 69.6 | - |"),
+    ("24", "### Heads per block", "| 24 | attn<hpb=24,cache=f16,q=f32> | 854.1 | 168 | 0/0 | "
+     "129.3 KiB | 1 / 1 | registers | 33 | step |"),
+    # the driver's register count wins over ptxas's where the device reported one
+    ("16", "### Heads per block", "| 16 | attn<hpb=16,cache=f16,q=f32> | 818.8 | 128 |"),
+    ("mma16", "### What the cache loads cost",
+     "| mma16 | 16 | 4,096 | 45.9 | 38.1 | 17% | 1.09% |"),
+]
+
+
+@pytest.mark.parametrize("first, after, expected", ROWS, ids=[f"{a[4:]}:{f}" for f, a, _ in ROWS])
+def test_checks_depth_sweep_ablate_cells(run, first, after, expected):
     text = _render(run)
     assert "### Checks against the float64 reference ([`bench_h16.json`]" in text
-    assert _row(text, "split", "### Checks") == (
-        "| split | 16 | 20,000 | 49 | 1.75e-07 | 1.23e-07 | 9.9e-07 | 0.0001 | ok |")
-    assert _row(text, "mma16", "### Checks").endswith(
-        "| 3.10e-04 | 2.50e-03 | 1.2e-05 | 0.0001 | FAIL |")
-
-
-def test_depth_sweep_ablate_cells(run):
-    text = _render(run)
     assert "| variant | 64 | 4,096 | depth term |" in text
-    assert _row(text, "split", "### Depth curve") == "| split | 39.6 | 49.6 | 4,321 |"
-    assert _row(text, "mma16", "### Depth curve") == "| mma16 | 49.6 | 69.6 | - |"
-    assert _row(text, "24", "### Heads per block").startswith(
-        "| 24 | attn<hpb=24,cache=f16,q=f32> | 854.1 | 168 | 0/0 | 129.3 KiB | 1 / 1 | "
-        "registers | 33 | step |")
-    # the driver's register count wins over ptxas's where the device reported one
-    assert _row(text, "16", "### Heads per block").startswith(
-        "| 16 | attn<hpb=16,cache=f16,q=f32> | 818.8 | 128 |")
-    assert _row(text, "mma16", "### What the cache loads cost").startswith(
-        "| mma16 | 16 | 4,096 | 45.9 | 38.1 | 17% | 1.09% |")
+    assert _row(text, first, after).startswith(expected)
 
 
 def test_run_header_names_unknown_facts(run):
@@ -148,19 +149,11 @@ def test_unwritable_output_exits_2(run, tmp_path, capsys):
     assert "cannot write --output" in capsys.readouterr().err
 
 
-def _load_manifest_writer():
-    spec = importlib.util.spec_from_file_location("write_manifest",
-                                                  ROOT / "tools" / "write_manifest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_manifest_keeps_facts_appends_commands_and_renders(tmp_path):
     """write_manifest: a second call (e.g. .ci/gpu-sanitize after .ci/gpu-lab) keeps the first
     call's facts, appends its own commands once, lists the run's files; unknown facts stay null
     and the page says "unknown" for them."""
-    wm = _load_manifest_writer()
+    wm = _load_tool("write_manifest")
     run = tmp_path / "results" / "r"
     run.mkdir(parents=True)
     shutil.copy(FIXTURE / "bench_h16.json", run / "bench_h16.json")
