@@ -33,7 +33,7 @@ rr = _load_tool("render_results")
 @pytest.fixture()
 def run(tmp_path):
     """A copy of the fixture run, so a test may change it."""
-    dst = tmp_path / "results" / "fixture-gpu-2026-01-02-abc1234"
+    dst = tmp_path / "runs" / "fixture-gpu-2026-01-02-abc1234"
     shutil.copytree(FIXTURE, dst)
     return dst
 
@@ -105,7 +105,7 @@ def test_run_header_names_unknown_facts(run):
     assert "## fixture-gpu-2026-01-02-abc1234" in text
     assert "Fixture GPU (sm_90, 8 SMs), driver unknown, CUDA runtime 13.2" in text
     assert "A hand-made run for the renderer's test." in text
-    assert "](../results/fixture-gpu-2026-01-02-abc1234/bench_h16.json)" in text
+    assert "](../runs/fixture-gpu-2026-01-02-abc1234/bench_h16.json)" in text
 
 
 def test_a_changed_number_changes_the_page(run):
@@ -154,7 +154,7 @@ def test_manifest_keeps_facts_appends_commands_and_renders(tmp_path):
     call's facts, appends its own commands once, lists the run's files; unknown facts stay null
     and the page says "unknown" for them."""
     wm = _load_tool("write_manifest")
-    run = tmp_path / "results" / "r"
+    run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
     shutil.copy(FIXTURE / "bench_h16.json", run / "bench_h16.json")
     first = dict.fromkeys(wm.FIELDS)
