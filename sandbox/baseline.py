@@ -4,7 +4,7 @@ Rows are matched on (variant, cache dtype, q dtype, n_ctx, phase). Each pair get
 against the noise floor (noise.verdict): the larger of the two runs' A/A floors, since either
 run's noise can fake a difference. Under it the pair prints "no measurable difference".
 
-The control phase is reported before/after (lecture section 3.1): q_absorb's median over each
+The control phase is reported before/after: q_absorb's median over each
 run's control series. If it moved by more than the floor, the box or the harness changed
 between the runs, and every other difference in the table is suspect: the comparison says so
 (`control.moved`), instead of letting a faster box pass for a faster kernel.

@@ -1,6 +1,6 @@
-"""The noise floor and the control phase: when a difference is a result (lecture section 3).
+"""The noise floor and the control phase: when a difference is a result.
 
-* **A/A noise floor** (section 3.2). Below the split gate, `split` launches exactly the kernel
+* **A/A noise floor** (the A/A test). Below the split gate, `split` launches exactly the kernel
   `per_head` launches (same instance, one slice): identical code, so any difference between
   them is measurement noise. The bench times the two interleaved (A B B A A B ...: drift
   through the run hits both arms alike) for `rounds` rounds, each round a full median of
@@ -9,9 +9,9 @@
   floor is never below 0.5 us / median either.
 * **Verdicts.** A difference between two medians counts only when it exceeds the floor (and
   the timer resolution at that size): otherwise it prints as "no measurable difference",
-  never as a small number (section 3.2: "a number smaller than your noise floor is not a
-  small number. It is no number.").
-* **Control phase** (section 3.1). q_absorb is untouched by every variant; it is timed at the
+  never as a small number: a difference smaller than the noise floor is not a small
+  difference, it is no measurement at all.
+* **Control phase.** q_absorb is untouched by every variant; it is timed at the
   start, before each variant and at the end. If it moves more than the floor, the harness
   moved, and the bench says so.
 

@@ -1,9 +1,9 @@
-"""`bench --plot FILE.png`: the depth curves of every variant, log-log (lecture Lab step 1).
+"""`bench --plot FILE.png`: the depth curves of every variant, log-log.
 
 Step time (q_absorb + attn + combine) against n_ctx, one line per variant, the p10-p90 band
 shaded, the split gate marked. A curve that slopes while the reference engine's stays flat is
-the lecture's problem. Needs matplotlib (`pip install 'mlasandbox[plot]'`); `PlotUnavailable`
-says so when it is missing.
+the problem this sandbox studies: work per block that grows with n_ctx. Needs matplotlib
+(`pip install 'mlasandbox[plot]'`); `PlotUnavailable` says so when it is missing.
 """
 from __future__ import annotations
 

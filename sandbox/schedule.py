@@ -1,9 +1,9 @@
 """A float32 NumPy model of the attention kernels' SCHEDULES, at the real dims.
 
 The correctness gate on a device runs at short context, below the split gate, so it takes the
-un-split path and cannot see the split or batched code (lecture section 6). This model runs
-the same schedules on the CPU at any context, so tests reach them at 12289 or 20000 tokens
-without a GPU: it models the schedule, not the kernel.
+un-split path and cannot see the split or batched code: a path the gate cannot reach. This
+model runs the same schedules on the CPU at any context, so tests reach them at 12289 or 20000
+tokens without a GPU: it models the schedule, not the kernel.
 
 What is modelled exactly as the kernels do it:
 
@@ -12,8 +12,9 @@ What is modelled exactly as the kernels do it:
   alpha = exp(m - m_new), p = exp(s - m_new), l = l*alpha + sum(p), and
   acc = acc*alpha followed by the tile's rows added ONE AT A TIME, in order, in f32. That is
   what a thread that owns a few latent columns does with its FMA chain, and it is the
-  summation order that decides the accuracy (lecture section 2.1): a NumPy reduction over a
-  non-innermost axis adds in order (tests/test_schedule.py pins that assumption).
+  summation order that decides the accuracy (why splitting can improve it): a NumPy
+  reduction over a non-innermost axis adds in order (tests/test_schedule.py pins that
+  assumption).
 * Positions past a slice's end are zero rows with score -inf (the kernels zero-fill their
   cp.async loads), so nothing at or past n_ctx is ever read: NaN rows cannot leak.
 * Empty slices (splits > n_ctx) stay neutral: m = -inf, l = 0, acc = 0, never NaN.
@@ -55,7 +56,7 @@ SCHEDULES = ("per_head", "split", "batched")
 # processes slices in chunks (16M f32 = 64 MB), so splits ~ n_ctx stays within memory.
 _STEP_ELEMENTS = 1 << 24
 
-# The lecture's K3 checks ran at 12 heads (96 heads / 8 ranks).
+# The accuracy study runs at 12 heads: 96 heads sharded over 8 ranks (head sharding).
 DEFAULT_STUDY_DIMS = preset("lecture-tp8")
 
 
@@ -236,8 +237,8 @@ def judge_study(rows, tol: float | None = None, min_median_gain: float = 1.0) ->
     """Pass when every unsplit and split error is within `tol` (the latent tolerance by
     default), every negative control exceeds it, at least one row exercised the control
     (a check that never ran has not passed), and the split is not less accurate than the
-    unsplit walk in the median over the rows that split (lecture section 2.1: if splitting
-    degrades accuracy, the combine is wrong).
+    unsplit walk in the median over the rows that split (shorter f32 sums per slice make a
+    correct split more accurate, so a split that degrades accuracy has a wrong combine).
     """
     if tol is None:
         from .compare import DEFAULT_TOLERANCE

@@ -1,0 +1,171 @@
+"""tools/render_results.py renders docs/results.md from a run's JSON: every cell must be the
+file's number, formatted as the CLI formats it, in the row and column it belongs to.
+
+The fixture (tests/data/results_run/) is a hand-made run whose numbers are chosen so that each
+cell has one right value (variant i, context j: attn = base * (i + 1) * (j + 1) + 0.123, step =
+attn + 29.5, combine 11 + i, plus 10 at 96 heads), so a table that swaps rows, columns, phases
+or files shows a wrong number here.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURE = Path(__file__).resolve().parent / "data" / "results_run"
+
+
+def _load_tool(name: str):
+    """A script of tools/ as a module (tools/ is not a package: the scripts run as files)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+rr = _load_tool("render_results")
+
+
+@pytest.fixture()
+def run(tmp_path):
+    """A copy of the fixture run, so a test may change it."""
+    dst = tmp_path / "runs" / "fixture-gpu-2026-01-02-abc1234"
+    shutil.copytree(FIXTURE, dst)
+    return dst
+
+
+def _render(run_dir: Path) -> str:
+    out_dir = run_dir.parent.parent / "docs"
+    return rr.render([run_dir], out_dir)
+
+
+def _row(text: str, first_cell: str, after: str) -> str:
+    """The table row that starts with first_cell, in the first table after the line `after`."""
+    body = text[text.index(after):]
+    for line in body.splitlines():
+        if line.startswith(f"| {first_cell} |"):
+            return line
+    raise AssertionError(f"no row {first_cell!r} after {after!r}")
+
+
+def test_kinds_follow_content():
+    kinds = {p.name: rr.kind_of(json.loads(p.read_text())) for p in FIXTURE.glob("*.json")}
+    assert kinds == {"bench_h16.json": "phases", "bench_h96.json": "phases",
+                     "depth_h16.json": "depth", "sweep.json": "sweep", "ablate.json": "ablate",
+                     "other.json": None, "manifest.json": None}
+
+
+def test_phase_table_cells(run):
+    text = _render(run)
+    assert text.startswith(rr.HEADER)
+    head = ("| variant | attn, 16 heads | attn, 96 heads | combine, 16 heads | combine, 96 heads | "
+            "step, 16 heads | step, 96 heads |")
+    assert head in text
+    # 16 heads: base 100; 96 heads: base 1000 (>= 1000 prints without decimals)
+    assert _row(text, "split", "### Phases") == (
+        "| split | 100.1 | 1,000 | 11.0 | 21.0 | 129.6 | 1,030 |")
+    assert _row(text, "mma16", "### Phases") == (
+        "| mma16 | 200.1 | 2,000 | 12.0 | 22.0 | 229.6 | 2,030 |")
+    assert ("ceilings 4,322 GB/s copy, 654 TFLOP/s f16 GEMM, 61.2 TFLOP/s f32 FMA; "
+            "A/A floor 0.23%; control phase q_absorb 18.5 -> 18.6 us (moved at most 0.51%)"
+            in text)
+
+
+# (first cell, the heading the table follows, how the row starts): exact cells of each table
+ROWS = [
+    ("split", "### Checks",
+     "| split | 16 | 20,000 | 49 | 1.75e-07 | 1.23e-07 | 9.9e-07 | 0.0001 | ok |"),
+    ("mma16", "### Checks",
+     "| mma16 | 16 | 20,000 | 63 | 3.10e-04 | 2.50e-03 | 1.2e-05 | 0.0001 | FAIL |"),
+    ("split", "### Depth curve", "| split | 39.6 | 49.6 | 4,321 |"),
+    ("mma16", "### Depth curve", "| mma16 | 49.6 | 69.6 | - |"),
+    ("24", "### Heads per block", "| 24 | attn<hpb=24,cache=f16,q=f32> | 854.1 | 168 | 0/0 | "
+     "129.3 KiB | 1 / 1 | registers | 33 | step |"),
+    # the driver's register count wins over ptxas's where the device reported one
+    ("16", "### Heads per block", "| 16 | attn<hpb=16,cache=f16,q=f32> | 818.8 | 128 |"),
+    ("mma16", "### What the cache loads cost",
+     "| mma16 | 16 | 4,096 | 45.9 | 38.1 | 17% | 1.09% |"),
+]
+
+
+@pytest.mark.parametrize("first, after, expected", ROWS, ids=[f"{a[4:]}:{f}" for f, a, _ in ROWS])
+def test_checks_depth_sweep_ablate_cells(run, first, after, expected):
+    text = _render(run)
+    assert "### Checks against the float64 reference ([`bench_h16.json`]" in text
+    assert "| variant | 64 | 4,096 | depth term |" in text
+    assert _row(text, first, after).startswith(expected)
+
+
+def test_run_header_names_unknown_facts(run):
+    text = _render(run)
+    assert "## fixture-gpu-2026-01-02-abc1234" in text
+    assert "Fixture GPU (sm_90, 8 SMs), driver unknown, CUDA runtime 13.2" in text
+    assert "A hand-made run for the renderer's test." in text
+    assert "](../runs/fixture-gpu-2026-01-02-abc1234/bench_h16.json)" in text
+
+
+def test_a_changed_number_changes_the_page(run):
+    """Negative control: the page follows the file, so editing one median moves one cell."""
+    before = _render(run)
+    doc = json.loads((run / "bench_h16.json").read_text())
+    for r in doc["rows"]:
+        if r["variant"] == "mma16" and r["phase"] == "attn":
+            r["median_us"] = 77.7
+    (run / "bench_h16.json").write_text(json.dumps(doc))
+    after = _render(run)
+    assert _row(after, "mma16", "### Phases") == (
+        "| mma16 | 77.7 | 2,000 | 12.0 | 22.0 | 229.6 | 2,030 |")
+    assert _row(before, "split", "### Phases") == _row(after, "split", "### Phases")
+
+
+def test_check_mode_detects_a_stale_page(run, tmp_path, capsys):
+    out = tmp_path / "docs" / "results.md"
+    assert rr.main([str(run), "-o", str(out)]) == 0
+    assert rr.main([str(run), "-o", str(out), "--check"]) == 0
+    out.write_text(out.read_text().replace("100.1", "100.2"))
+    assert rr.main([str(run), "-o", str(out), "--check"]) == 1
+    assert "is stale" in capsys.readouterr().err
+
+
+def test_bad_runs_exit_2_naming_the_file(run, tmp_path, capsys):
+    (run / "sweep.json").write_text("{ not json")
+    assert rr.main([str(run), "-o", str(tmp_path / "x.md")]) == 2
+    assert "sweep.json: not readable JSON" in capsys.readouterr().err
+    empty = tmp_path / "empty-run"
+    empty.mkdir()
+    assert rr.main([str(empty), "-o", str(tmp_path / "x.md")]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
+    assert not (tmp_path / "x.md").exists()
+
+
+def test_unwritable_output_exits_2(run, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert rr.main([str(run), "-o", str(blocker / "results.md")]) == 2
+    assert "cannot write --output" in capsys.readouterr().err
+
+
+def test_manifest_keeps_facts_appends_commands_and_renders(tmp_path):
+    """write_manifest: a second call (e.g. .ci/gpu-sanitize after .ci/gpu-lab) keeps the first
+    call's facts, appends its own commands once, lists the run's files; unknown facts stay null
+    and the page says "unknown" for them."""
+    wm = _load_tool("write_manifest")
+    run = tmp_path / "runs" / "r"
+    run.mkdir(parents=True)
+    shutil.copy(FIXTURE / "bench_h16.json", run / "bench_h16.json")
+    first = dict.fromkeys(wm.FIELDS)
+    first.update(device="NVIDIA H200", commit="abc1234", date="2026-01-02T03:04:05+00:00")
+    wm.write(run, ["mlasandbox bench"], facts=first)
+    later = dict(first, device="another GPU", date="2027-01-01T00:00:00+00:00")
+    man = json.loads(wm.write(run, ["mlasandbox bench", ".ci/gpu-sanitize"],
+                              facts=later).read_text())
+    assert man["device"] == "NVIDIA H200" and man["date"].startswith("2026-01-02")
+    assert man["commands"] == ["mlasandbox bench", ".ci/gpu-sanitize"]
+    assert man["files"] == ["bench_h16.json"] and man["driver"] is None
+    assert wm.run_name(man) == "h200-2026-01-02-abc1234"
+    assert wm.run_name(dict.fromkeys(wm.FIELDS)) == "unknown-unknown-unknown"
+    assert "NVIDIA H200 (unknown, unknown SMs), driver unknown" in rr.render([run], tmp_path)
