@@ -1,0 +1,126 @@
+"""Random inputs for one paged decode step, built so that a kernel that reads what it must not
+fails loudly (FlashMLA's dense-decoding test does the same):
+
+* the block table is a random permutation of the pages, so no request's pages are adjacent
+  or in order;
+* every page no request uses, and the rows past each request's length in its last page, are
+  NaN: a read of either poisons the output;
+* every table entry past a request's pages holds INVALID_PAGE, far past the cache, so a
+  kernel that follows it faults under the sanitizer instead of reading a real page.
+
+Values are drawn in float32 on the host (NumPy's Generator; no cuRAND) and rounded to their
+storage dtype, so they are exact in float64. With ``xp=cupy`` the arrays are copied to the
+device: the same seed gives the same values on either.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .bf16 import BF16_NAN_BITS, to_storage
+from .dims import Dims, preset
+from .paged import INVALID_PAGE, pages_needed
+
+__all__ = ["PagedInputs", "make_paged_inputs", "parse_lengths"]
+
+
+@dataclass
+class PagedInputs:
+    q: Any
+    kv_cache: Any
+    block_table: Any
+    cache_seqlens: Any
+    wv_b: Any
+    scale: float
+    causal: bool
+
+    def decode_args(self) -> dict:
+        """Keyword arguments of reference.decode_paged (and the paged API)."""
+        return {"q": self.q, "kv_cache": self.kv_cache, "block_table": self.block_table,
+                "cache_seqlens": self.cache_seqlens, "wv_b": self.wv_b,
+                "causal": self.causal, "scale": self.scale}
+
+
+def parse_lengths(spec, batch: int, seed: int = 0) -> np.ndarray:
+    """Request lengths from a spec: an int (every request), a list of ints (cycled to the
+    batch), or 'normal:MEAN:STD' (drawn, rounded, clipped at 0)."""
+    batch = int(batch)
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    if isinstance(spec, str) and spec.startswith("normal:"):
+        try:
+            _, mean, std = spec.split(":")
+            mean, std = float(mean), float(std)
+        except ValueError:
+            raise ValueError(f"lengths spec {spec!r}: expected normal:MEAN:STD") from None
+        if not (mean >= 0 and std >= 0):
+            raise ValueError(f"lengths spec {spec!r}: MEAN and STD must be >= 0")
+        draw = np.random.default_rng(seed).normal(mean, std, batch)
+        return np.maximum(np.rint(draw), 0).astype(np.int64)
+    if isinstance(spec, str):
+        try:
+            spec = [int(x) for x in spec.split(",")]
+        except ValueError:
+            raise ValueError(f"lengths spec {spec!r}: expected N, N,N,..., or "
+                             "normal:MEAN:STD") from None
+    values = np.atleast_1d(np.asarray(spec, dtype=np.int64))
+    if values.size == 0 or (values < 0).any():
+        raise ValueError(f"lengths must be one or more integers >= 0, got {spec!r}")
+    return np.resize(values, batch)
+
+
+def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
+                      cache_dtype: str = "f16", q_dtype: str = "f32", causal: bool = False,
+                      seed: int = 0, spare_pages: int = 2, with_wv_b: bool = True,
+                      xp=np) -> PagedInputs:
+    """One paged step's inputs for requests of `lengths` (one per request, 0 allowed)."""
+    if isinstance(dims, str):
+        dims = preset(dims)
+    if not isinstance(dims, Dims):
+        raise TypeError(f"dims must be a Dims or a preset name, got {type(dims).__name__}")
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if lengths.size == 0 or (lengths < 0).any():
+        raise ValueError(f"lengths must be one or more integers >= 0, got {lengths.tolist()}")
+    if cache_dtype not in ("f16", "bf16"):
+        raise ValueError(f"cache_dtype must be 'f16' or 'bf16', got {cache_dtype!r}")
+    if q_dtype not in ("f32", cache_dtype):
+        raise ValueError(f"q_dtype must be 'f32' or the cache dtype ({cache_dtype!r}), "
+                         f"got {q_dtype!r}")
+    for name, value, low in (("s_q", s_q, 1), ("page_size", page_size, 1),
+                             ("spare_pages", spare_pages, 0)):
+        if int(value) != value or value < low:
+            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    batch, H, D = lengths.size, dims.n_head, dims.key_dim
+    need = pages_needed(lengths, page_size)
+    max_pages = max(1, int(need.max()))
+    num_pages = int(need.sum()) + int(spare_pages) + 1   # never zero pages
+    rng = np.random.default_rng(seed)
+
+    def normal(shape, std=1.0):
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    nan = BF16_NAN_BITS if cache_dtype == "bf16" else np.nan
+    q = to_storage(normal((batch, s_q, H, D)), q_dtype, np)
+    wv_b = to_storage(normal((H, dims.v_head, dims.kv_lora), dims.kv_lora ** -0.5),
+                      cache_dtype, np)
+    cache = to_storage(normal((num_pages, page_size, D)), cache_dtype, np)
+    order = rng.permutation(num_pages)
+    table = np.full((batch, max_pages), INVALID_PAGE, dtype=np.int32)
+    used = np.zeros(num_pages, dtype=bool)
+    first = 0
+    for b in range(batch):
+        ids = order[first:first + need[b]]
+        first += need[b]
+        table[b, :need[b]] = ids
+        used[ids] = True
+        tail = int(lengths[b]) - (int(need[b]) - 1) * page_size  # rows used in the last page
+        if need[b] and tail < page_size:
+            cache[ids[-1], tail:] = nan
+    cache[~used] = nan
+    seqlens = lengths.astype(np.int32)
+    arrays = [q, cache, table, seqlens, wv_b if with_wv_b else None]
+    if xp is not np:
+        arrays = [None if a is None else xp.asarray(a) for a in arrays]
+    return PagedInputs(*arrays, scale=dims.default_scale, causal=bool(causal))

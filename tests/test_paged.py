@@ -1,0 +1,288 @@
+"""The paged contract on the CPU: its float64 reference, its input validation, the chunk rule,
+and the float32 model of the paged schedule at the real dims, with its negative control."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mlasandbox.chunks import CHUNK_CAP, chunk_bounds, plan_chunks, request_chunks
+from mlasandbox.compare_paged import compare_paged
+from mlasandbox.dims import Dims
+from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
+from mlasandbox.paged_inputs import make_paged_inputs, parse_lengths
+from mlasandbox.reference import decode
+from mlasandbox.reference_paged import decode_paged
+from mlasandbox.schedule_paged import run_paged_schedule
+
+SMALL = Dims(n_head=3, kv_lora=16, rope=8, v_head=4)
+
+
+def _naive(inp, dims, causal):
+    """Position by position through the table, in Python floats: shares no code with
+    decode_paged beyond the inputs."""
+    from mlasandbox.bf16 import as_f64
+
+    q, cache, wv = (as_f64(np.asarray(a)) for a in (inp.q, inp.kv_cache, inp.wv_b))
+    table, lengths = np.asarray(inp.block_table), np.asarray(inp.cache_seqlens)
+    B, s_q, H, _ = q.shape
+    P = cache.shape[1]
+    latent = np.zeros((B, s_q, H, dims.kv_lora))
+    lse = np.full((B, s_q, H), -math.inf)
+    for b in range(B):
+        for i in range(s_q):
+            see = int(lengths[b]) - (s_q - 1 - i if causal else 0)
+            for h in range(H):
+                rows = [cache[table[b, t // P], t % P] for t in range(max(see, 0))]
+                if not rows:
+                    continue
+                s = [inp.scale * float(q[b, i, h] @ r) for r in rows]
+                m = max(s)
+                w = [math.exp(x - m) for x in s]
+                lat = sum(wt * r[:dims.kv_lora] for wt, r in zip(w, rows)) / sum(w)
+                latent[b, i, h] = lat
+                lse[b, i, h] = m + math.log(sum(w))
+    out = np.einsum("hvk,bihk->bihv", wv, latent)
+    return latent, lse, out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
+def test_reference_matches_a_position_by_position_loop(seeds, causal, cache_dtype):
+    # Both are float64 over the same exact inputs: they differ only in summation order,
+    # a few ulp of 1e-16 over at most 13 terms; 1e-12 leaves room and catches any wrong row.
+    inp = make_paged_inputs(SMALL, [0, 1, 5, 13, 4], s_q=3, page_size=4, causal=causal,
+                            cache_dtype=cache_dtype, seed=seeds.one())
+    got = decode_paged(**inp.decode_args(), kv_lora=SMALL.kv_lora)
+    latent, lse, out = _naive(inp, SMALL, causal)
+    assert np.array_equal(np.isneginf(got.lse), np.isneginf(lse)), seeds
+    live = np.isfinite(lse)
+    assert np.abs(got.lse[live] - lse[live]).max() < 1e-12, seeds
+    assert np.abs(got.latent - latent).max() < 1e-12, seeds
+    assert np.abs(got.out - out).max() < 1e-12, seeds
+
+
+def test_reference_at_batch_one_is_the_contiguous_reference(seeds):
+    # The same rows in one contiguous cache through reference.decode: float64 both, the
+    # gather must not change a value (1e-12: summation-order rounding only).
+    dims = Dims(n_head=5)
+    inp = make_paged_inputs(dims, [1000], page_size=64, seed=seeds.one())
+    got = decode_paged(**inp.decode_args())
+    n_pages = -(-1000 // 64)
+    rows = np.asarray(inp.kv_cache)[np.asarray(inp.block_table)[0, :n_pages]]
+    want = decode(inp.q[0, 0], rows.reshape(-1, dims.key_dim)[:1000], inp.wv_b)
+    assert np.abs(got.latent[0, 0] - want.latent).max() < 1e-12, seeds
+    assert np.abs(got.lse[0, 0] - want.lse).max() < 1e-12, seeds
+    assert np.abs(got.out[0, 0] - want.out).max() < 1e-12, seeds
+
+
+def test_rows_that_see_nothing_are_zero_and_minus_inf(seeds):
+    inp = make_paged_inputs(SMALL, [0, 2], s_q=4, page_size=16, causal=True, seed=seeds.one())
+    got = decode_paged(**inp.decode_args(), kv_lora=SMALL.kv_lora)
+    # request 0 is empty; request 1 (length 2) seen by its queries 2 and 3 only
+    blind = np.zeros((2, 4), bool)
+    blind[0] = True
+    blind[1, :2] = True
+    assert np.array_equal(np.isneginf(got.lse).all(axis=2), blind)
+    assert not np.isnan(got.latent).any() and not np.isnan(got.out).any()
+    assert (got.latent[blind] == 0).all() and (got.out[blind] == 0).all()
+    assert np.isfinite(got.lse[~blind]).all()
+
+
+def test_the_nan_fill_has_power(seeds):
+    # The inputs NaN-fill the tail of each last page and every unused page; a reference that
+    # read one position too many would be NaN. Claim one more position than the request has.
+    inp = make_paged_inputs(SMALL, [5, 7], page_size=4, seed=seeds.one())
+    assert np.isfinite(decode_paged(**inp.decode_args(), kv_lora=SMALL.kv_lora).latent).all()
+    args = inp.decode_args()
+    args["cache_seqlens"] = np.array([6, 7], np.int32)
+    assert np.isnan(decode_paged(**args, kv_lora=SMALL.kv_lora).latent[0]).all()
+
+
+def test_causal_query_is_the_shorter_noncausal_request(seeds):
+    inp = make_paged_inputs(SMALL, [9], s_q=3, page_size=4, causal=True, seed=seeds.one())
+    got = decode_paged(**inp.decode_args(), kv_lora=SMALL.kv_lora)
+    for i, n in enumerate((7, 8, 9)):
+        args = inp.decode_args() | {"causal": False, "q": inp.q[:, i:i + 1],
+                                    "cache_seqlens": np.array([n], np.int32)}
+        want = decode_paged(**args, kv_lora=SMALL.kv_lora)
+        assert np.abs(got.latent[0, i] - want.latent[0, 0]).max() < 1e-12
+
+
+def test_inputs_tables_are_permutations_with_invalid_tails(seeds):
+    inp = make_paged_inputs(SMALL, [0, 3, 8, 9], page_size=4, seed=seeds.one())
+    table = np.asarray(inp.block_table)
+    used = table[table != INVALID_PAGE]
+    assert len(set(used.tolist())) == used.size == 0 + 1 + 2 + 3
+    assert (table[0] == INVALID_PAGE).all() and (table[1, 1:] == INVALID_PAGE).all()
+    assert inp.kv_cache.shape[0] > used.size  # spare pages, NaN
+    spare = np.setdiff1d(np.arange(inp.kv_cache.shape[0]), used)
+    assert np.isnan(np.asarray(inp.kv_cache, np.float32)[spare]).all()
+
+
+def test_flashmla_cache_layout_is_accepted(seeds):
+    inp = make_paged_inputs(SMALL, [5, 11], page_size=4, seed=seeds.one())
+    args = inp.decode_args()
+    want = decode_paged(**args, kv_lora=SMALL.kv_lora)
+    args["kv_cache"] = inp.kv_cache[:, :, None, :]
+    got = decode_paged(**args, kv_lora=SMALL.kv_lora)
+    assert np.array_equal(got.latent, want.latent)
+
+
+def _args(**change):
+    inp = make_paged_inputs(SMALL, [3, 6], s_q=2, page_size=4, seed=0)
+    return inp.decode_args() | change
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"q": np.zeros((2, 3, 24), np.float32)}, "q must be 4-D"),
+    ({"q": np.zeros((2, 2, 3, 20), np.float32)}, "kv_lora+rope=24"),
+    ({"kv_cache": np.zeros((5, 4, 2, 24), np.float16)}, "one KV head"),
+    ({"block_table": np.zeros((2, 2), np.int64)}, "block_table must be int32"),
+    ({"block_table": np.zeros((3, 2), np.int32)}, "block_table must be [2, max_pages]"),
+    ({"cache_seqlens": np.zeros(2, np.int64)}, "cache_seqlens must be int32"),
+    ({"cache_seqlens": np.array([3, 9], np.int32)}, "cache_seqlens[1] = 9 is outside 0..8"),
+    ({"cache_seqlens": np.array([-1, 3], np.int32)}, "cache_seqlens[0] = -1"),
+    ({"wv_b": np.zeros((3, 16, 4), np.float16)}, "wv_b must be [n_head=3, v_head, kv_lora=16], got (3, 16, 4)"),
+    ({"scale": "abc"}, "scale must be a number"),
+    ({"scale": float("inf")}, "scale must be finite"),
+    ({"causal": "yes"}, "causal must be True or False"),
+])
+def test_bad_inputs_name_the_parameter(change, words):
+    with pytest.raises((TypeError, ValueError)) as err:
+        decode_paged(**_args(**change), kv_lora=SMALL.kv_lora)
+    assert words in str(err.value)
+
+
+def test_a_bad_table_entry_names_the_request_and_the_entry():
+    args = _args()
+    table = np.array(args["block_table"])
+    table[1, 1] = 999
+    with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 999 is not a page id"):
+        decode_paged(**(args | {"block_table": table}), kv_lora=SMALL.kv_lora)
+    table[1, 1] = INVALID_PAGE  # past request 1's pages (length 6 needs 2): not read, fine
+    table[1, 1], table[0, 1] = args["block_table"][1, 1], INVALID_PAGE
+    decode_paged(**(args | {"block_table": table}), kv_lora=SMALL.kv_lora)
+
+
+def test_host_checks_take_any_array_by_shape_and_dtype():
+    shape, scale = check_paged_inputs(*(_args()[k] for k in ("q", "kv_cache", "block_table",
+                                                              "cache_seqlens", "wv_b")),
+                                      kv_lora=SMALL.kv_lora)
+    assert (shape.batch, shape.s_q, shape.n_head, shape.page_size) == (2, 2, 3, 4)
+    assert scale == pytest.approx(SMALL.default_scale)
+
+
+def test_visible_lengths():
+    assert visible_lengths([5, 1], 3, True).tolist() == [[3, 4, 5], [0, 0, 1]]
+    assert visible_lengths([5, 1], 2, False).tolist() == [[5, 5], [1, 1]]
+
+
+def test_parse_lengths():
+    assert parse_lengths(7, 3).tolist() == [7, 7, 7]
+    assert parse_lengths("1,2", 5).tolist() == [1, 2, 1, 2, 1]
+    drawn = parse_lengths("normal:4096:2048", 1000, seed=1)
+    assert (drawn >= 0).all() and abs(drawn.mean() - 4096) < 300
+    for bad in ("normal:1", "x", "-3", [], "normal:-1:2"):
+        with pytest.raises(ValueError, match="lengths"):
+            parse_lengths(bad, 2)
+
+
+# -- the chunk rule ---------------------------------------------------------------------
+
+def test_chunks_cover_each_request_once_in_whole_tiles():
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([[0, 1, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097, 131072],
+                              rng.integers(0, 200_000, 200)])
+    for max_chunks in (1, 2, 7, 22, 132, CHUNK_CAP):
+        n, clen = request_chunks(lengths, max_chunks, 64, 256)
+        assert (n <= max_chunks).all() and (clen % 64 == 0).all()
+        for length, k, c in zip(lengths, n, clen):
+            spans = [chunk_bounds(int(length), int(c), j) for j in range(max_chunks)]
+            live = [s for s in spans if s[1] > s[0]]
+            assert len(live) == k                     # exactly the counted chunks run
+            assert sum(e - s for s, e in live) == length
+            assert all(a[1] == b[0] for a, b in zip(live, live[1:]))  # contiguous, in order
+            assert (k == 0) == (length == 0)
+            assert length == 0 or (k - 1) * c < length <= k * c
+
+
+def test_short_requests_stay_coarse():
+    n, clen = request_chunks([100, 256, 511, 512], 64, 64, 256)
+    assert n.tolist() == [1, 1, 2, 2]
+
+
+def test_budget_fills_the_slots_once_and_shrinks_with_the_batch():
+    one = plan_chunks(1, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert one.max_chunks == 132 and one.grid == (1, 132, 1)
+    n, clen = one.for_lengths([131072])
+    assert n[0] * clen[0] >= 131072 and n[0] <= 132
+    for batch, head_blocks in ((2, 1), (8, 6), (32, 1), (128, 8), (1, 300)):
+        plan = plan_chunks(batch, head_blocks, num_sms=132, blocks_per_sm=2, tile=64)
+        assert plan.programs <= max(264, batch * head_blocks)
+        assert plan.max_chunks == max(1, 264 // (batch * head_blocks))
+    assert plan_chunks(1, 1, num_sms=132, blocks_per_sm=2, tile=64).max_chunks == \
+        min(CHUNK_CAP, 264)
+
+
+def test_combine_tile_is_the_cap_rounded_up_to_a_power_of_two():
+    plan = plan_chunks(6, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert plan.max_chunks == 22 and plan.combine_tile == 32
+    assert plan_chunks(1, 1, num_sms=132, blocks_per_sm=1, tile=64).combine_tile == 64
+    assert plan_chunks(64, 4, num_sms=132, blocks_per_sm=1, tile=64).combine_tile == 1
+
+
+@pytest.mark.parametrize("bad", [{"batch": 0}, {"head_blocks": 1.5}, {"chunks": 0},
+                                 {"chunks": CHUNK_CAP + 1}, {"tile": True}])
+def test_plan_chunks_rejects_bad_values(bad):
+    kwargs = {"batch": 2, "head_blocks": 1, "num_sms": 132, "blocks_per_sm": 1, "tile": 64}
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        plan_chunks(**(kwargs | bad))
+
+
+# -- the float32 model of the paged schedule, at the real dims --------------------------
+
+@pytest.fixture(scope="module")
+def mixed_batch(module_seeds):
+    # Lengths of the device case grid, mixed in one batch: empty, one position, shorter
+    # than a tile, across tile and page boundaries, and long enough for many chunks.
+    dims = Dims(n_head=16)
+    inp = make_paged_inputs(dims, [0, 1, 20, 140, 4095, 4097, 20000], s_q=2, page_size=16,
+                            causal=True, seed=module_seeds.one())
+    return dims, inp, decode_paged(**inp.decode_args())
+
+
+@pytest.mark.parametrize("chunks", [None, 1, 3, 200])
+def test_paged_schedule_matches_the_reference(mixed_batch, chunks):
+    # The default tolerances (compare.py) bound f32 accumulation over up to 131072 terms;
+    # here a chunk holds at most 20000 positions, well inside them. A bug in the chunk
+    # bounds, the causal mask or the merge moves relL2 by 1e-3 or more (the negative control
+    # below measures the merge's).
+    dims, inp, want = mixed_batch
+    plan = plan_chunks(7, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=chunks)
+    got = run_paged_schedule(**inp.decode_args(), plan=plan)
+    result = compare_paged(got, want)
+    assert result.ok, result.summary()
+    assert result.empty_rows == 2 * 16 + 16  # request 0, and query 0 of request 1
+
+
+def test_paged_schedule_without_rescale_fails(mixed_batch):
+    dims, inp, want = mixed_batch
+    plan = plan_chunks(7, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert plan.for_lengths([20000])[0][0] > 1  # the merge has chunks to rescale
+    got = run_paged_schedule(**inp.decode_args(), plan=plan, rescale=False)
+    result = compare_paged(got, want)
+    assert not result.ok
+    # far outside the tolerance, not at its edge: the check has power
+    assert result.live.latent.value > 100 * result.live.latent.limit
+
+
+def test_the_empty_row_check_has_power(mixed_batch):
+    dims, inp, want = mixed_batch
+    for field, index, value in (("lse", (0, 0, 0), 0.0), ("latent", (1, 0, 3, 7), 1e-30),
+                                ("out", (0, 1, 2, 5), -1e-30)):
+        got = type(want)(latent=want.latent.copy(), lse=want.lse.copy(), out=want.out.copy())
+        getattr(got, field)[index] = value
+        assert compare_paged(got, want).empty_wrong == 1, field
+    assert compare_paged(want, want).ok
