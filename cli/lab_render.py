@@ -30,6 +30,13 @@ def _num(x, fmt="{:,.0f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
+def _roof(row) -> str:
+    """The fraction of the phase's own roof, named ('12% GEMM'); '-' where it was not
+    measured."""
+    frac = row.get("frac_roof")
+    return "-" if frac is None else f"{_pct(frac)} {row.get('roof', '')}".strip()
+
+
 def _rows(result, phase, cache):
     return [r for r in result["rows"] if r["phase"] == phase and r["cache"] == cache]
 
@@ -98,14 +105,15 @@ def phase_table(result: dict, n_ctx: int, cache: str) -> Table:
           if r["phase"] == "q_absorb" and r["cache"] == cache}
     t = Table(title=f"phases at n_ctx {n_ctx}, cache {cache} (us, median \\[p10-p90]); rates of "
                     f"attn: GB/s ideal / as issued, % of copy {ceil['copy_GBps']:,.0f} GB/s; "
-                    f"TFLOP/s, % of GEMM {ceil['gemm_TFLOPs']:,.0f} and of f32 FMA "
-                    f"{_num(ceil.get('fma_TFLOPs'), '{:.1f}')}",
+                    f"TFLOP/s and % of the kernel's own roof: GEMM {ceil['gemm_TFLOPs']:,.0f} "
+                    f"for the tensor cores (mma, cuBLAS), f32 FMA "
+                    f"{_num(ceil.get('fma_TFLOPs'), '{:.1f}')} for the CUDA cores",
               title_justify="left", box=box.SIMPLE_HEAD)
     for col, j in (("variant", "left"), ("S", "right"), ("head blocks", "right"),
                    ("q_absorb", "right"), ("attn", "right"), ("combine", "right"),
                    ("step", "right"), ("GB/s ideal", "right"), ("GB/s issued", "right"),
-                   ("% copy", "right"), ("TFLOP/s", "right"), ("% GEMM", "right"),
-                   ("% FMA", "right"), ("mode", "left")):
+                   ("% copy", "right"), ("TFLOP/s", "right"), ("% roof", "right"),
+                   ("mode", "left")):
         t.add_column(col, justify=j, no_wrap=True)
     for v in result["config"]["variants"]:
         a = by.get((v, "attn"))
@@ -119,8 +127,7 @@ def phase_table(result: dict, n_ctx: int, cache: str) -> Table:
                   fmt_us(c["median_us"]) if c else "(in attn)",
                   fmt_us(s["median_us"]) if s else "-",
                   _num(a["GBps_ideal"]), _num(a["GBps_issued"]), _pct(a["frac_copy_ideal"]),
-                  _num(a["TFLOPs"], "{:.2f}"), _pct(a["frac_gemm"]), _pct(a.get("frac_fma")),
-                  a["mode"])
+                  _num(a["TFLOPs"], "{:.2f}"), _roof(a), a["mode"])
     return t
 
 

@@ -260,7 +260,8 @@ CSV_COLUMNS = ("variant", "cache", "q", "n_ctx", "phase", "control_label", "medi
                "min_us", "p10_us", "p90_us", "max_us", "mad_us", "n", "mode", "note",
                "splits", "head_blocks", "heads_per_block", "attn_kernel", "flops",
                "ideal_bytes", "issued_bytes", "GBps_ideal", "GBps_issued", "TFLOPs",
-               "frac_copy_ideal", "frac_copy_issued", "frac_gemm", "frac_fma", "check_ok")
+               "frac_copy_ideal", "frac_copy_issued", "frac_gemm", "frac_fma", "roof",
+               "frac_roof", "check_ok")
 
 
 def write_csv(result: dict, path) -> None:

@@ -222,9 +222,10 @@ class CupyBackend:
 
     # ---- correctness ------------------------------------------------------------------
     def check(self, variants, dims, n_ctx: int, cache_dtype: str, q_dtype: str, seed: int,
-              splits) -> list[dict]:
+              splits, rescale: bool = True) -> list[dict]:
         """Each variant once against the float64 reference, on fresh inputs with NaN rows past
-        n_ctx and NaN-poisoned outputs and partials (an unwritten element shows as NaN)."""
+        n_ctx and NaN-poisoned outputs and partials (an unwritten element shows as NaN).
+        rescale=False runs the negative control's combine (no exp(m_i - m) rescale)."""
         from .api import DecodeStep
         from .compare import compare
         from .inputs import make_inputs
@@ -246,7 +247,7 @@ class CupyBackend:
             try:
                 with self.stream:
                     step = DecodeStep(**inp.decode_args(), variant=name, splits=s,
-                                      sync_check=True)
+                                      sync_check=True, rescale=rescale)
                     for arr in (step.out, step.latent, step.lse):
                         arr.fill(cupy.nan)
                     for buf in ("part_acc", "part_m", "part_l"):

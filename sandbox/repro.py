@@ -28,7 +28,9 @@ import os
 from dataclasses import dataclass
 
 from . import registry
+from .archs import check_arch, variant_needs
 from .dims import PRESETS, Dims
+from .limits import check_problem
 from .splits import SPLIT_MIN_CTX, default_gate, plan_splits
 
 __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_filename",
@@ -126,6 +128,13 @@ def make_case(variant: str, *, preset: str = "lecture", heads: int | None = None
         splits = int(splits)
     else:
         splits = "auto"
+    check_problem(n_ctx=contexts[-1], n_head=dims.n_head, splits=splits,
+                  names={"n_ctx": "contexts", "n_head": "heads"})
+    if arch is not None:
+        check_arch(arch, "arch")
+        need = variant_needs(arch, v.name)
+        if need:
+            raise ValueError(f"{v.name} needs {need} (arch is {arch})")
     if not v.is_cuda:
         if negative_control:
             raise ValueError("the negative control is a CUDA combine; the cublas engine has none")
