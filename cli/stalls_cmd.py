@@ -50,7 +50,7 @@ def _read_saved(path: str) -> tuple[str, str | None]:
         source, raw = path, None
     if not os.path.exists(source):
         raise click.BadParameter(f"{source} does not exist (--from takes a directory written "
-                                 "by --save, or ncu's per-SASS CSV)", param_hint="--from")
+                                 "by --save, or ncu's per-SASS CSV)", param_hint="'--from'")
     opener = gzip.open if source.endswith(".gz") else open
     try:
         with opener(source, "rt", encoding="utf-8") as f:
@@ -59,7 +59,7 @@ def _read_saved(path: str) -> tuple[str, str | None]:
         # gzip.BadGzipFile is an OSError; a truncated stream is an EOFError
         kind = "a gzip-compressed" if source.endswith(".gz") else "a UTF-8"
         raise click.BadParameter(f"{source} is not {kind} ncu CSV ({exc})",
-                                 param_hint="--from") from None
+                                 param_hint="'--from'") from None
     raw_text = None
     if raw and os.path.exists(raw):
         with open(raw, encoding="utf-8") as f:
@@ -161,13 +161,13 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
     if save_dir:
         problem = output_problem(save_dir, directory=True)
         if problem and os.path.exists(save_dir):
-            raise click.BadParameter(problem, param_hint="--save")
+            raise click.BadParameter(problem, param_hint="'--save'")
         parent = os.path.dirname(os.path.abspath(save_dir))
         if not os.path.exists(save_dir) and (not os.path.isdir(parent)
                                              or output_problem(parent, directory=True)):
             raise click.BadParameter(output_problem(parent, directory=True)
                                      or f"directory {parent!r} does not exist",
-                                     param_hint="--save")
+                                     param_hint="'--save'")
     if from_path:
         source_text, raw_text = _read_saved(from_path)
         config = {"from": from_path}
