@@ -6,14 +6,15 @@ says so and exits 1.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import click
 from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-import dataclasses
-
 from mlasandbox import registry, toolkit
+from mlasandbox.ablate import ablate as run
 from mlasandbox.bench_gpu import run_meta
 from mlasandbox.dims import preset as get_preset
 from mlasandbox.noise import NO_DIFFERENCE
@@ -21,8 +22,8 @@ from mlasandbox.noise import NO_DIFFERENCE
 from . import render
 from .lab_render import fmt_us
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
-                      preset_option, progress_bar, q_of, q_option, splits_option,
-                      stderr_console, variants_option)
+                      preset_option, progress_bar, q_of, q_option, splits_option, stderr_console,
+                      variants_option)
 
 __all__ = ["ablate"]
 
@@ -32,7 +33,6 @@ DEFAULT_VARIANTS = ("per_head", "split", "batched16", "tiled16", "mma16", "mma32
 
 def _run_ablation(**opts):
     """Hook (tests replace it): mlasandbox.ablate.ablate."""
-    from mlasandbox.ablate import ablate as run
 
     return run(**opts)
 

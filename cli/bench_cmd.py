@@ -1,7 +1,7 @@
 """`mlasandbox bench`: the timed depth curve (mlasandbox.bench) on a GPU, and what runs
 without one.
 
-With no arguments: the lecture preset (96 heads, f16 cache), contexts 64 .. 131072, every
+With no arguments: the 96-head preset (`lecture`, f16 cache), contexts 64 .. 131072, every
 variant and the cuBLAS engine; a progress bar on stderr, then the tables on stdout. Files:
 `--json FILE`, `--csv FILE`, `--plot FILE.png`; `--vs BASELINE.json` compares with a saved
 run. Without a GPU: says so, shows the compile-side tables (registers, occupancy) and the
@@ -18,16 +18,19 @@ import click
 from rich.markup import escape
 
 from mlasandbox import metrics, registry, toolkit
+from mlasandbox.baseline import SchemaError, compare_runs, load_result
+from mlasandbox.bench import run_bench, write_csv
 from mlasandbox.bench_config import DEFAULT_CONTEXTS, make_config, plan_work, q_dtype_of
 from mlasandbox.geometry import theoretical_blocks_per_sm
+from mlasandbox.plot import PlotUnavailable, plot_depth
 from mlasandbox.registry import HPB_VALUES
 from mlasandbox.splits import default_gate, plan_splits
 
 from . import lab_render, render
 from .check_cmd import cpu_accuracy
-from .options import (arch_option, cache_option, ctx_option, heads_option, int_list,
-                      json_option, output_option, preset_option, progress_bar, q_option,
-                      splits_option, stderr_console, variants_option, write_json)
+from .options import (arch_option, cache_option, ctx_option, heads_option, int_list, json_option,
+                      output_option, preset_option, progress_bar, q_option, splits_option,
+                      stderr_console, variants_option, write_json)
 from .regs_cmd import regs_rows
 
 __all__ = ["bench"]
@@ -40,7 +43,6 @@ HOW_TO_TIME = ("Timings need a CUDA GPU: run `mlasandbox bench` on a machine wit
 
 def _run_gpu_bench(**opts):
     """Hook (tests replace it): the timed benchmark, mlasandbox.bench.run_bench."""
-    from mlasandbox.bench import run_bench
 
     return run_bench(**opts)
 
@@ -76,8 +78,6 @@ def _explain_costs(cfg, plans: dict | None):
 
 
 def _write_outputs(result, json_out, csv_out, plot_out, err) -> list[str]:
-    from mlasandbox.bench import write_csv
-
     problems = []
     if json_out and json_out != "-":
         write_json(result, json_out)
@@ -89,8 +89,6 @@ def _write_outputs(result, json_out, csv_out, plot_out, err) -> list[str]:
         except OSError as exc:
             problems.append(f"could not write {csv_out}: {exc.strerror}")
     if plot_out:
-        from mlasandbox.plot import PlotUnavailable, plot_depth
-
         try:
             plot_depth(result, plot_out)
             err.print(f"wrote {escape(str(plot_out))}")
@@ -227,8 +225,6 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
         raise click.UsageError(str(exc)) from None
     baseline = None
     if vs_path:
-        from mlasandbox.baseline import SchemaError, load_result
-
         try:
             baseline = load_result(vs_path)
         except SchemaError as exc:
@@ -274,8 +270,6 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
                                 as_json=as_json)
     cmp = None
     if baseline is not None:
-        from mlasandbox.baseline import compare_runs
-
         cmp = compare_runs(result, baseline)
         result["vs"] = {"baseline": vs_path, **cmp}
     problems = _write_outputs(result, json_out, csv_out, plot_out, err)

@@ -11,11 +11,12 @@ import click
 
 from mlasandbox import archs, limits, registry, schedule, toolkit
 from mlasandbox.compare import DEFAULT_TOLERANCE
+from mlasandbox.device_check import device_checks
 from mlasandbox.dims import preset as get_preset
 
 from . import render
-from .options import (cache_option, ctx_option, json_option, preset_option,
-                      splits_option, variants_option, write_json)
+from .options import (cache_option, ctx_option, json_option, preset_option, splits_option,
+                      variants_option, write_json)
 
 __all__ = ["check", "cpu_accuracy", "CHECK_CTXS", "CHECK_SEEDS"]
 
@@ -61,7 +62,6 @@ def cpu_accuracy(ctxs, seeds, splits="auto", preset: str | None = None,
 
 def _gpu_checks(variants, cache: str) -> list[dict]:
     """Hook (tests replace it): mlasandbox.device_check.device_checks on the device."""
-    from mlasandbox.device_check import device_checks
 
     return device_checks(variants, cache=cache)
 

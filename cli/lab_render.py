@@ -6,6 +6,8 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from mlasandbox.metrics import explain_lines
+
 from .render import fmt_bytes, kv_table
 
 __all__ = ["fmt_us", "depth_table", "phase_table", "summary_table", "checks_table",
@@ -238,7 +240,6 @@ def sweep_table(result: dict) -> Table:
 
 def explain_text(costs) -> str:
     """The formulas behind the rates: one block per phase (metrics.explain_lines)."""
-    from mlasandbox.metrics import explain_lines
 
     out = ["Byte and FLOP formulas (ideal: one read of every input, one write of every "
            "output; as issued: what the kernels request, e.g. the cache once per head block):"]

@@ -22,7 +22,8 @@ from .render import emit_json, jsonable
 
 __all__ = ["int_list", "str_list", "auto_or_int", "OutputFile", "json_option", "write_json",
            "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
-           "ctx_option", "heads_option", "hpb_list", "output_option", "arch_option", "preset_option", "q_option", "variants_option",
+           "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
+           "arch_option", "preset_option", "q_option", "variants_option",
            "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of"]
 
 DEFAULT_PRESET = "lecture"
@@ -166,7 +167,7 @@ def arch_option(help="Architecture to compile for without a GPU."):
 def preset_option(default=DEFAULT_PRESET):
     return click.option("--preset", type=click.Choice(sorted(PRESETS)), default=default,
                         show_default=True,
-                        help="Head dims preset: lecture 96 heads, dsv3 128, and their "
+                        help="Head dims preset: 96 heads ('lecture'), dsv3 128, and their "
                              "tensor-parallel shards (-tp8: 12, 16).")
 
 

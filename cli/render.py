@@ -16,7 +16,8 @@ from rich.measure import Measurement
 from rich.table import Table
 
 __all__ = ["console", "emit_json", "jsonable", "kv_table", "regs_table", "grid_table",
-           "accuracy_table", "fmt_bytes", "fmt_sci", "Column", "FitTable", "gpu_checks_table", "escape"]
+           "accuracy_table", "fmt_bytes", "fmt_sci", "Column", "FitTable", "gpu_checks_table",
+           "escape"]
 
 
 def console() -> Console:

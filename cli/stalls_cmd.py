@@ -15,9 +15,10 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from mlasandbox import registry, toolkit
+from mlasandbox import registry
 from mlasandbox import stalls as st
-from mlasandbox.ncu import NcuError
+from mlasandbox import toolkit
+from mlasandbox.ncu import NcuError, profile_attention
 
 from . import render
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
@@ -34,7 +35,6 @@ MIN_WAIT_SHARE = 0.05
 
 def _profile(**opts):
     """Hook (tests replace it): mlasandbox.ncu.profile_attention."""
-    from mlasandbox.ncu import profile_attention
 
     return profile_attention(**opts)
 

@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from mlasandbox import registry, toolkit
 from mlasandbox.ptxas import NvrtcCompileError, PtxasParseError
-from mlasandbox.sweep import SWEEP_CTX
+from mlasandbox.sweep import SWEEP_CTX, run_sweep
 from mlasandbox.toolkit import ToolkitError
 
 from . import render
@@ -24,7 +24,6 @@ __all__ = ["sweep"]
 
 def _run_sweep(**opts):
     """Hook (tests replace it): mlasandbox.sweep.run_sweep."""
-    from mlasandbox.sweep import run_sweep
 
     return run_sweep(**opts)
 

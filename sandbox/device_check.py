@@ -9,7 +9,7 @@ slices so that there is something to merge: it must fail the check, or the check
 """
 from __future__ import annotations
 
-from . import registry
+from . import bench_gpu, registry
 from .dims import Dims
 
 __all__ = ["CHECK_CTX", "CHECK_HEADS", "CONTROL_SPLITS", "device_checks"]
@@ -34,9 +34,7 @@ def device_checks(variants=None, n_ctx: int = CHECK_CTX, n_head: int = CHECK_HEA
     matches), then one per splitting CUDA variant with the broken combine (ok when the check
     rejects it; a run that could not launch is not a rejection)."""
     if backend is None:
-        from .bench_gpu import CupyBackend
-
-        backend = CupyBackend(flush=False, preroll=False)
+        backend = bench_gpu.CupyBackend(flush=False, preroll=False)
     names = list(variants) if variants is not None else registry.variant_names()
     dims = Dims(n_head=n_head)
     qd = cache if q == "cache" else q

@@ -46,7 +46,7 @@ class Dims:
         return replace(self, n_head=int(n_head))
 
 
-# The lecture's 96 heads, DeepSeek-V3's 128, and per-rank shards of them under
+# 96 heads, DeepSeek-V3's 128, and per-rank shards of them under
 # tensor parallelism (96/8 = 12, 128/8 = 16).
 PRESETS = {
     "lecture": Dims(n_head=96),

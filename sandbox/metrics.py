@@ -10,7 +10,7 @@ Bytes are counted two ways:
   DRAM figure of a perfect kernel, the one to compare with the copy ceiling.
 * **as issued**: what the kernels ask the memory system for. Every head block of
   per_head / split / batched<HPB> streams its slice of the cache itself, so the cache is
-  issued `head_blocks` times (96 times for per_head at 96 heads: the lecture's section 1.1).
+  issued `head_blocks` times (96 times for per_head at 96 heads: each head's block re-reads it).
   How much of it reaches DRAM depends on L2 (blocks in lockstep share lines), so GB/s "as
   issued" may exceed the copy ceiling: that is L2 serving the reuse, not a faster DRAM.
 
@@ -99,8 +99,6 @@ def head_blocks_of(variant_family: str, n_head: int, hpb: int | None) -> int:
 
 
 def _family(variant: str) -> tuple[str, int | None]:
-    from . import registry
-
     v = registry.variant(variant)
     return v.family, v.hpb
 

@@ -7,7 +7,6 @@ import pytest
 from click.testing import CliRunner
 
 from mlasandbox import registry, schedule, toolkit
-from mlasandbox.cli import main as cli_main
 from mlasandbox.cli.main import main
 
 HAVE_GPU, GPU_REASON = toolkit.device_available()

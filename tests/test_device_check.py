@@ -3,7 +3,6 @@
 stand-in backend; the real run is a GPU test."""
 from __future__ import annotations
 
-import pytest
 
 from gpu_support import gpu
 from mlasandbox import device_check, registry
