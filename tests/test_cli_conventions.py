@@ -79,3 +79,24 @@ def test_regs_command_output_fits_100_columns():
     assert res.exit_code == 0, res.output
     assert max(len(line.rstrip()) for line in res.stdout.splitlines()) <= 100
     assert "…" not in res.stdout
+
+
+def test_bench_and_sweep_tables_fit_100_columns(monkeypatch):
+    """The timed tables, from the fake backend: the time columns stay whole."""
+    from lab_fakes import FakeBackend
+    from mlasandbox import bench_gpu, toolkit
+
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: Fake H200"))
+    monkeypatch.setattr(bench_gpu, "CupyBackend", lambda *a, **k: FakeBackend(*a, **k))
+    runner = CliRunner(env={"COLUMNS": "100"})
+    for args in (["bench", "--ctx", "64,8192", "--variants", "split,mma16,cublas"],
+                 ["sweep", "--hpb", "8,12,16", "--ctx", "32768"]):
+        res = runner.invoke(main, args)
+        assert res.exit_code == 0, res.output
+        lines = res.stdout.splitlines()
+        assert max(len(line.rstrip()) for line in lines) <= 100, args
+        assert "…" not in res.stdout, res.stdout
+    out = runner.invoke(main, ["bench", "--ctx", "64,8192", "--variants", "split,mma16"]).stdout
+    rows = [ln.split() for ln in out.splitlines() if "[" in ln and ln.split()[:1] in (
+        ["split"], ["mma16"])]  # the phase tables' rows: attn as median [p10-p90]
+    assert {r[0]: r[-2] for r in rows} == {"split": "FMA", "mma16": "GEMM"}
