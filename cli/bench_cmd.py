@@ -30,7 +30,7 @@ from . import lab_render, render
 from .check_cmd import cpu_accuracy
 from .options import (arch_option, cache_option, ctx_option, heads_option, int_list, json_option,
                       output_option, preset_option, progress_bar, q_option, splits_option,
-                      stderr_console, variants_option, write_json)
+                      stderr_console, timing_options, variants_option, write_json)
 from .regs_cmd import regs_rows
 
 __all__ = ["bench"]
@@ -167,15 +167,9 @@ def _print_no_gpu(data, arch, why) -> None:
 @cache_option(multiple=True)
 @q_option()
 @splits_option(help="'auto' (the split rule) or S (1..65535) for the splitting variants.")
-@click.option("--repeats", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Most timed runs per measurement.")
-@click.option("--min-repeats", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Fewest timed runs per measurement (long phases stop here).")
-@click.option("--target-ms", type=click.FloatRange(min=0.1), default=150.0, show_default=True,
-              help="GPU time each measurement aims for (sets the runs between the two).")
+@timing_options(target_ms=150.0)
 @click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True,
               help="Untimed runs before each measurement.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
 @click.option("--graph", type=click.Choice(["auto", "always", "never"]), default="auto",
               show_default=True,
               help="CUDA-graph replay: auto = at n_ctx <= --graph-max-ctx (short contexts).")

@@ -12,8 +12,7 @@ import tempfile
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                           TimeElapsedColumn)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mlasandbox import archs, limits, registry
 from mlasandbox.dims import PRESETS
@@ -23,7 +22,7 @@ from .render import emit_json, jsonable
 __all__ = ["int_list", "str_list", "auto_or_int", "OutputFile", "json_option", "write_json",
            "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
            "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
-           "arch_option", "preset_option", "q_option", "variants_option",
+           "arch_option", "timing_options", "preset_option", "q_option", "variants_option",
            "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of"]
 
 DEFAULT_PRESET = "lecture"
@@ -60,22 +59,6 @@ def str_list(choices):
     return cb
 
 
-def _splits(value):
-    if value in (None, "auto"):
-        return "auto"
-    try:
-        v = int(value)
-    except ValueError:
-        raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {value!r}") from None
-    if v < 1:
-        raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {v}")
-    try:
-        limits.check_problem(splits=v, names={"splits": "S"})
-    except ValueError as exc:
-        raise click.BadParameter(str(exc)) from None
-    return v
-
-
 def auto_or_int(ctx, param, value):
     """'auto' or an integer >= 1 (blocks per SM)."""
     if value in (None, "auto"):
@@ -87,6 +70,37 @@ def auto_or_int(ctx, param, value):
     if v < 1:
         raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {v}")
     return v
+
+
+def _splits(value):
+    v = auto_or_int(None, None, value)
+    if v != "auto":
+        try:
+            limits.check_problem(splits=v)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return v
+
+
+def timing_options(target_ms: float):
+    """--repeats, --min-repeats, --target-ms and --seed of the timed commands."""
+    def deco(f):
+        for opt in reversed((
+            click.option("--repeats", type=click.IntRange(min=1), default=100,
+                         show_default=True, help="Most timed runs per measurement."),
+            click.option("--min-repeats", type=click.IntRange(min=1), default=10,
+                         show_default=True,
+                         help="Fewest timed runs per measurement (long phases stop here)."),
+            click.option("--target-ms", type=click.FloatRange(min=0.1), default=target_ms,
+                         show_default=True,
+                         help="GPU time each measurement aims for (sets the runs between "
+                              "the two)."),
+            click.option("--seed", type=int, default=0, show_default=True,
+                         help="Seed of the inputs."),
+        )):
+            f = opt(f)
+        return f
+    return deco
 
 
 def hpb_list(ctx, param, value):

@@ -17,7 +17,7 @@ from . import render
 from .lab_render import sweep_table
 from .options import (arch_option, cache_option, ctx_option, deliver_json, heads_option, hpb_list,
                       json_option, preset_option, progress_bar, q_option, splits_option,
-                      stderr_console)
+                      stderr_console, timing_options)
 
 __all__ = ["sweep"]
 
@@ -40,13 +40,7 @@ def _run_sweep(**opts):
 @arch_option("Arch to compile for without a GPU (with one: the device's).")
 @click.option("--sms", type=click.IntRange(min=1), default=132, show_default=True,
               help="SM count without a GPU (with one: the device's).")
-@click.option("--repeats", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Most timed runs per measurement.")
-@click.option("--min-repeats", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Fewest timed runs per measurement.")
-@click.option("--target-ms", type=click.FloatRange(min=0.1), default=300.0, show_default=True,
-              help="GPU time each measurement aims for.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
+@timing_options(target_ms=300.0)
 @click.option("--no-gpu", is_flag=True, help="Compile-side columns only, even with a GPU.")
 @json_option
 def sweep(n_ctx, preset, heads, hpbs, cache, q_dtype, splits, arch, sms, repeats, min_repeats,
