@@ -1,10 +1,13 @@
-"""`mlasandbox bench`: the timed depth curve (mlasandbox.bench), on a GPU.
+"""`mlasandbox bench`: the timed depth curve (mlasandbox.bench) on a GPU, and what runs
+without one.
 
-With no arguments: the lecture preset (96 heads, f16 cache), contexts 64 .. 131072, every
+With no arguments: the 96-head preset (`lecture`, f16 cache), contexts 64 .. 131072, every
 variant and the cuBLAS engine; a progress bar on stderr, then the tables on stdout. Files:
 `--json FILE`, `--csv FILE`, `--plot FILE.png`; `--vs BASELINE.json` compares with a saved
-run. Without a GPU it hands over to the command it replaces (cli/main.py's `bench`), which
-says so and shows what runs there; `--explain` prints the byte/FLOP formulas either way.
+run. Without a GPU: says so, shows the compile-side tables (registers, occupancy) and the
+schedule model's accuracy, and `--json FILE` writes them; `--csv`, `--plot` and `--vs` need
+timings and exit 1 saying so, before any work. `--explain` prints the byte/FLOP formulas
+either way.
 
 Exit status: 0, or 1 when a variant fails its correctness check (its timings are not
 results) or a requested output could not be written; 2 on bad input.
@@ -14,30 +17,39 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
-from mlasandbox import registry
-from mlasandbox.bench_config import DEFAULT_CONTEXTS
-from mlasandbox.dims import PRESETS
+from mlasandbox import metrics, registry, toolkit
+from mlasandbox.baseline import SchemaError, compare_runs, load_result
+from mlasandbox.bench import run_bench, write_csv
+from mlasandbox.bench_config import DEFAULT_CONTEXTS, make_config, plan_work, q_dtype_of
+from mlasandbox.geometry import theoretical_blocks_per_sm
+from mlasandbox.plot import PlotUnavailable, plot_depth
+from mlasandbox.registry import HPB_VALUES
+from mlasandbox.splits import default_gate, plan_splits
 
-from . import render
-from .lab_options import (auto_or_int, int_list, json_option, progress_bar, stderr_console,
-                          str_list, write_json)
+from . import lab_render, render
+from .check_cmd import cpu_accuracy
+from .options import (arch_option, cache_option, ctx_option, heads_option, int_list, json_option,
+                      output_option, preset_option, progress_bar, q_option, splits_option,
+                      stderr_console, timing_options, variants_option, write_json)
+from .regs_cmd import regs_rows
 
-__all__ = ["bench", "set_no_gpu_fallback"]
+__all__ = ["bench"]
 
-_no_gpu_fallback: dict = {"command": None}
+BENCH_CTXS = (4096, 20000)  # what `bench` shows of the accuracy study where there is no GPU
+HOW_TO_TIME = ("Timings need a CUDA GPU: run `mlasandbox bench` on a machine with one "
+               "(an NVIDIA driver and a CuPy wheel matching it: cupy-cuda13x for CUDA 13 "
+               "drivers, cupy-cuda12x for CUDA 12).")
 
 
-def set_no_gpu_fallback(command) -> None:
-    """The command to run where there is no GPU (main.py's original `bench`)."""
-    _no_gpu_fallback["command"] = command
+def _run_gpu_bench(**opts):
+    """Hook (tests replace it): the timed benchmark, mlasandbox.bench.run_bench."""
+
+    return run_bench(**opts)
 
 
 def _explain_costs(cfg, plans: dict | None):
     """PhaseCosts at the longest context: exact split counts from a run's plans, else from
     the launcher's rule with the occupancy model's blocks/SM (sm_90, 132 SMs)."""
-    from mlasandbox import metrics
-    from mlasandbox.bench_config import q_dtype_of
-
     n = max(cfg.contexts)
     cache = cfg.cache_dtypes[0]
     qd = q_dtype_of(cfg.q_dtype, cache)
@@ -49,9 +61,6 @@ def _explain_costs(cfg, plans: dict | None):
             p = plans.get((v, n, cache))
             s = (p or {}).get("splits") or 1
         elif var.is_cuda:
-            from mlasandbox.geometry import theoretical_blocks_per_sm
-            from mlasandbox.splits import default_gate, plan_splits
-
             try:
                 bps = theoretical_blocks_per_sm(var, cache, qd)["blocks_per_sm"]
                 s = plan_splits(n, cfg.dims.n_head, var.hpb, num_sms=132,
@@ -69,18 +78,17 @@ def _explain_costs(cfg, plans: dict | None):
 
 
 def _write_outputs(result, json_out, csv_out, plot_out, err) -> list[str]:
-    from mlasandbox.bench import write_csv
-
     problems = []
     if json_out and json_out != "-":
         write_json(result, json_out)
         err.print(f"wrote {escape(str(json_out))}")
     if csv_out:
-        write_csv(result, csv_out)
-        err.print(f"wrote {escape(str(csv_out))}")
+        try:
+            write_csv(result, csv_out)
+            err.print(f"wrote {escape(str(csv_out))}")
+        except OSError as exc:
+            problems.append(f"could not write {csv_out}: {exc.strerror}")
     if plot_out:
-        from mlasandbox.plot import PlotUnavailable, plot_depth
-
         try:
             plot_depth(result, plot_out)
             err.print(f"wrote {escape(str(plot_out))}")
@@ -90,8 +98,6 @@ def _write_outputs(result, json_out, csv_out, plot_out, err) -> list[str]:
 
 
 def _render(result, details, cmp):
-    from . import lab_render
-
     con = render.console()
     cfg = result["config"]
     for cache in cfg["cache_dtypes"]:
@@ -116,59 +122,83 @@ def _render(result, details, cmp):
         con.print(f"[bold yellow]warning:[/bold yellow] {escape(w)}")
 
 
+def no_gpu_report(arch: str, why: str) -> dict:
+    """What `bench` shows where there is no GPU: the register table and the schedule model's
+    accuracy at two contexts, with the problems met producing them."""
+    data: dict = {"ok": True, "device": None, "no_device_reason": why, "timings": None,
+                  "how_to_time": HOW_TO_TIME, "regs": None, "accuracy": None, "problems": []}
+    try:
+        data["regs"] = {"arch": arch, "rows": regs_rows(arch, HPB_VALUES, ("f16", "bf16"),
+                                                        ("f32",), False)}
+    except Exception as exc:  # a missing toolkit: say so, show the rest
+        data["problems"].append(f"register report: {exc}")
+    try:
+        rows, verdict = cpu_accuracy(BENCH_CTXS, 1, "auto")
+        data["accuracy"] = {"rows": rows, **verdict}
+        data["problems"] += [f"schedule-model accuracy: {p}" for p in verdict["problems"]]
+    except Exception as exc:
+        data["problems"].append(f"schedule-model accuracy: {exc}")
+    data["ok"] = not data["problems"]
+    return data
+
+
+def _print_no_gpu(data, arch, why) -> None:
+    con = render.console()
+    con.print(f"[bold]No GPU here, so no timings.[/bold] {escape(why)}")
+    con.print("What runs without one:")
+    if data["regs"]:
+        con.print(render.regs_table(data["regs"]["rows"], arch))
+    if data["accuracy"]:
+        con.print(render.accuracy_table(
+            data["accuracy"]["rows"],
+            "schedule model accuracy, relL2(latent) vs float64 (full study: mlasandbox check)"))
+    for p in data["problems"]:
+        con.print(f"[red]problem:[/red] {escape(p)}")
+    con.print(HOW_TO_TIME)
+
+
 @click.command("bench")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="lecture",
-              show_default=True, help="Head dims preset.")
-@click.option("--heads", type=click.IntRange(min=1), default=None,
-              help="Query heads (overrides the preset's).")
-@click.option("--ctx", "contexts", callback=int_list,
-              default=",".join(map(str, DEFAULT_CONTEXTS)), show_default=True,
-              help="Context lengths, comma-separated.")
-@click.option("--variants", callback=str_list(tuple(registry.variant_names())), default=None,
-              help="Variants, comma-separated (default: all, the cuBLAS engine included).")
+@preset_option()
+@heads_option()
+@ctx_option(DEFAULT_CONTEXTS, dest="contexts")
+@variants_option(help="Variants, comma-separated (default: all, the cuBLAS engine included).")
 @click.option("--hpb", "hpbs", callback=int_list, default=None,
               help="Heads-per-block values of the batched family to run (1 is split).")
-@click.option("--cache", "caches", callback=str_list(("f16", "bf16")), default="f16",
-              show_default=True, help="Cache dtypes, comma-separated.")
-@click.option("--q", "q_dtype", type=click.Choice(["f32", "cache"]), default="f32",
-              show_default=True, help="q dtype: f32 or the cache dtype.")
-@click.option("--splits", callback=auto_or_int, default="auto", show_default=True,
-              help="'auto' (the split rule) or S for split/batched.")
-@click.option("--repeats", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Most timed runs per measurement.")
-@click.option("--min-repeats", type=click.IntRange(min=1), default=10, show_default=True,
-              help="Fewest timed runs per measurement (long phases stop here).")
-@click.option("--target-ms", type=click.FloatRange(min=0.1), default=150.0, show_default=True,
-              help="GPU time each measurement aims for (sets the runs between the two).")
-@click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@cache_option(multiple=True)
+@q_option()
+@splits_option(help="'auto' (the split rule) or S (1..65535) for the splitting variants.")
+@timing_options(target_ms=150.0)
+@click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Untimed runs before each measurement.")
 @click.option("--graph", type=click.Choice(["auto", "always", "never"]), default="auto",
               show_default=True,
               help="CUDA-graph replay: auto = at n_ctx <= --graph-max-ctx (short contexts).")
-@click.option("--graph-max-ctx", type=click.IntRange(min=1), default=4096, show_default=True)
+@click.option("--graph-max-ctx", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="Longest context replayed as a CUDA graph under --graph auto.")
 @click.option("--aa-ctx", type=click.IntRange(min=1), default=None,
               help="A/A context, below the split gate (default: gate - 1 = 4095).")
-@click.option("--aa-rounds", type=click.IntRange(min=2), default=10, show_default=True)
+@click.option("--aa-rounds", type=click.IntRange(min=2), default=10, show_default=True,
+              help="Interleaved rounds of the A/A noise-floor measurement.")
 @click.option("--check/--no-check", default=True, show_default=True,
               help="Correctness spot check of every variant before timing.")
-@click.option("--check-ctx", type=click.IntRange(min=1), default=20000, show_default=True)
-@click.option("--check-heads", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--check-ctx", type=click.IntRange(min=1), default=20000, show_default=True,
+              help="Context of the correctness spot check.")
+@click.option("--check-heads", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Heads of the correctness spot check.")
 @click.option("--budget-s", type=click.FloatRange(min=1), default=480.0, show_default=True,
               help="Time budget of the timed work; the per-measurement target shrinks to fit.")
 @json_option
-@click.option("--csv", "csv_out", type=click.Path(dir_okay=False), default=None,
-              help="Write the rows as CSV.")
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False), default=None,
-              help="Draw the depth curves (log-log) into FILE.png (needs matplotlib).")
+@output_option("--csv", dest="csv_out", help="Write the timed rows as CSV (needs a GPU).")
+@output_option("--plot", dest="plot_out",
+               help="Draw the depth curves (log-log) into FILE.png (needs a GPU and "
+                    "matplotlib).")
 @click.option("--vs", "vs_path", type=click.Path(dir_okay=False), default=None,
               help="Compare with a saved run (a --json FILE of an earlier bench).")
 @click.option("--explain", is_flag=True, help="Print the byte and FLOP formulas.")
 @click.option("--details", is_flag=True, help="Phase tables at every context, checks table.")
-@click.option("--arch", default="sm_90", show_default=True,
-              help="Arch for the register table when there is no GPU.")
+@arch_option("Arch of the register table when there is no GPU.")
 @click.option("--require-gpu", is_flag=True, help="Exit 1 when there is no GPU to time on.")
-@click.pass_context
-def bench(ctx, preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repeats,
+def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repeats,
           min_repeats, target_ms, warmup, seed, graph, graph_max_ctx, aa_ctx, aa_rounds, check,
           check_ctx, check_heads, budget_s, json_out, csv_out, plot_out, vs_path, explain,
           details, arch, require_gpu):
@@ -177,9 +207,6 @@ def bench(ctx, preset, heads, contexts, variants, hpbs, caches, q_dtype, splits,
     On a GPU: ceilings, a correctness spot check, the A/A noise floor, then q_absorb / attn /
     combine / step per variant and context. Without one: says so and shows what runs there.
     """
-    from mlasandbox import toolkit
-    from mlasandbox.bench_config import make_config
-
     as_json = json_out == "-"
     try:
         cfg = make_config(preset=preset, heads=heads, contexts=contexts, variants=variants,
@@ -189,41 +216,42 @@ def bench(ctx, preset, heads, contexts, variants, hpbs, caches, q_dtype, splits,
                           aa_ctx=aa_ctx, aa_rounds=aa_rounds, check=check, check_ctx=check_ctx,
                           check_heads=check_heads, budget_s=budget_s)
     except ValueError as exc:
-        if as_json:
-            render.emit_json({"ok": False, "error": str(exc)})
         raise click.UsageError(str(exc)) from None
     baseline = None
     if vs_path:
-        from mlasandbox.baseline import SchemaError, load_result
-
         try:
             baseline = load_result(vs_path)
         except SchemaError as exc:
-            if as_json:
-                render.emit_json({"ok": False, "error": str(exc)})
             raise click.UsageError(str(exc)) from None
     err = stderr_console()
 
     has_gpu, why = toolkit.device_available()
     if not has_gpu:
+        wanted = [name for name, v in (("--csv", csv_out), ("--plot", plot_out),
+                                       ("--vs", vs_path)) if v]
+        if wanted:
+            raise click.ClickException(
+                f"{' and '.join(wanted)} need{'s' if len(wanted) == 1 else ''} timings, and "
+                f"there is no GPU here ({why}); --json FILE writes what runs without one")
         if explain and not as_json:
-            from .lab_render import explain_text
-
-            render.console().print(explain_text(_explain_costs(cfg, None)), markup=False)
-        if json_out not in (None, "-") or csv_out or plot_out or vs_path:
-            err.print("[yellow]no GPU: no timings, so --json FILE / --csv / --plot / --vs "
-                      "produce nothing[/yellow]")
-        fallback = _no_gpu_fallback["command"]
-        if fallback is None:
-            from . import main as main_module
-
-            fallback = main_module.bench
-        ctx.invoke(fallback, arch=arch, require_gpu=require_gpu, as_json=as_json)
+            render.console().print(lab_render.explain_text(_explain_costs(cfg, None)),
+                                   markup=False)
+        data = no_gpu_report(arch, why)
+        if require_gpu:
+            data["ok"] = False
+        if as_json:
+            render.emit_json(data)
+        else:
+            if json_out:
+                write_json(data, json_out)
+                err.print(f"wrote {escape(str(json_out))} (no timings: the compile-side tables "
+                          "and the schedule model's accuracy)")
+            _print_no_gpu(data, arch, why)
+        if data["problems"]:
+            raise SystemExit(1)
+        if require_gpu:
+            raise click.ClickException(f"--require-gpu: {why}")
         return
-
-    from mlasandbox.bench_config import plan_work
-
-    from . import main as main_module
 
     with progress_bar(err) as bar:
         task = bar.add_task("bench", total=len(plan_work(cfg)))
@@ -231,18 +259,11 @@ def bench(ctx, preset, heads, contexts, variants, hpbs, caches, q_dtype, splits,
         def progress(label, advance=1):
             bar.update(task, advance=advance, description=label)
 
-        result = main_module._run_gpu_bench(config=cfg, progress=progress,
-                                            log=lambda text: bar.console.print(escape(text)),
-                                            as_json=as_json)
-    if not isinstance(result, dict) or "rows" not in result:
-        # Not a bench result (a stand-in run_bench): print what came back, nothing else.
-        if as_json and result is not None:
-            render.emit_json(result)
-        return
+        result = _run_gpu_bench(config=cfg, progress=progress,
+                                log=lambda text: bar.console.print(escape(text)),
+                                as_json=as_json)
     cmp = None
     if baseline is not None:
-        from mlasandbox.baseline import compare_runs
-
         cmp = compare_runs(result, baseline)
         result["vs"] = {"baseline": vs_path, **cmp}
     problems = _write_outputs(result, json_out, csv_out, plot_out, err)
@@ -250,10 +271,9 @@ def bench(ctx, preset, heads, contexts, variants, hpbs, caches, q_dtype, splits,
         render.emit_json(result)
     else:
         if explain:
-            from .lab_render import explain_text
-
             plans = {(p["variant"], p["n_ctx"], p["cache"]): p for p in result["plans"]}
-            render.console().print(explain_text(_explain_costs(cfg, plans)), markup=False)
+            render.console().print(lab_render.explain_text(_explain_costs(cfg, plans)),
+                                   markup=False)
         _render(result, details, cmp)
     for p in problems:
         err.print(f"[red]problem:[/red] {escape(p)}")

@@ -6,7 +6,9 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
-from .render import fmt_bytes, kv_table
+from mlasandbox.metrics import explain_lines
+
+from .render import Column, FitTable, fmt_bytes, kv_table
 
 __all__ = ["fmt_us", "depth_table", "phase_table", "summary_table", "checks_table",
            "vs_table", "sweep_table", "explain_text"]
@@ -28,6 +30,13 @@ def _pct(x) -> str:
 
 def _num(x, fmt="{:,.0f}") -> str:
     return "-" if x is None else fmt.format(x)
+
+
+def _roof(row) -> str:
+    """The fraction of the phase's own roof, named ('12% GEMM'); '-' where it was not
+    measured."""
+    frac = row.get("frac_roof")
+    return "-" if frac is None else f"{_pct(frac)} {row.get('roof', '')}".strip()
 
 
 def _rows(result, phase, cache):
@@ -87,7 +96,17 @@ def depth_table(result: dict, cache: str) -> Table:
     return t
 
 
-def phase_table(result: dict, n_ctx: int, cache: str) -> Table:
+PHASE_COLUMNS = (
+    Column("variant"), Column("S", "right", drop=4), Column("head blocks", "right", drop=3),
+    Column("q_absorb", "right", drop=2), Column("attn", "right"),
+    Column("combine", "right", drop=6), Column("step", "right"),
+    Column("GB/s ideal", "right", drop=5), Column("GB/s issued", "right", drop=1),
+    Column("% copy", "right"), Column("TFLOP/s", "right", drop=7), Column("% roof", "right"),
+    Column("mode", "left", drop=8),
+)
+
+
+def phase_table(result: dict, n_ctx: int, cache: str) -> FitTable:
     """Every phase of every variant at one context, with rates against the ceilings."""
     ceil = result["ceilings"]
     by = {}
@@ -96,32 +115,30 @@ def phase_table(result: dict, n_ctx: int, cache: str) -> Table:
             by[(r["variant"], r["phase"])] = r
     qa = {r.get("control_label"): r for r in result["rows"]
           if r["phase"] == "q_absorb" and r["cache"] == cache}
-    t = Table(title=f"phases at n_ctx {n_ctx}, cache {cache} (us, median \\[p10-p90]); rates of "
-                    f"attn: GB/s ideal / as issued, % of copy {ceil['copy_GBps']:,.0f} GB/s; "
-                    f"TFLOP/s, % of GEMM {ceil['gemm_TFLOPs']:,.0f} and of f32 FMA "
-                    f"{_num(ceil.get('fma_TFLOPs'), '{:.1f}')}",
-              title_justify="left", box=box.SIMPLE_HEAD)
-    for col, j in (("variant", "left"), ("S", "right"), ("head blocks", "right"),
-                   ("q_absorb", "right"), ("attn", "right"), ("combine", "right"),
-                   ("step", "right"), ("GB/s ideal", "right"), ("GB/s issued", "right"),
-                   ("% copy", "right"), ("TFLOP/s", "right"), ("% GEMM", "right"),
-                   ("% FMA", "right"), ("mode", "left")):
-        t.add_column(col, justify=j, no_wrap=True)
+    cells = []
     for v in result["config"]["variants"]:
         a = by.get((v, "attn"))
         if a is None:
             continue
         c, s = by.get((v, "combine")), by.get((v, "step"))
         q = qa.get(f"before {v}")
-        t.add_row(v, _num(a.get("splits"), "{}"), _num(a.get("head_blocks"), "{}"),
-                  fmt_us(q["median_us"]) if q else "-",
-                  f"{fmt_us(a['median_us'])} [{fmt_us(a['p10_us'])}-{fmt_us(a['p90_us'])}]",
-                  fmt_us(c["median_us"]) if c else "(in attn)",
-                  fmt_us(s["median_us"]) if s else "-",
-                  _num(a["GBps_ideal"]), _num(a["GBps_issued"]), _pct(a["frac_copy_ideal"]),
-                  _num(a["TFLOPs"], "{:.2f}"), _pct(a["frac_gemm"]), _pct(a.get("frac_fma")),
-                  a["mode"])
-    return t
+        cells.append([v, _num(a.get("splits"), "{}"), _num(a.get("head_blocks"), "{}"),
+                      fmt_us(q["median_us"]) if q else "-",
+                      f"{fmt_us(a['median_us'])} "
+                      f"\\[{fmt_us(a['p10_us'])}-{fmt_us(a['p90_us'])}]",
+                      fmt_us(c["median_us"]) if c else "(in attn)",
+                      fmt_us(s["median_us"]) if s else "-",
+                      _num(a["GBps_ideal"]), _num(a["GBps_issued"]),
+                      _pct(a["frac_copy_ideal"]), _num(a["TFLOPs"], "{:.2f}"), _roof(a),
+                      a["mode"]])
+    return FitTable(
+        PHASE_COLUMNS, cells,
+        title=f"phases at n_ctx {n_ctx}, cache {cache} (us, median \\[p10-p90]); rates of "
+              f"attn: GB/s ideal / as issued, % of copy {ceil['copy_GBps']:,.0f} GB/s; "
+              f"TFLOP/s and % of the kernel's own roof: GEMM {ceil['gemm_TFLOPs']:,.0f} "
+              f"for the tensor cores (mma, cuBLAS), f32 FMA "
+              f"{_num(ceil.get('fma_TFLOPs'), '{:.1f}')} for the CUDA cores",
+        title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
 
 
 def checks_table(result: dict) -> Table:
@@ -196,26 +213,25 @@ def vs_table(cmp: dict) -> Table:
     return t
 
 
-def sweep_table(result: dict) -> Table:
+SWEEP_COLUMNS = (
+    Column("HPB", "right"), Column("variant", "left", drop=1), Column("attn us", "right"),
+    Column("regs", "right"), Column("spill st/ld", "right"),
+    Column("smem st+dyn", "right", drop=3), Column("blocks/SM model", "left"),
+    Column("driver", "right", drop=5), Column("limiter", "left", drop=2),
+    Column("S", "right", drop=4), Column("head blocks", "right", drop=6),
+    Column("waves", "right", drop=7),
+)
+
+
+def sweep_table(result: dict) -> FitTable:
     cfg = result["config"]
-    t = Table(title=f"heads-per-block sweep at n_ctx {cfg['n_ctx']}, H={cfg['n_head']}, cache "
-                    f"{cfg['cache']}, q {cfg['q']} ({cfg['arch']}, {cfg['num_sms']} SMs)"
-                    + ("" if result["timed"] else ": NO GPU, compile-side columns only"),
-              caption="attn: attention phase, median \\[p10-p90]; blocks/SM model: occupancy "
-                      "calculator on the ptxas report; driver: cudaOccupancy API; <- step: "
-                      "fewer blocks/SM than the previous HPB (the register wall); * fastest",
-              title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
-    for col, j in (("HPB", "right"), ("variant", "left"), ("attn us", "right"),
-                   ("regs", "right"), ("spill st/ld", "right"), ("smem st+dyn", "right"),
-                   ("blocks/SM model", "left"), ("driver", "right"), ("limiter", "left"),
-                   ("S", "right"), ("head blocks", "right"), ("waves", "right")):
-        t.add_column(col, justify=j, no_wrap=True)
+    cells = []
     for r in result["rows"]:
         spills = f"{r['spill_stores']}/{r['spill_loads']}"
         if r["spill_stores"] or r["spill_loads"]:
             spills = f"[red]{spills}[/red]"
         tm = "-" if r["median_us"] is None else (
-            f"{fmt_us(r['median_us'])} [{fmt_us(r['p10_us'])}-{fmt_us(r['p90_us'])}]")
+            f"{fmt_us(r['median_us'])} \\[{fmt_us(r['p10_us'])}-{fmt_us(r['p90_us'])}]")
         if r["fastest"]:
             tm = f"[bold green]{tm} *[/bold green]"
         bps = str(r["blocks_per_sm_model"]) + (" <- step" if r["step"] else "")
@@ -223,15 +239,23 @@ def sweep_table(result: dict) -> Table:
             bps = f"[yellow]{bps}[/yellow]"
         drv = "-" if r["blocks_per_sm_driver"] is None else (
             str(r["blocks_per_sm_driver"]) + (" <-" if r["driver_step"] else ""))
-        t.add_row(str(r["hpb"]), r["variant"], tm, str(r["registers"]), spills,
-                  f"{fmt_bytes(r['static_smem'])} + {fmt_bytes(r['dynamic_smem'])}", bps, drv,
-                  r["limiter"], str(r["splits"]), str(r["head_blocks"]), f"{r['waves']:.2f}")
-    return t
+        cells.append([str(r["hpb"]), r["variant"], tm, str(r["registers"]), spills,
+                      f"{fmt_bytes(r['static_smem'])} + {fmt_bytes(r['dynamic_smem'])}", bps,
+                      drv, r["limiter"], str(r["splits"]), str(r["head_blocks"]),
+                      f"{r['waves']:.2f}"])
+    return FitTable(
+        SWEEP_COLUMNS, cells,
+        title=f"heads-per-block sweep at n_ctx {cfg['n_ctx']}, H={cfg['n_head']}, cache "
+              f"{cfg['cache']}, q {cfg['q']} ({cfg['arch']}, {cfg['num_sms']} SMs)"
+              + ("" if result["timed"] else ": NO GPU, compile-side columns only"),
+        caption="attn: attention phase, median \\[p10-p90]; blocks/SM model: occupancy "
+                "calculator on the ptxas report; driver: cudaOccupancy API; <- step: fewer "
+                "blocks/SM than the previous HPB (the register wall); * fastest",
+        title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
 
 
 def explain_text(costs) -> str:
     """The formulas behind the rates: one block per phase (metrics.explain_lines)."""
-    from mlasandbox.metrics import explain_lines
 
     out = ["Byte and FLOP formulas (ideal: one read of every input, one write of every "
            "output; as issued: what the kernels request, e.g. the cache once per head block):"]

@@ -7,12 +7,17 @@ import os
 import sys
 
 import click
+from dataclasses import dataclass
+
 from rich import box
 from rich.console import Console
+from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
-__all__ = ["console", "emit_json", "kv_table", "regs_table", "grid_table", "accuracy_table",
-           "fmt_bytes", "fmt_sci"]
+__all__ = ["console", "emit_json", "jsonable", "kv_table", "regs_table", "grid_table",
+           "accuracy_table", "fmt_bytes", "fmt_sci", "Column", "FitTable", "gpu_checks_table",
+           "escape"]
 
 
 def console() -> Console:
@@ -24,20 +29,75 @@ def console() -> Console:
                    highlight=False, emoji=False)
 
 
-def _jsonable(x):
+def jsonable(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if hasattr(x, "item") and callable(x.item):  # numpy scalars
-        return _jsonable(x.item())
+        return jsonable(x.item())
     return x
 
 
 def emit_json(obj) -> None:
-    click.echo(json.dumps(_jsonable(obj), indent=2, sort_keys=False))
+    click.echo(json.dumps(jsonable(obj), indent=2, sort_keys=False))
+
+
+@dataclass(frozen=True)
+class Column:
+    """A table column. `drop`: the order in which it goes when the table is too wide for
+    the console (1 first; None: never, it is what the table is for). `fold`: its text may
+    wrap (a long name) instead of being cut."""
+
+    header: str
+    justify: str = "left"
+    drop: int | None = None
+    fold: bool = False
+
+
+class FitTable:
+    """A table that fits the console it is printed on: where its natural width is more than
+    the console's, droppable columns go one by one (their names listed in the caption),
+    then the folding columns wrap. The columns that never drop are never cut."""
+
+    def __init__(self, columns, rows, **table_kw):
+        self.columns = list(columns)
+        self.rows = [list(r) for r in rows]
+        self.table_kw = table_kw
+
+    def table(self, dropped=()) -> Table:
+        kw = dict(self.table_kw)
+        if dropped:
+            note = f"(left out to fit the width: {', '.join(dropped)})"
+            kw["caption"] = f"{kw['caption']} {note}" if kw.get("caption") else note
+        t = Table(**kw)
+        keep = [i for i, c in enumerate(self.columns) if c.header not in dropped]
+        for i in keep:
+            c = self.columns[i]
+            t.add_column(c.header, justify=c.justify, no_wrap=not c.fold,
+                         overflow="fold" if c.fold else "ellipsis",
+                         min_width=None if c.fold else len(c.header))
+        for r in self.rows:
+            t.add_row(*(r[i] for i in keep))
+        return t
+
+    def fitted(self, width: int, console: Console) -> Table:
+        order = sorted((c for c in self.columns if c.drop is not None), key=lambda c: c.drop)
+        dropped: list[str] = []
+        t = self.table()
+        unbounded = console.options.update_width(10_000)  # the natural width, not clamped
+        while True:
+            if Measurement.get(console, unbounded, t).maximum <= width:
+                return t
+            if not order:
+                return t  # the folding columns wrap; nothing else can go
+            dropped.append(order.pop(0).header)
+            t = self.table(tuple(dropped))
+
+    def __rich_console__(self, console, options):
+        yield self.fitted(options.max_width, console)
 
 
 def fmt_bytes(n) -> str:
@@ -66,26 +126,46 @@ def kv_table(title: str, items) -> Table:
     return t
 
 
-def regs_table(rows: list[dict], arch: str) -> Table:
-    t = Table(title=f"ptxas resources and theoretical occupancy, {arch} (NVRTC -Xptxas -v)",
-              caption="smem: static (ptxas); dyn smem: at launch; warps: resident warps over "
-                      "the SM's maximum; <- step: fewer blocks/SM than the previous HPB",
-              title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
-    for col, j in (("kernel", "left"), ("regs", "right"), ("spill st/ld", "right"),
-                   ("stack", "right"), ("smem", "right"), ("dyn smem", "right"),
-                   ("threads", "right"), ("blocks/SM", "left"), ("warps", "right"),
-                   ("limiter", "left")):
-        t.add_column(col, justify=j, no_wrap=True)
+REGS_COLUMNS = (
+    Column("kernel", fold=True), Column("regs", "right"), Column("spill st/ld", "right"),
+    Column("stack", "right", drop=1), Column("smem", "right", drop=4),
+    Column("dyn smem", "right", drop=5), Column("threads", "right", drop=2),
+    Column("blocks/SM", "left"), Column("warps", "right", drop=3),
+    Column("limiter", "left", drop=6),
+)
+
+
+def regs_table(rows: list[dict], arch: str) -> FitTable:
+    """Registers, spills and blocks/SM per instance: those columns never drop; a row of a
+    kernel that needs a newer arch says so instead."""
+    cells, reasons = [], []
     for r in rows:
+        limiter = r.get("limiter") or ""
+        if limiter.startswith("does not fit"):
+            # the calculator's full reason goes to the caption, once per distinct reason
+            why = limiter.split(":", 1)[-1].strip()
+            if why not in reasons:
+                reasons.append(why)
+            limiter = f"does not fit [{reasons.index(why) + 1}]"
+        if r.get("needs"):
+            cells.append([r["name"], "-", "-", "-", "-", "-", "-",
+                          f"[yellow]needs {r['needs']}[/yellow]", "-", "not compiled"])
+            continue
         spills = f"{r['spill_stores']}/{r['spill_loads']}"
         bps = str(r["blocks_per_sm"]) + (" <- step" if r.get("step") else "")
-        t.add_row(r["name"], str(r["registers"]),
-                  f"[red]{spills}[/red]" if r["spill_stores"] or r["spill_loads"] else spills,
-                  str(r["stack_bytes"]), fmt_bytes(r["static_smem"]),
-                  fmt_bytes(r["dynamic_smem"]), str(r["threads"]),
-                  f"[yellow]{bps}[/yellow]" if r.get("step") else bps,
-                  f"{r['warp_occupancy']:.0%}", r["limiter"])
-    return t
+        cells.append([r["name"], str(r["registers"]),
+                      f"[red]{spills}[/red]" if r["spill_stores"] or r["spill_loads"] else spills,
+                      str(r["stack_bytes"]), fmt_bytes(r["static_smem"]),
+                      fmt_bytes(r["dynamic_smem"]), str(r["threads"]),
+                      f"[yellow]{bps}[/yellow]" if r.get("step") else bps,
+                      f"{r['warp_occupancy']:.0%}", limiter])
+    notes = "".join(f"\n[{i}] {escape(w)}" for i, w in enumerate(reasons, 1))
+    return FitTable(REGS_COLUMNS, cells,
+                    title=f"ptxas resources and theoretical occupancy, {arch} (NVRTC -Xptxas -v)",
+                    caption="smem: static (ptxas); dyn smem: at launch; warps: resident warps "
+                            "over the SM's maximum; <- step: fewer blocks/SM than the previous "
+                            "HPB; needs sm_XX: the kernel does not compile for this arch" + notes,
+                    title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
 
 
 def _n(k: int, word: str) -> str:
@@ -132,4 +212,22 @@ def accuracy_table(rows: list[dict], title: str) -> Table:
                   "-" if gain is None else f"{gain:.2f}x",
                   fmt_sci(r["relL2_no_rescale"]), yn(r.get("split_ok")),
                   yn(r.get("control_rejected")))
+    return t
+
+
+def gpu_checks_table(rows: list[dict]) -> Table:
+    """The device checks: each variant against the reference, then the negative controls."""
+    t = Table(title="on the device: every variant vs the float64 reference; the negative "
+                    "controls (combine without rescale) must fail", title_justify="left",
+              box=box.SIMPLE_HEAD)
+    for col, j in (("check", "left"), ("n_ctx", "right"), ("heads", "right"), ("S", "right"),
+                   ("latent relL2", "right"), ("verdict", "left")):
+        t.add_column(col, justify=j, overflow="fold")
+    for r in rows:
+        rel = r.get("latent_relL2")
+        t.add_row(escape(r["name"]), str(r.get("n_ctx", "-")), str(r.get("heads", "-")),
+                  "-" if r.get("splits") is None else str(r["splits"]),
+                  "-" if rel is None else f"{rel:.2e}",
+                  ("[green]ok[/green] " if r["ok"] else "[red]FAIL[/red] ")
+                  + escape(r.get("detail", "")))
     return t

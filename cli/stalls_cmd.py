@@ -16,9 +16,13 @@ from rich.markup import escape
 from rich.table import Table
 
 from mlasandbox import registry
+from mlasandbox import stalls as st
+from mlasandbox import toolkit
+from mlasandbox.ncu import NcuError, profile_attention
 
 from . import render
-from .lab_options import auto_or_int, deliver_json, json_option, stderr_console
+from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
+                      output_problem, q_of, q_option, splits_option, stderr_console)
 
 __all__ = ["stalls"]
 
@@ -31,7 +35,6 @@ MIN_WAIT_SHARE = 0.05
 
 def _profile(**opts):
     """Hook (tests replace it): mlasandbox.ncu.profile_attention."""
-    from mlasandbox.ncu import profile_attention
 
     return profile_attention(**opts)
 
@@ -47,10 +50,16 @@ def _read_saved(path: str) -> tuple[str, str | None]:
         source, raw = path, None
     if not os.path.exists(source):
         raise click.BadParameter(f"{source} does not exist (--from takes a directory written "
-                                 "by --save, or ncu's per-SASS CSV)", param_hint="--from")
+                                 "by --save, or ncu's per-SASS CSV)", param_hint="'--from'")
     opener = gzip.open if source.endswith(".gz") else open
-    with opener(source, "rt", encoding="utf-8") as f:
-        source_text = f.read()
+    try:
+        with opener(source, "rt", encoding="utf-8") as f:
+            source_text = f.read()
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        # gzip.BadGzipFile is an OSError; a truncated stream is an EOFError
+        kind = "a gzip-compressed" if source.endswith(".gz") else "a UTF-8"
+        raise click.BadParameter(f"{source} is not {kind} ncu CSV ({exc})",
+                                 param_hint="'--from'") from None
     raw_text = None
     if raw and os.path.exists(raw):
         with open(raw, encoding="utf-8") as f:
@@ -78,16 +87,14 @@ def _reasons(pairs, total, n=3) -> str:
 
 
 def kernel_table(metrics: dict, title: str) -> Table:
-    from mlasandbox.stalls import KERNEL_METRICS, STALL_REASONS, stall_metric
-
-    stall_rows = {stall_metric(r) for r in STALL_REASONS}
+    stall_rows = {st.stall_metric(r) for r in st.STALL_REASONS}
 
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, caption_justify="left",
               caption="stalled X (per issue): warps found waiting for X per instruction "
                       "issued; 'selected' is the issue itself")
     t.add_column("metric")
     t.add_column("value", justify="right")
-    for name, label in KERNEL_METRICS.items():
+    for name, label in st.KERNEL_METRICS.items():
         if name in metrics:
             v = metrics[name]
             if name in stall_rows and v < 0.005:
@@ -118,14 +125,13 @@ def block_table(block, title: str, top_opcodes: int) -> Table:
 
 @click.command("stalls")
 @click.option("--variant", type=click.Choice(CUDA_VARIANTS), default="tiled16",
-              show_default=True)
-@click.option("--heads", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=1), default=131072, show_default=True)
-@click.option("--cache", type=click.Choice(["f16", "bf16"]), default="f16", show_default=True)
-@click.option("--q", "q_dtype", type=click.Choice(["f32", "cache"]), default="f32",
-              show_default=True)
-@click.option("--splits", callback=auto_or_int, default="auto", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+              show_default=True, help="The CUDA variant to profile.")
+@heads_option(16, help="Query heads.")
+@ctx_option(131072, multiple=False, dest="n_ctx")
+@cache_option()
+@q_option()
+@splits_option()
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
 @click.option("--blocks", "top_blocks", type=click.IntRange(min=1), default=4, show_default=True,
               help="How many of the hottest instruction blocks to show.")
 @click.option("--opcodes", "top_opcodes", type=click.IntRange(min=1), default=8,
@@ -147,24 +153,25 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
     are the blocks with the most samples. Within a block, an opcode whose share of the
     samples is well above its share of the instructions is where the warps wait.
     """
-    from mlasandbox import stalls as st
-
-    as_json = json_out == "-"
-
     def fail(msg, usage=False):
-        if as_json:
-            render.emit_json({"ok": False, "error": msg})
         raise (click.UsageError if usage else click.ClickException)(msg)
 
     err = stderr_console()
-    q = cache if q_dtype == "cache" else q_dtype
+    q = q_of(q_dtype, cache)
+    if save_dir:
+        problem = output_problem(save_dir, directory=True)
+        if problem and os.path.exists(save_dir):
+            raise click.BadParameter(problem, param_hint="'--save'")
+        parent = os.path.dirname(os.path.abspath(save_dir))
+        if not os.path.exists(save_dir) and (not os.path.isdir(parent)
+                                             or output_problem(parent, directory=True)):
+            raise click.BadParameter(output_problem(parent, directory=True)
+                                     or f"directory {parent!r} does not exist",
+                                     param_hint="'--save'")
     if from_path:
         source_text, raw_text = _read_saved(from_path)
         config = {"from": from_path}
     else:
-        from mlasandbox import toolkit
-        from mlasandbox.ncu import NcuError
-
         ok, why = toolkit.device_available()
         if not ok:
             fail(f"stalls profiles a kernel on a GPU: {why} (or read a saved profile with --from)")

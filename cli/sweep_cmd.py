@@ -1,4 +1,4 @@
-"""`mlasandbox sweep`: the heads-per-block sweep (mlasandbox.sweep), lecture section 4.
+"""`mlasandbox sweep`: the heads-per-block sweep (mlasandbox.sweep): the register wall.
 
 On a GPU every column; without one the compile-side columns (registers, spills, shared
 memory, modelled blocks/SM, the split plan from them) and no time, said in the title.
@@ -8,45 +8,39 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
-from mlasandbox import registry
-from mlasandbox.dims import PRESETS
-from mlasandbox.sweep import SWEEP_CTX
+from mlasandbox import registry, toolkit
+from mlasandbox.ptxas import NvrtcCompileError, PtxasParseError
+from mlasandbox.sweep import SWEEP_CTX, run_sweep
+from mlasandbox.toolkit import ToolkitError
 
 from . import render
-from .lab_options import auto_or_int, deliver_json, int_list, json_option, progress_bar, \
-    stderr_console
+from .lab_render import sweep_table
+from .options import (arch_option, cache_option, ctx_option, deliver_json, heads_option, hpb_list,
+                      json_option, preset_option, progress_bar, q_option, splits_option,
+                      stderr_console, timing_options)
 
 __all__ = ["sweep"]
 
 
 def _run_sweep(**opts):
     """Hook (tests replace it): mlasandbox.sweep.run_sweep."""
-    from mlasandbox.sweep import run_sweep
 
     return run_sweep(**opts)
 
 
 @click.command("sweep")
-@click.option("--ctx", "n_ctx", type=click.IntRange(min=1), default=SWEEP_CTX, show_default=True,
-              help="Context length.")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="lecture",
-              show_default=True)
-@click.option("--heads", type=click.IntRange(min=1), default=None,
-              help="Query heads (overrides the preset's).")
-@click.option("--hpb", "hpbs", callback=int_list, default=None,
+@ctx_option(SWEEP_CTX, multiple=False, dest="n_ctx")
+@preset_option()
+@heads_option()
+@click.option("--hpb", "hpbs", callback=hpb_list, default=None,
               help="Heads-per-block values (default: every instantiated one).")
-@click.option("--cache", type=click.Choice(["f16", "bf16"]), default="f16", show_default=True)
-@click.option("--q", "q_dtype", type=click.Choice(["f32", "cache"]), default="f32",
-              show_default=True)
-@click.option("--splits", callback=auto_or_int, default="auto", show_default=True)
-@click.option("--arch", default="sm_90", show_default=True,
-              help="Arch to compile for without a GPU (with one: the device's).")
+@cache_option()
+@q_option()
+@splits_option()
+@arch_option("Arch to compile for without a GPU (with one: the device's).")
 @click.option("--sms", type=click.IntRange(min=1), default=132, show_default=True,
               help="SM count without a GPU (with one: the device's).")
-@click.option("--repeats", type=click.IntRange(min=1), default=100, show_default=True)
-@click.option("--min-repeats", type=click.IntRange(min=1), default=10, show_default=True)
-@click.option("--target-ms", type=click.FloatRange(min=0.1), default=300.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@timing_options(target_ms=300.0)
 @click.option("--no-gpu", is_flag=True, help="Compile-side columns only, even with a GPU.")
 @json_option
 def sweep(n_ctx, preset, heads, hpbs, cache, q_dtype, splits, arch, sms, repeats, min_repeats,
@@ -55,11 +49,6 @@ def sweep(n_ctx, preset, heads, hpbs, cache, q_dtype, splits, arch, sms, repeats
 
     Marks the occupancy step (blocks/SM drops: the register wall) and the fastest value.
     """
-    from mlasandbox import toolkit
-    from mlasandbox.ptxas import NvrtcCompileError, PtxasParseError
-    from mlasandbox.toolkit import ToolkitError
-
-    as_json = json_out == "-"
     hpbs = hpbs or registry.HPB_VALUES
     if min_repeats > repeats:
         raise click.UsageError(f"--min-repeats {min_repeats} exceeds --repeats {repeats}")
@@ -77,23 +66,17 @@ def sweep(n_ctx, preset, heads, hpbs, cache, q_dtype, splits, arch, sms, repeats
                     task, advance=advance, description=label))
         else:
             result = _run_sweep(**opts)
-    except ValueError as exc:
-        if as_json:
-            render.emit_json({"ok": False, "error": str(exc)})
-        raise click.UsageError(str(exc)) from None
     except (ToolkitError, NvrtcCompileError, PtxasParseError) as exc:
-        if as_json:
-            render.emit_json({"ok": False, "error": str(exc)})
         raise click.ClickException(str(exc)) from None
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     if deliver_json(result, json_out, err):
         return
-    from .lab_render import sweep_table
-
     con = render.console()
     con.print(sweep_table(result))
     if not result["timed"]:
         why = "--no-gpu" if no_gpu else toolkit.device_available()[1]
         con.print(f"No timings ({escape(why)}). The occupancy step is visible without them: "
-                  "it is a property of the compile (lecture section 4).")
+                  "it is a property of the compile.")
     for w in result.get("warnings", []):
         con.print(f"[bold yellow]warning:[/bold yellow] {escape(w)}")

@@ -13,7 +13,7 @@ is the part of the real time that the loads add. A share near 0 says a faster me
 results are wrong by design; the run checks only that they differ from the real ones, which
 shows the ablated build really is another kernel.
 
-Noise (noise.py, lecture section 3.2): the real kernel is timed as two arms of the same code
+Noise (noise.py, the A/A test): the real kernel is timed as two arms of the same code
 (A and A') interleaved with the ablated one (B), round by round; the A/A pairs give the
 floor, and a B-vs-A difference under it is "no measurable difference", not a number.
 
@@ -24,7 +24,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from .api import DecodeStep
 from .compare import rel_l2
+from .inputs import make_inputs
+from .kernels import device_info, get_kernel
 from .noise import NoiseFloor, Verdict, noise_floor, verdict
 from .timing import L2Flush, percentile, time_gpu
 
@@ -73,10 +76,6 @@ def ablate(variant: str, dims, n_ctx: int, cache: str = "f16", q: str = "f32", s
     kernel's stage buffers (then the ablated build loads everything the real one does).
     """
     import cupy
-
-    from .api import DecodeStep
-    from .inputs import make_inputs
-    from .kernels import device_info, get_kernel
 
     if rounds < 2:
         raise ValueError(f"rounds must be >= 2 (the A/A floor needs pairs), got {rounds}")

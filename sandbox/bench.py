@@ -1,7 +1,7 @@
 """`mlasandbox bench`: the depth curve of every variant, with the instruments that make its
-numbers trustworthy (lecture section 3 and the Lab).
+numbers trustworthy (the timer, the A/A floor and the control phase).
 
-    result = run_bench()                      # defaults: lecture preset, 6 contexts, all variants
+    result = run_bench()                      # defaults: 96 heads, 6 contexts, all variants
     result["rows"]                            # one row per (variant, n_ctx, phase), plain values
 
 What one run does, in order (per cache dtype):
@@ -30,9 +30,9 @@ import math
 import time
 from dataclasses import replace
 
-from . import metrics
-from .bench_config import (DEFAULT_CONTEXTS, PHASES, BenchConfig, estimate_seconds,
-                           make_config, phases_of, plan_work, q_dtype_of, use_graph)
+from . import bench_gpu, metrics
+from .bench_config import (DEFAULT_CONTEXTS, PHASES, BenchConfig, estimate_seconds, make_config,
+                           phases_of, plan_work, q_dtype_of, use_graph)
 from .noise import control_report, interleave_order, noise_floor, verdict
 from .timing import Timing
 
@@ -69,9 +69,7 @@ def run_bench(*, backend=None, progress=None, log=None, as_json: bool = False,
     log = log or (lambda text: None)
     progress = progress or (lambda label, advance=1: None)
     if backend is None:
-        from .bench_gpu import CupyBackend
-
-        backend = CupyBackend()
+        backend = bench_gpu.CupyBackend()
     t_start = time.perf_counter()
     warnings: list[str] = []
     meta = backend.meta()
@@ -213,7 +211,7 @@ def _medians(rows, phase):
 
 
 def depth_terms(rows, floor: float | None, phase: str = "step") -> list[dict]:
-    """Per variant: t(long) - t(short) of `phase` and its share of t(long) (section 1.1)."""
+    """Per variant: t(long) - t(short) of `phase` and its share of t(long): the depth term."""
     out = []
     for (v, cache), by_ctx in _medians(rows, phase).items():
         if len(by_ctx) < 2:
@@ -260,7 +258,8 @@ CSV_COLUMNS = ("variant", "cache", "q", "n_ctx", "phase", "control_label", "medi
                "min_us", "p10_us", "p90_us", "max_us", "mad_us", "n", "mode", "note",
                "splits", "head_blocks", "heads_per_block", "attn_kernel", "flops",
                "ideal_bytes", "issued_bytes", "GBps_ideal", "GBps_issued", "TFLOPs",
-               "frac_copy_ideal", "frac_copy_issued", "frac_gemm", "frac_fma", "check_ok")
+               "frac_copy_ideal", "frac_copy_issued", "frac_gemm", "frac_fma", "roof",
+               "frac_roof", "check_ok")
 
 
 def write_csv(result: dict, path) -> None:

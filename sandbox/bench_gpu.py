@@ -21,10 +21,20 @@ import datetime as _dt
 import os
 import platform
 import subprocess
+from importlib import metadata
 from pathlib import Path
 
-from . import registry
+import numpy
+
+from . import registry, toolkit
+from .api import DecodeStep, QAbsorb
+from .ceilings import measure_ceilings
+from .compare import DEFAULT_TOLERANCE, Tolerance, compare
 from .guard import PhaseGuard
+from .inputs import make_inputs
+from .kernels import blocks_per_sm, device_info
+from .reference import decode as reference_decode
+from .timing import L2Flush, Spinner, time_gpu
 
 __all__ = ["CupyBackend", "CUBLAS_TOLERANCE", "tolerance_for", "run_meta"]
 
@@ -35,8 +45,6 @@ CUBLAS_TOLERANCE = {"f16": 3e-3, "bf16": 2e-2}
 
 
 def tolerance_for(variant: str, cache_dtype: str):
-    from .compare import DEFAULT_TOLERANCE, Tolerance
-
     if registry.variant(variant).is_cuda:
         return DEFAULT_TOLERANCE
     t = CUBLAS_TOLERANCE[cache_dtype]
@@ -44,8 +52,6 @@ def tolerance_for(variant: str, cache_dtype: str):
 
 
 def _version(dist: str):
-    from importlib import metadata
-
     try:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
@@ -73,9 +79,6 @@ def _git_commit() -> str | None:
 def run_meta() -> dict:
     """Device, versions, commit and date: what a results file must say about itself."""
     import cupy
-    import numpy
-
-    from . import toolkit
 
     dev = toolkit.device_info(cupy.cuda.Device().id)
     try:
@@ -96,9 +99,6 @@ class CupyBackend:
 
     def __init__(self, flush: bool = True, preroll: bool = True):
         import cupy
-
-        from .kernels import device_info
-        from .timing import L2Flush, Spinner
 
         self.cupy = cupy
         self.info = device_info()
@@ -124,14 +124,9 @@ class CupyBackend:
         return m
 
     def ceilings(self, copy_bytes: int, gemm_n: int, timing_kw: dict) -> dict:
-        from .ceilings import measure_ceilings
-
         return measure_ceilings(copy_bytes, gemm_n, stream=self.stream, **timing_kw)
 
     def prepare(self, dims, n_alloc: int, cache_dtype: str, q_dtype: str, seed: int) -> None:
-        from .api import QAbsorb
-        from .inputs import make_inputs
-
         self.release()
         with self.stream:
             self.inp = make_inputs(dims, n_alloc, n_alloc, cache_dtype, q_dtype, seed=seed,
@@ -151,8 +146,6 @@ class CupyBackend:
 
     # ---- steps ------------------------------------------------------------------------
     def _step(self, variant: str, n_ctx: int, splits):
-        from .api import DecodeStep
-
         v = registry.variant(variant)
         s = splits if (v.is_cuda and v.splits and splits not in (None, "auto")) else None
         key = (variant, n_ctx, s)
@@ -165,8 +158,6 @@ class CupyBackend:
         return step
 
     def plan(self, variant: str, n_ctx: int, splits) -> dict:
-        from .kernels import blocks_per_sm
-
         step = self._step(variant, n_ctx, splits)
         if not step.variant.is_cuda:
             return {"splits": None, "head_blocks": None, "heads_per_block": None,
@@ -197,8 +188,6 @@ class CupyBackend:
         return fn
 
     def _time(self, fn, use_graph: bool, phase: str, variant: str, timing_kw: dict):
-        from .timing import time_gpu
-
         def check_replay():
             with PhaseGuard(variant, sync_check=True).phase(f"{phase} (graph replay)"):
                 pass
@@ -222,13 +211,10 @@ class CupyBackend:
 
     # ---- correctness ------------------------------------------------------------------
     def check(self, variants, dims, n_ctx: int, cache_dtype: str, q_dtype: str, seed: int,
-              splits) -> list[dict]:
+              splits, rescale: bool = True) -> list[dict]:
         """Each variant once against the float64 reference, on fresh inputs with NaN rows past
-        n_ctx and NaN-poisoned outputs and partials (an unwritten element shows as NaN)."""
-        from .api import DecodeStep
-        from .compare import compare
-        from .inputs import make_inputs
-        from .reference import decode as reference_decode
+        n_ctx and NaN-poisoned outputs and partials (an unwritten element shows as NaN).
+        rescale=False runs the negative control's combine (no exp(m_i - m) rescale)."""
 
         cupy = self.cupy
         with self.stream:
@@ -246,7 +232,7 @@ class CupyBackend:
             try:
                 with self.stream:
                     step = DecodeStep(**inp.decode_args(), variant=name, splits=s,
-                                      sync_check=True)
+                                      sync_check=True, rescale=rescale)
                     for arr in (step.out, step.latent, step.lse):
                         arr.fill(cupy.nan)
                     for buf in ("part_acc", "part_m", "part_l"):

@@ -17,6 +17,12 @@ it says how far a tensor-core kernel (the `mma` variant of DESIGN.md) could go.
 """
 from __future__ import annotations
 
+import numpy as np
+
+from .kernels import device_info
+from .sources import read_source
+from .timing import time_gpu
+
 __all__ = ["copy_bandwidth", "gemm_throughput", "fma_throughput", "measure_ceilings",
            "DEFAULT_COPY_BYTES", "DEFAULT_GEMM_N", "FMA_BLOCKS_PER_SM", "FMA_THREADS"]
 
@@ -33,7 +39,6 @@ def copy_bandwidth(copy_bytes: int = DEFAULT_COPY_BYTES, *, stream=None, **timin
     import cupy
     from cupy.cuda import runtime
 
-    from .timing import time_gpu
 
     n = int(copy_bytes)
     src = cupy.empty(n, cupy.uint8)
@@ -56,8 +61,6 @@ def gemm_throughput(n: int = DEFAULT_GEMM_N, *, seed: int = 0, stream=None, **ti
     """{'gemm_TFLOPs', 'gemm_n', 'timing'}: 2 n^3 over the median time of an f16 GEMM."""
     import cupy
 
-    from .timing import time_gpu
-
     stream = stream or cupy.cuda.get_current_stream()
     with stream:
         rng = cupy.random.RandomState(seed)
@@ -79,11 +82,6 @@ def gemm_throughput(n: int = DEFAULT_GEMM_N, *, seed: int = 0, stream=None, **ti
 def fma_throughput(iters: int = FMA_ITERS, *, stream=None, **timing_kw) -> dict:
     """{'fma_TFLOPs', 'timing'}: 2 FLOPs per FMA over the median time of ceiling_fma.cu."""
     import cupy
-    import numpy as np
-
-    from .kernels import device_info
-    from .sources import read_source
-    from .timing import time_gpu
 
     stream = stream or cupy.cuda.get_current_stream()
     kernel = cupy.RawModule(code=read_source("ceiling_fma.cu")).get_function("fma_ceiling")

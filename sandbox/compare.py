@@ -14,8 +14,9 @@ Why the default tolerances are 1e-4 (relL2) and 1e-4 (lse, absolute):
   131072 terms of l and of the 512-wide latent in f32 (unit roundoff 6e-8).
 * A sequential f32 sum of n terms has relative error growing like sqrt(n)*u for random
   rounding and n*u in the worst case. The schedule model (schedule.py), which sums exactly
-  like a kernel thread, measures relL2(latent) of about 2e-6 at n_ctx = 20000 unsplit (the
-  lecture measured 1.6e-6) and 5e-6 at 131072; split over context, about 3e-7 at both.
+  like a kernel thread, measures relL2(latent) of about 2e-6 at n_ctx = 20000 unsplit (an
+  independent measurement found 1.6e-6) and 5e-6 at 131072; split over context, about
+  3e-7 at both.
   So 1e-4 leaves more than an order of magnitude of headroom for a correct f32 kernel at
   the deepest context, while a real bug costs far more: one skipped 32-row tile (a wrong
   slice bound) measures relL2 1.4e-2 at n_ctx = 20000 and 2.3e-3 at 131072, and a combine

@@ -13,9 +13,12 @@ and the CLI reject the same bad inputs with the same words, before any launch.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from .limits import check_problem
 
 __all__ = ["Dims", "PRESETS", "preset", "DTYPES", "dtype_name", "check_inputs"]
 
@@ -43,7 +46,7 @@ class Dims:
         return replace(self, n_head=int(n_head))
 
 
-# The lecture's 96 heads, DeepSeek-V3's 128, and per-rank shards of them under
+# 96 heads, DeepSeek-V3's 128, and per-rank shards of them under
 # tensor parallelism (96/8 = 12, 128/8 = 16).
 PRESETS = {
     "lecture": Dims(n_head=96),
@@ -80,6 +83,29 @@ def dtype_name(arr, bf16_as_uint16: bool = True) -> str:
     )
 
 
+def _check_array(name: str, arr, ndim: int) -> None:
+    """NumPy or CuPy arrays only: other array types (torch tensors) are named, not read."""
+    mod = type(arr).__module__
+    if mod.startswith("torch"):
+        raise TypeError(
+            f"{name} is a torch tensor ({type(arr).__name__}); pass a NumPy or CuPy array: a "
+            "CUDA torch tensor converts without a copy with cupy.from_dlpack(tensor), a CPU "
+            "one with tensor.numpy() (the functions do not take torch tensors yet)")
+    if not (isinstance(arr, np.ndarray) or mod.startswith("cupy")):
+        raise TypeError(f"{name} must be a NumPy or CuPy array, got {mod}.{type(arr).__name__}")
+    if arr.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(arr.shape)}")
+
+
+def _row_width(q_width: int, cache_width: int) -> int:
+    """The row layout, kv_lora + rope: the cache's, unless q has the standard width and the
+    cache does not (then the cache is the odd one out and is the one blamed)."""
+    standard = Dims().key_dim
+    if q_width != cache_width and q_width == standard:
+        return q_width
+    return cache_width
+
+
 def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = None):
     """Validate one decode step's inputs; return (dims, n_ctx, scale, dtypes).
 
@@ -87,18 +113,27 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
     and CuPy arrays alike (it reads only .shape, .dtype and .ndim).
     """
     for name, arr, nd in (("q", q, 2), ("cache", cache, 2), ("wv_b", wv_b, 3)):
-        if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
-            raise TypeError(f"{name} must be an array, got {type(arr).__name__}")
-        if arr.ndim != nd:
-            raise ValueError(f"{name} must be {nd}-D, got shape {tuple(arr.shape)}")
+        _check_array(name, arr, nd)
     n_head, key_dim = (int(x) for x in q.shape)
     n_alloc, cache_dim = (int(x) for x in cache.shape)
     if n_head < 1:
         raise ValueError(f"q must have at least one head, got shape {tuple(q.shape)}")
     if dims is None:
-        # The cache defines the row layout (kv_lora from wv_b, the rest is rope); q must match.
+        # kv_lora and v_head come from wv_b, the rest of a row is rope.
         v_head, kv_lora = int(wv_b.shape[1]), int(wv_b.shape[2])
-        dims = Dims(n_head=n_head, kv_lora=kv_lora, rope=cache_dim - kv_lora, v_head=v_head)
+        if cache_dim < kv_lora:
+            raise ValueError(f"cache rows ({cache_dim}) are shorter than wv_b's latent dim "
+                             f"({kv_lora})")
+        row = _row_width(key_dim, cache_dim)
+        if row - kv_lora > kv_lora:
+            hint = (f"; is it transposed? [n_head, v_head, kv_lora] would be "
+                    f"{(int(wv_b.shape[0]), kv_lora, v_head)}" if row - v_head <= v_head
+                    else "")
+            raise ValueError(
+                f"wv_b must be [n_head, v_head, kv_lora] with kv_lora the latent part of a "
+                f"{row}-wide row (kv_lora >= rope); got {tuple(wv_b.shape)}, which leaves "
+                f"rope = {row - kv_lora}{hint}")
+        dims = Dims(n_head=n_head, kv_lora=kv_lora, rope=row - kv_lora, v_head=v_head)
     if dims.rope < 0:
         raise ValueError(
             f"cache rows ({cache_dim}) are shorter than wv_b's latent dim ({dims.kv_lora})"
@@ -110,7 +145,8 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
         )
     if cache_dim != dims.key_dim:
         raise ValueError(
-            f"cache must be [N_alloc, kv_lora+rope={dims.key_dim}], got {tuple(cache.shape)}"
+            f"cache must be [N_alloc, kv_lora+rope={dims.key_dim}] (the width of q's rows), "
+            f"got {tuple(cache.shape)}"
         )
     if tuple(int(x) for x in wv_b.shape) != (dims.n_head, dims.v_head, dims.kv_lora):
         raise ValueError(
@@ -121,13 +157,16 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
         raise ValueError("cache must hold at least one row (N_alloc >= 1)")
     if n_ctx is None:
         n_ctx = n_alloc
-    if isinstance(n_ctx, bool) or int(n_ctx) != n_ctx:
+    if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Real) or int(n_ctx) != n_ctx:
         raise TypeError(f"n_ctx must be an integer, got {n_ctx!r}")
     n_ctx = int(n_ctx)
     if not 1 <= n_ctx <= n_alloc:
         raise ValueError(f"n_ctx must be in 1..N_alloc={n_alloc}, got {n_ctx}")
+    check_problem(n_ctx=n_ctx, n_head=n_head)
     if scale is None:
         scale = dims.default_scale
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"scale must be a real number, got {scale!r}")
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")

@@ -10,7 +10,7 @@ Bytes are counted two ways:
   DRAM figure of a perfect kernel, the one to compare with the copy ceiling.
 * **as issued**: what the kernels ask the memory system for. Every head block of
   per_head / split / batched<HPB> streams its slice of the cache itself, so the cache is
-  issued `head_blocks` times (96 times for per_head at 96 heads: the lecture's section 1.1).
+  issued `head_blocks` times (96 times for per_head at 96 heads: each head's block re-reads it).
   How much of it reaches DRAM depends on L2 (blocks in lockstep share lines), so GB/s "as
   issued" may exceed the copy ceiling: that is L2 serving the reuse, not a faster DRAM.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from . import registry
 from .dims import Dims
 
 __all__ = ["DTYPE_BYTES", "Term", "PhaseCost", "attn_cost", "combine_cost", "q_absorb_cost",
@@ -98,8 +99,6 @@ def head_blocks_of(variant_family: str, n_head: int, hpb: int | None) -> int:
 
 
 def _family(variant: str) -> tuple[str, int | None]:
-    from . import registry
-
     v = registry.variant(variant)
     return v.family, v.hpb
 
@@ -221,11 +220,13 @@ def rates(cost: PhaseCost, median_us: float, ceilings: dict | None = None) -> di
     """GB/s (ideal and as issued) and TFLOP/s at `median_us`, and their fractions of the
     measured ceilings ({'copy_GBps', 'gemm_TFLOPs', 'fma_TFLOPs'}; absent keys give None).
     `frac_fma` is the roof of the CUDA-core variants (their arithmetic is FFMA), `frac_gemm`
-    that of the tensor-core ones."""
+    that of the tensor-core ones; `roof` names the phase's own ('GEMM' or 'FMA', roof_of)
+    and `frac_roof` is the fraction of it."""
+    roof = roof_of(cost.variant, cost.phase)
     if median_us is None or not median_us > 0:
         return {"GBps_ideal": None, "GBps_issued": None, "TFLOPs": None,
                 "frac_copy_ideal": None, "frac_copy_issued": None, "frac_gemm": None,
-                "frac_fma": None}
+                "frac_fma": None, "roof": roof, "frac_roof": None}
     s = median_us * 1e-6
     out = {"GBps_ideal": cost.ideal_bytes / s / 1e9, "GBps_issued": cost.issued_bytes / s / 1e9,
            "TFLOPs": cost.flops / s / 1e12}
@@ -236,7 +237,26 @@ def rates(cost: PhaseCost, median_us: float, ceilings: dict | None = None) -> di
     out["frac_gemm"] = out["TFLOPs"] / gemm if gemm else None
     fma = (ceilings or {}).get("fma_TFLOPs")
     out["frac_fma"] = out["TFLOPs"] / fma if fma else None
+    out["roof"] = roof
+    out["frac_roof"] = out["frac_gemm"] if roof == "GEMM" else out["frac_fma"]
     return out
+
+
+# Families whose attention arithmetic runs on the tensor cores: their roof is the GEMM
+# ceiling; every other kernel's arithmetic is FFMA on the CUDA cores.
+TENSOR_CORE_FAMILIES = ("mma", "cublas")
+
+
+def roof_of(variant: str, phase: str = "attn") -> str:
+    """'GEMM' where the phase's arithmetic is tensor-core MMA (the attention of the mma
+    kernels, every phase of the cuBLAS engine), else 'FMA'."""
+    try:
+        family = registry.variant(variant).family
+    except ValueError:  # q_absorb's control row and other non-variant costs
+        return "FMA"
+    if family == "cublas" or (family in TENSOR_CORE_FAMILIES and phase in ("attn", "step")):
+        return "GEMM"
+    return "FMA"
 
 
 def _fmt_bytes(n: int) -> str:

@@ -18,6 +18,9 @@ import tempfile
 from dataclasses import dataclass
 
 from . import registry
+from .api import DecodeStep
+from .dims import Dims
+from .inputs import make_inputs
 from .stalls import KERNEL_METRICS
 
 __all__ = ["NcuError", "NcuRun", "find_ncu", "kernel_filter", "profile_attention"]
@@ -120,10 +123,6 @@ def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
 def _launch(argv: list) -> int:
     """The child ncu profiles: one attn phase of VARIANT H N_CTX CACHE Q SPLITS SEED."""
     import cupy
-
-    from .api import DecodeStep
-    from .dims import Dims
-    from .inputs import make_inputs
 
     variant, n_head, n_ctx, cache, q, splits, seed = argv
     n_head, n_ctx, splits, seed = int(n_head), int(n_ctx), int(splits), int(seed)

@@ -5,7 +5,7 @@ cudaOccMaxActiveBlocksPerMultiprocessor), which is what the driver's occupancy A
 
 * registers: per warp, regs/thread x 32 rounded up to the allocation unit (256); warps are
   placed per SM sub-partition (4 per SM, each a quarter of the register file), so the
-  floor is taken per sub-partition. This is the step function of lecture section 4: at 256
+  floor is taken per sub-partition. This is the register wall's step function: at 256
   threads, 125 registers fit 2 blocks and 148 fit 1.
 * warps: max warps/SM // warps per block.
 * blocks: the per-SM block-slot limit.
@@ -20,6 +20,8 @@ ValueError naming the parameter and the limit, rather than reporting zero blocks
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from .toolkit import device_info
 
 __all__ = ["ArchLimits", "ARCHS", "arch_limits", "Occupancy", "occupancy", "waves",
            "idle_sms", "DeviceLimits", "device_limits"]
@@ -191,7 +193,7 @@ def waves(grid_blocks: int, blocks_per_sm: int, num_sms: int) -> float:
 
 
 def idle_sms(grid_blocks: int, num_sms: int) -> int:
-    """SMs that get no block at all (lecture section 1: 96 blocks on 132 SMs leave 36 idle)."""
+    """SMs that get no block at all (one block per head: 96 blocks on 132 SMs leave 36 idle)."""
     return max(0, num_sms - grid_blocks)
 
 
@@ -222,7 +224,6 @@ def device_limits(device_id: int | None = None) -> DeviceLimits:
     """SM count, L2 size and shared-memory limits of a CUDA device (toolkit.device_info).
 
     Raises RuntimeError (toolkit.NoDeviceError) when CuPy or a device is missing, saying which."""
-    from .toolkit import device_info
 
     d = device_info(device_id)
     return DeviceLimits(

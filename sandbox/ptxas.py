@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import itertools
 import os
-
 import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
 from typing import Iterable, Mapping
 
 from . import toolkit
+from .sources import read_source
 
 __all__ = ["KernelResources", "PtxasParseError", "NvrtcCompileError", "ptxas_report",
            "ptxas_report_source", "compile_log", "parse_ptxas_log"]
@@ -271,7 +271,6 @@ def ptxas_report(instances, arch: str = "sm_90", extra_options=()
     One NVRTC program per source file (text from sources.read_source), every instance's
     name expression added to it, one real compile each.
     """
-    from .sources import read_source
 
     by_source: "OrderedDict[str, dict[str, str]]" = OrderedDict()
     order = []

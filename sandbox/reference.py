@@ -17,6 +17,7 @@ call this directly.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -24,6 +25,7 @@ import numpy as np
 
 from .bf16 import as_f64
 from .dims import check_inputs
+from .limits import check_host_memory
 
 __all__ = ["DecodeResult", "decode", "q_absorb", "to_host", "CHUNK_ROWS"]
 
@@ -62,6 +64,12 @@ def decode(q, cache, wv_b, n_ctx: int | None = None, scale: float | None = None,
     """The float64 reference. Inputs f16 / bf16 (ml_dtypes or uint16 bits) / f32, NumPy or
     CuPy; validated by dims.check_inputs, so errors name the parameter and the limit."""
     dims, n_ctx, scale, _ = check_inputs(q, cache, wv_b, n_ctx, scale)
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral):
+        raise TypeError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be an integer >= 1 (rows widened to float64 at "
+                         f"once), got {chunk_rows}")
+    check_host_memory(n_ctx, dims.n_head, dims.key_dim, engine="the float64 reference")
     q64 = as_f64(to_host(q))
     wv64 = as_f64(to_host(wv_b))
     live = cache[:n_ctx]  # the only rows read, on whichever device they live

@@ -26,9 +26,16 @@ import datetime as _dt
 import inspect
 import os
 from dataclasses import dataclass
+from importlib import metadata
 
-from . import registry
+from . import cublas_engine, registry, toolkit
+from .archs import check_arch, variant_needs
 from .dims import PRESETS, Dims
+from .geometry import theoretical_blocks_per_sm
+from .kernels import blocks_per_sm, device_info
+from .limits import check_problem
+from .repro_template import ENGINE_WRAPPER, NO_ENGINE, TEMPLATE
+from .sources import read_source
 from .splits import SPLIT_MIN_CTX, default_gate, plan_splits
 
 __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_filename",
@@ -79,19 +86,15 @@ class ReproCase:
 
 def _auto_blocks_per_sm(var, inst, cache, q, arch, num_sms):
     """(num_sms, blocks/SM, how) for the 'auto' split rule."""
-    from . import toolkit
 
     ok, why = toolkit.device_available()
     if ok:
-        from .kernels import blocks_per_sm, device_info
-
         info = device_info()
         bps = blocks_per_sm(inst)
         return info.num_sms, bps, (f"the launcher's rule on {info.name}: {info.num_sms} SMs, "
                                    f"{bps} blocks/SM from the driver")
     arch = arch or "sm_90"
     num_sms = num_sms or 132
-    from .geometry import theoretical_blocks_per_sm
 
     row = theoretical_blocks_per_sm(var, cache, q, arch)
     return num_sms, row["blocks_per_sm"], (
@@ -126,6 +129,13 @@ def make_case(variant: str, *, preset: str = "lecture", heads: int | None = None
         splits = int(splits)
     else:
         splits = "auto"
+    check_problem(n_ctx=contexts[-1], n_head=dims.n_head, splits=splits,
+                  names={"n_ctx": "contexts", "n_head": "heads"})
+    if arch is not None:
+        check_arch(arch, "arch")
+        need = variant_needs(arch, v.name)
+        if need:
+            raise ValueError(f"{v.name} needs {need} (arch is {arch})")
     if not v.is_cuda:
         if negative_control:
             raise ValueError("the negative control is a CUDA combine; the cublas engine has none")
@@ -176,7 +186,6 @@ def default_filename(case: ReproCase) -> str:
 
 def _engine_source() -> str:
     """cublas_engine.py, pasted into the script: only its two imports change."""
-    from . import cublas_engine
 
     src = inspect.getsource(cublas_engine)
     future = "from __future__ import annotations\n"
@@ -198,10 +207,6 @@ def _check_embeddable(name: str, text: str) -> str:
 
 def render_script(case: ReproCase, filename: str | None = None) -> str:
     """The script's text."""
-    from importlib import metadata
-
-    from .repro_template import ENGINE_WRAPPER, NO_ENGINE, TEMPLATE
-    from .sources import read_source
 
     try:
         version = metadata.version("mlasandbox")

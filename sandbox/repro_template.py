@@ -20,9 +20,11 @@ NaN, so a kernel that reads past the context fails); compiles the embedded CUDA 
 NVRTC (cupy.RawModule, name_expressions) and launches attn, then combine, with exactly the
 arguments of mlasandbox.api.DecodeStep, each phase synchronized and checked so that an error
 names its phase; compares out, latent and lse with a float64 NumPy reference (two-pass
-softmax); prints the error figures and one PASS/FAIL line.
+softmax); prints the error figures and one PASS / FAIL / ERROR / NOT RUN line.
 
-Exit status: 0 PASS, 1 FAIL (wrong numbers), 2 error (no device, compile, launch or fault).
+Exit status: 0 PASS; 1 FAIL (wrong numbers); 2 ERROR (the kernels did not compile, or a launch
+or a fault stopped them); 3 NOT RUN (no usable CUDA device here: nothing was checked, which
+says nothing about the kernels, and a negative control that is NOT RUN has not failed).
 """
 import argparse
 import contextlib
@@ -307,7 +309,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--include", action="append", default=[],
                     help="directory holding cuda_fp16.h and cuda_bf16.h (repeatable)")
-    ap.add_argument("--quiet", action="store_true", help="print only the PASS/FAIL line")
+    ap.add_argument("--quiet", action="store_true", help="print only the verdict line")
     args = ap.parse_args(argv)
     say = (lambda *a: None) if args.quiet else print
     say(__doc__.splitlines()[0])
@@ -323,8 +325,9 @@ def main(argv=None):
         for k, v in versions():
             say(f"  {k:<13} {v}")
     except Exception as exc:
-        print(f"FAIL: no usable CUDA device ({type(exc).__name__}: {exc})")
-        return 2
+        print(f"NOT RUN: no usable CUDA device ({type(exc).__name__}: {exc}); nothing was "
+              "checked")
+        return 3
     kernels = None
     if ATTN:
         inc = include_dirs(args.include)
@@ -332,7 +335,7 @@ def main(argv=None):
         try:
             kernels = compile_kernels(inc)
         except Exception as exc:
-            print(f"FAIL: compile error ({type(exc).__name__}): {exc}")
+            print(f"ERROR: compile error ({type(exc).__name__}): {exc}")
             return 2
     all_ok = True
     for n_ctx in CONTEXTS:
@@ -346,7 +349,7 @@ def main(argv=None):
                 got = run_engine(q, cache, wv_b, n_ctx)
         except PhaseError as exc:
             print(f"  error: {exc}")
-            print(f"FAIL: {VARIANT} raised a CUDA error at n_ctx={n_ctx} (see above)")
+            print(f"ERROR: {VARIANT} raised a CUDA error at n_ctx={n_ctx} (see above)")
             return 2
         ok, lines = compare(got, reference(q, cache, wv_b, n_ctx))
         for line in lines:

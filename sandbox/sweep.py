@@ -1,13 +1,13 @@
-"""`mlasandbox sweep`: the heads-per-block sweep of lecture section 4, one row per HPB value.
+"""`mlasandbox sweep`: the heads-per-block sweep (the register wall), one row per HPB value.
 
-Per HPB (HPB 1 is `split`, the others `batched<HPB>`), at one context (default 131072, the
-lecture preset): the attention phase's time, registers and spills (ptxas, through NVRTC for
+Per HPB (HPB 1 is `split`, the others `batched<HPB>`), at one context (default 131072, 96
+heads): the attention phase's time, registers and spills (ptxas, through NVRTC for
 the device's arch), static + dynamic shared memory, blocks/SM from the occupancy model and
 from the driver's occupancy API, the split count and the waves of head_blocks x splits over
 the resident slots. The table marks the occupancy step (blocks/SM lower than the previous
 HPB's: the register wall) and the fastest value.
 
-The lecture's point is that the step can be read off the compile (`-Xptxas -v`) before any
+The step can be read off the compile (`-Xptxas -v`) before any
 timing: without a GPU the sweep still prints every column but the time and the driver's
 figure, with the split plan computed from the modelled blocks/SM.
 
@@ -16,8 +16,10 @@ so it is tested on the CPU; `run_sweep` supplies the real ones.
 """
 from __future__ import annotations
 
-from . import registry
+from . import bench_gpu, registry, toolkit
 from .dims import PRESETS, Dims
+from .geometry import occupancy_of
+from .ptxas import ptxas_report
 from .registry import variant_for_hpb
 from .splits import plan_splits
 
@@ -33,7 +35,6 @@ def sweep_rows(*, hpbs, n_ctx: int, dims: Dims, cache: str, q: str, arch: str, n
     """One row per HPB. `report`: {instance name: KernelResources} (ptxas). `measure(hpb)`:
     None (no device) or {'timing': Timing, 'driver_blocks_per_sm': int, 'plan': dict,
     'num_regs': int}."""
-    from .geometry import occupancy_of
 
     rows = []
     for hpb in hpbs:
@@ -90,8 +91,6 @@ def run_sweep(*, n_ctx: int = SWEEP_CTX, preset: str = "lecture", heads: int | N
               timing_kw: dict | None = None, use_gpu: bool | None = None, backend=None,
               progress=None) -> dict:
     """The sweep on the device (use_gpu None: when there is one), else compile-side only."""
-    from . import toolkit
-    from .ptxas import ptxas_report
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
@@ -108,9 +107,7 @@ def run_sweep(*, n_ctx: int = SWEEP_CTX, preset: str = "lecture", heads: int | N
     measure_fn = None
     if use_gpu:
         if backend is None:
-            from .bench_gpu import CupyBackend
-
-            backend = CupyBackend()
+            backend = bench_gpu.CupyBackend()
         meta = backend.meta()
         arch, num_sms = backend.arch, backend.num_sms  # the device's, not the options'
         backend.prepare(dims, n_ctx, cache, q, seed)

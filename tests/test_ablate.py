@@ -51,15 +51,15 @@ def run(*args):
 
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
 def test_ablate_without_a_gpu_says_so_and_exits_1():
-    res = run("ablate", "--variant", "split")
+    res = run("ablate", "--variants", "split")
     assert res.exit_code == 1
     assert "ablate times kernels on a GPU" in res.output
 
 
 def test_ablate_rejects_the_cublas_engine_and_unknown_variants():
     for bad in ("cublas", "nope"):
-        res = run("ablate", "--variant", bad)
-        assert res.exit_code == 2 and "--variant" in res.output, res.output
+        res = run("ablate", "--variants", bad)
+        assert res.exit_code == 2 and "--variants" in res.output, res.output
 
 
 def fake_ablation(variant, real_us, ablated_us, jitter=0.001):
@@ -86,7 +86,7 @@ def test_ablate_table_and_json_with_a_fake_gpu(monkeypatch):
 
     monkeypatch.setattr(ablate_cmd, "_run_ablation", fake_run)
     monkeypatch.setattr(ablate_cmd, "_run_meta", lambda: {"device": "Fake H200", "commit": "abc"})
-    res = run("ablate", "--variant", "split,mma16", "--heads", 96, "--rounds", 3)
+    res = run("ablate", "--variants", "split,mma16", "--heads", 96, "--rounds", 3)
     assert res.exit_code == 0, res.output
     assert [c["variant"] for c in calls] == ["split", "mma16"]
     assert calls[0]["dims"].n_head == 96 and calls[0]["rounds"] == 3
@@ -94,7 +94,7 @@ def test_ablate_table_and_json_with_a_fake_gpu(monkeypatch):
     out = res.output
     assert "14%" in out                                   # 1 - 1841 / 2134
     assert "no measurable difference" in out              # mma16's 0.04% is under the floor
-    res = run("ablate", "--variant", "split", "--json")
+    res = run("ablate", "--variants", "split", "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
     assert doc["ok"] and doc["rows"][0]["share"] == pytest.approx(1 - 1841 / 2134)

@@ -7,7 +7,6 @@ import pytest
 from click.testing import CliRunner
 
 from mlasandbox import registry, schedule, toolkit
-from mlasandbox.cli import main as cli_main
 from mlasandbox.cli.main import main
 
 HAVE_GPU, GPU_REASON = toolkit.device_available()
@@ -89,7 +88,7 @@ def test_regs_table():
 
 
 @pytest.mark.parametrize("args, words", [
-    (("--arch", "compute_90"), "real GPU architecture"),
+    (("--arch", "compute_90"), "--arch must be one of sm_80, sm_86, sm_89, sm_90, sm_100"),
     (("--hpb", "3"), "heads per block"),
     (("--hpb", "x"), "not an integer"),
     (("--cache", "f32"), "f32 not among f16, bf16"),
@@ -107,7 +106,7 @@ def test_regs_bad_arch_json_error_on_stdout():
 
 # ---------------------------------------------------------------------------- grid
 
-def test_grid_per_head_is_the_lecture_section_1():
+def test_grid_per_head_leaves_sms_idle():
     _, g = run_json("grid", "--variant", "per_head", "--heads", "96", "--ctx", "131072",
                     "--blocks-per-sm", "2")
     assert g["grid"] == [96, 1] and g["blocks"] == 96
@@ -128,7 +127,7 @@ def test_grid_split_budgets_the_product():
 
 
 def test_grid_below_the_gate_split_does_not_split_but_batched_does():
-    # the lecture's gate is split's (96 head blocks); batched12's 8 head blocks on one slice
+    # the split gate is split's (96 head blocks); batched12's 8 head blocks on one slice
     # would leave 124 SMs idle, so it has none and its slices only need 4 tiles each
     _, g = run_json("grid", "--variant", "split", "--heads", "96", "--ctx", "4095",
                     "--blocks-per-sm", "5")
@@ -175,7 +174,7 @@ def test_grid_table():
 @pytest.mark.parametrize("args, words", [
     (("--variant", "nope", "--heads", "8", "--ctx", "10"),
      "unknown variant 'nope'; known: " + ", ".join(registry.variant_names())),
-    (("--variant", "split", "--heads", "8", "--ctx", "0"), "0 is not in the range x>=1"),
+    (("--variant", "split", "--heads", "8", "--ctx", "0"), "context lengths must be >= 1"),
     (("--variant", "split", "--heads", "0", "--ctx", "10"), "--heads"),
     (("--variant", "cublas", "--heads", "8", "--ctx", "10"), "no launch geometry"),
     (("--variant", "per_head", "--heads", "8", "--ctx", "10", "--splits", "4"),
@@ -245,12 +244,43 @@ def test_check_fails_when_a_real_check_fails(monkeypatch):
 
 
 def test_check_gpu_hook_failures_fail_the_command(monkeypatch):
+    from mlasandbox.cli import check_cmd
+
     monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: planted"))
-    monkeypatch.setattr(cli_main, "_gpu_checks",
-                        lambda as_json: [{"name": "split vs reference", "ok": False,
-                                          "detail": "planted"}])
+    monkeypatch.setattr(toolkit, "arch_of_device", lambda device=None: "sm_80")
+    seen = {}
+
+    def fake(variants, cache):
+        seen["variants"] = variants
+        return [{"name": "split vs float64 reference", "ok": False, "detail": "planted"}]
+
+    monkeypatch.setattr(check_cmd, "_gpu_checks", fake)
     res, data = run_json("check", "--ctx", "4096", "--seeds", "1", ok=False)
     assert res.exit_code == 1 and data["gpu"][0]["ok"] is False
+    assert "tiled16" not in seen["variants"] and "split" in seen["variants"]
+    assert data["gpu_not_run"] == ["tiled16 (needs sm_90)"]
+    assert data["failed"] == ["GPU split vs float64 reference: planted"]
+    res = run("check", "--ctx", "4096", "--seeds", "1", ok=False)
+    out = " ".join(res.stdout.split())
+    assert "checks FAILED: 1 failed check (listed above), first: GPU split vs" in out
+    assert "GPU check not run: tiled16 (needs sm_90)" in out
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
+def test_check_without_a_gpu_says_it_checked_the_cpu_model_only():
+    res, data = run_json("check", "--ctx", "4096", "--seeds", "1")
+    assert data["checked"] == f"the CPU model only (no GPU: {GPU_REASON})"
+    assert data["gpu"] == [] and data["ok"] is True
+    out = " ".join(run("check", "--ctx", "4096", "--seeds", "1").stdout.split())
+    assert "checked the CPU model only (no GPU:" in out
+
+
+def test_check_says_which_check_failed(monkeypatch):
+    monkeypatch.setattr(schedule, "accuracy_study", _fake_study(2e-6, 3e-7, 3e-7))
+    res = run("check", "--ctx", "20000", "--seeds", "1", "--no-gpu", ok=False)
+    out = " ".join(res.stdout.split())
+    assert "checks FAILED: 1 failed check (listed above), first: schedule model: " \
+           "n_ctx=20000 seed=0 S=8: the combine without rescale passed" in out
 
 
 def test_check_bad_ctx():
@@ -273,28 +303,14 @@ def test_bench_without_gpu_says_so_and_shows_what_runs():
     assert res.exit_code == 1 and "--require-gpu" in res.stderr
 
 
-def test_bench_with_a_gpu_calls_the_hook(monkeypatch):
-    import sys
-    import types
-
-    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: planted"))
-    fake = types.ModuleType("mlasandbox.bench")
-    seen = {}
-
-    def run_bench(**opts):
-        seen.update(opts)
-        return {"ok": True, "timings": []}
-
-    fake.run_bench = run_bench
-    monkeypatch.setitem(sys.modules, "mlasandbox.bench", fake)
-    _, data = run_json("bench")
-    assert data == {"ok": True, "timings": []} and seen["as_json"] is True
-
-
-def test_bench_with_a_gpu_but_no_bench_module(monkeypatch):
-    import sys
-
-    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: planted"))
-    monkeypatch.setitem(sys.modules, "mlasandbox.bench", None)  # import raises ImportError
-    res = run("bench", ok=False)
-    assert res.exit_code == 1 and "mlasandbox.bench" in res.stderr
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU: bench times for real")
+def test_bench_without_gpu_writes_what_it_can(tmp_path):
+    js = tmp_path / "b.json"
+    res = run("bench", "--json", str(js))
+    data = json.loads(js.read_text())
+    assert data["timings"] is None and data["regs"]["rows"] and data["accuracy"]["rows"]
+    assert "No GPU here" in res.stdout and f"wrote {js}" in " ".join(res.stderr.split())
+    for opt, name in (("--csv", "b.csv"), ("--plot", "b.png")):
+        res = run("bench", opt, str(tmp_path / name), ok=False)
+        assert res.exit_code == 1 and f"{opt} needs timings" in res.stderr
+        assert "no GPU here" in res.stderr and not (tmp_path / name).exists()

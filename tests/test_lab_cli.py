@@ -126,13 +126,13 @@ def test_plot_without_matplotlib_says_how_to_get_it(fake_gpu, tmp_path, monkeypa
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
-def test_bench_without_a_gpu_explains_and_keeps_the_old_behaviour(monkeypatch):
-    from mlasandbox.cli import main as main_module
+def test_bench_without_a_gpu_explains_and_shows_what_runs(monkeypatch):
+    from mlasandbox.cli import bench_cmd
 
-    # the no-GPU command's own content is test_cli.py's business: keep it cheap here
-    monkeypatch.setattr(main_module, "cpu_accuracy", lambda *a, **k: ([], {
+    # the no-GPU report's own content is test_cli.py's business: keep it cheap here
+    monkeypatch.setattr(bench_cmd, "cpu_accuracy", lambda *a, **k: ([], {
         "ok": True, "problems": [], "median_gain": 1.0, "tolerance": 1e-4}))
-    monkeypatch.setattr(main_module, "_regs_rows", lambda *a, **k: [])
+    monkeypatch.setattr(bench_cmd, "regs_rows", lambda *a, **k: [])
     res = run("bench", "--explain", "--variants", "per_head,batched12")
     out = " ".join(res.stdout.split())
     assert "Byte and FLOP formulas" in out and "No GPU here" in out and "blocks/SM" in out
@@ -162,7 +162,8 @@ def test_sweep_without_a_gpu_json():
 
 def test_sweep_bad_input():
     res = run("sweep", "--hpb", "3", "--no-gpu", ok=False)
-    assert res.exit_code == 2 and "heads_per_block" in " ".join(res.stderr.split())
+    assert res.exit_code == 2 and "heads per block must be among 1, 2, 4" in " ".join(
+        res.stderr.split())
 
 
 # ---------------------------------------------------------------------------- repro

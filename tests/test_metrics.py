@@ -96,3 +96,17 @@ def test_explain_lines_spell_out_every_term():
     assert "x head_blocks 8" in text and "as issued" in text and "total: ideal" in text
     assert metrics.explain_lines(metrics.attn_cost("cublas", LECTURE, 64))[-1].startswith(
         "    note:")
+
+
+@pytest.mark.parametrize("variant, phase, roof", [
+    ("mma16", "attn", "GEMM"), ("mma32", "step", "GEMM"), ("cublas", "attn", "GEMM"),
+    ("mma16", "combine", "FMA"), ("tiled16", "attn", "FMA"), ("batched12", "attn", "FMA"),
+    ("split", "step", "FMA"),
+])
+def test_each_phase_is_measured_against_its_own_roof(variant, phase, roof):
+    c = metrics.phase_cost(phase, variant, LECTURE, 131072, splits=8)
+    ceil = {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0, "fma_TFLOPs": 65.0}
+    r = metrics.rates(c, 100.0, ceil)
+    assert r["roof"] == roof == metrics.roof_of(variant, phase)
+    assert r["frac_roof"] == (r["frac_gemm"] if roof == "GEMM" else r["frac_fma"])
+    assert r["frac_roof"] == pytest.approx(r["TFLOPs"] / (700.0 if roof == "GEMM" else 65.0))

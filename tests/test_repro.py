@@ -201,8 +201,12 @@ def test_the_scripts_bf16_helpers_are_the_librarys(tmp_path, seeds):
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
-def test_without_a_gpu_the_script_says_so_and_exits_2(tmp_path, capsys):
-    ns, _, _ = script_ns(tmp_path, repro.make_case("split", blocks_per_sm=2))
-    assert ns["main"]([]) == 2
+@pytest.mark.parametrize("control", [False, True])
+def test_without_a_gpu_the_script_says_not_run_and_exits_3(tmp_path, capsys, control):
+    """'Could not run' is neither a pass nor the negative control's expected FAIL."""
+    case = repro.make_case("split", blocks_per_sm=2, contexts=(20000,), negative_control=control)
+    ns, _, _ = script_ns(tmp_path, case)
+    assert ns["main"]([]) == 3
     out = capsys.readouterr().out
-    assert "FAIL: no usable CUDA device" in out and "variant split" in out
+    assert "NOT RUN: no usable CUDA device" in out and "variant split" in out
+    assert "FAIL:" not in out and "PASS:" not in out

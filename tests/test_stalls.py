@@ -2,10 +2,10 @@
 
 The claims: instructions that ran equally often form one block, so a kernel's loops stand
 out; within a block an opcode whose share of the samples is far above its share of the
-instructions is where warps wait. The recorded profile of tiled16 at 16 heads
-(results/h200-2026-11-30-f8ff5b9/ncu_tiled16_sass.csv.gz) must read back as
-tiled16_where_cycles_go.txt says: the score loop, 295 instructions run 147,456 times, whose 16
-f16 -> f32 conversions hold over three times their share of its instructions in samples.
+instructions is where warps wait. A recorded profile of tiled16 at 16 heads on an H200
+(tests/data/ncu_tiled16_sass.csv.gz) must read back as the kernel is known to run: the score
+loop, 295 instructions run 147,456 times, whose 16 f16 -> f32 conversions hold over three
+times their share of its instructions in samples.
 """
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ from mlasandbox.cli.main import main
 
 from gpu_support import HAVE_GPU, gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RECORDED = os.path.join(ROOT, "results", "h200-2026-11-30-f8ff5b9", "ncu_tiled16_sass.csv.gz")
+RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                        "ncu_tiled16_sass.csv.gz")
 
 HEADER = ('"Address","Source","Instructions Executed","stall_selected","stall_math",'
           '"stall_wait","stall_selected (Not Issued)"')

@@ -1,0 +1,326 @@
+"""The options every command shares, parsed one way: lists, contexts, arch, variants, --json,
+output files, and the exit codes of bad input (2) and failure (1).
+
+Every value is checked when click parses it, so a bad input exits 2 before any work.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mlasandbox import archs, limits, registry
+from mlasandbox.dims import PRESETS
+
+from .render import emit_json, jsonable
+
+__all__ = ["int_list", "str_list", "auto_or_int", "OutputFile", "json_option", "write_json",
+           "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
+           "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
+           "arch_option", "timing_options", "preset_option", "q_option", "variants_option",
+           "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of"]
+
+DEFAULT_PRESET = "lecture"
+Q_CHOICES = ("f32", "cache")
+
+
+def int_list(ctx, param, value):
+    if value is None:
+        return None
+    out = []
+    for part in str(value).split(","):
+        part = part.strip()
+        if not part:
+            continue
+        try:
+            out.append(int(part))
+        except ValueError:
+            raise click.BadParameter(f"{part!r} is not an integer") from None
+    if not out:
+        raise click.BadParameter("give at least one value")
+    return tuple(out)
+
+
+def str_list(choices):
+    def cb(ctx, param, value):
+        if value is None:
+            return None
+        out = tuple(p.strip() for p in str(value).split(",") if p.strip())
+        bad = [p for p in out if p not in choices]
+        if bad or not out:
+            raise click.BadParameter(
+                f"{', '.join(bad) or 'nothing'} not among {', '.join(choices)}")
+        return out
+    return cb
+
+
+def auto_or_int(ctx, param, value):
+    """'auto' or an integer >= 1 (blocks per SM)."""
+    if value in (None, "auto"):
+        return "auto"
+    try:
+        v = int(value)
+    except ValueError:
+        raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {value!r}") from None
+    if v < 1:
+        raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {v}")
+    return v
+
+
+def _splits(value):
+    v = auto_or_int(None, None, value)
+    if v != "auto":
+        try:
+            limits.check_problem(splits=v)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc)) from None
+    return v
+
+
+def timing_options(target_ms: float):
+    """--repeats, --min-repeats, --target-ms and --seed of the timed commands."""
+    def deco(f):
+        for opt in reversed((
+            click.option("--repeats", type=click.IntRange(min=1), default=100,
+                         show_default=True, help="Most timed runs per measurement."),
+            click.option("--min-repeats", type=click.IntRange(min=1), default=10,
+                         show_default=True,
+                         help="Fewest timed runs per measurement (long phases stop here)."),
+            click.option("--target-ms", type=click.FloatRange(min=0.1), default=target_ms,
+                         show_default=True,
+                         help="GPU time each measurement aims for (sets the runs between "
+                              "the two)."),
+            click.option("--seed", type=int, default=0, show_default=True,
+                         help="Seed of the inputs."),
+        )):
+            f = opt(f)
+        return f
+    return deco
+
+
+def hpb_list(ctx, param, value):
+    """Comma-separated heads-per-block values, each among the instantiated ones."""
+    vals = int_list(ctx, param, value)
+    for h in vals or ():
+        if h not in registry.HPB_VALUES:
+            raise click.BadParameter(f"heads per block must be among "
+                                     f"{', '.join(map(str, registry.HPB_VALUES))} (the "
+                                     f"instantiated values), got {h}")
+    return vals
+
+
+def _ctx_list(multiple: bool):
+    def cb(ctx, param, value):
+        vals = int_list(ctx, param, value)
+        if vals is None:
+            return None
+        if not multiple and len(vals) != 1:
+            raise click.BadParameter(f"takes one context length, got {len(vals)}")
+        for v in vals:
+            if v < 1:
+                raise click.BadParameter(f"context lengths must be >= 1, got {v}")
+            try:
+                limits.check_problem(n_ctx=v, names={"n_ctx": "a context length"})
+            except ValueError as exc:
+                raise click.BadParameter(str(exc)) from None
+        return vals if multiple else vals[0]
+    return cb
+
+
+def ctx_option(default, multiple: bool = True, dest: str = "contexts", help: str | None = None):
+    """`--ctx`: comma-separated context lengths (one where the command takes one), each in
+    1..limits.MAX_CTX."""
+    if help is None:
+        help = ("Context lengths n_ctx, comma-separated." if multiple else
+                "Context length n_ctx.")
+    dflt = None if default is None else (",".join(map(str, default)) if multiple else
+                                         str(default))
+    return click.option("--ctx", dest, callback=_ctx_list(multiple), default=dflt,
+                        show_default=dflt is not None, help=help)
+
+
+def _heads(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        limits.check_problem(n_head=value, names={"n_head": "heads"})
+    except (ValueError, TypeError) as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
+def heads_option(default=None, help="Query heads (overrides the preset's)."):
+    return click.option("--heads", type=click.IntRange(min=1), default=default,
+                        show_default=default is not None, callback=_heads, help=help)
+
+
+def splits_option(help="'auto' (the split rule) or a split count S (1..65535)."):
+    return click.option("--splits", callback=lambda c, p, v: _splits(v), default="auto",
+                        show_default=True, help=help)
+
+
+def _arch(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return archs.check_arch(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+def arch_option(help="Architecture to compile for without a GPU."):
+    return click.option("--arch", default="sm_90", show_default=True, callback=_arch,
+                        help=f"{help} One of {', '.join(archs.ARCH_NAMES)}.")
+
+
+def preset_option(default=DEFAULT_PRESET):
+    return click.option("--preset", type=click.Choice(sorted(PRESETS)), default=default,
+                        show_default=True,
+                        help="Head dims preset: 96 heads ('lecture'), dsv3 128, and their "
+                             "tensor-parallel shards (-tp8: 12, 16).")
+
+
+def cache_option(multiple: bool = False):
+    if multiple:
+        return click.option("--cache", "caches", callback=str_list(("f16", "bf16")),
+                            default="f16", show_default=True,
+                            help="Cache dtypes, comma-separated (f16, bf16).")
+    return click.option("--cache", type=click.Choice(["f16", "bf16"]), default="f16",
+                        show_default=True, help="Cache dtype.")
+
+
+def q_option(multiple: bool = False):
+    """`--q`: f32 or the cache dtype, everywhere."""
+    if multiple:
+        return click.option("--q", "qs", callback=str_list(Q_CHOICES), default="f32,cache",
+                            show_default=True,
+                            help="q dtypes, comma-separated: f32 and/or cache (the cache "
+                                 "dtype).")
+    return click.option("--q", "q_dtype", type=click.Choice(Q_CHOICES), default="f32",
+                        show_default=True, help="q dtype: f32, or cache (the cache dtype).")
+
+
+def q_of(q_dtype: str, cache: str) -> str:
+    return cache if q_dtype == "cache" else q_dtype
+
+
+def variants_option(choices=None, default=None, help=None):
+    """`--variants`: a comma-separated list of registry variants."""
+    choices = tuple(choices or registry.variant_names())
+    return click.option("--variants", "variants", callback=str_list(choices),
+                        default=None if default is None else ",".join(default),
+                        show_default=default is not None,
+                        help=help or f"Variants, comma-separated, among {', '.join(choices)}.")
+
+
+class OutputFile(click.Path):
+    """A file the command will write, checked when the option is parsed: its directory
+    exists and takes a new file, it is not a directory or a device. '-' is stdout where the
+    option allows it."""
+
+    name = "output file"
+
+    def __init__(self, allow_dash: bool = False):
+        super().__init__(dir_okay=False, allow_dash=allow_dash)
+
+    def convert(self, value, param, ctx):
+        if self.allow_dash and value == "-":
+            return value
+        path = os.fspath(value)
+        problem = output_problem(path)
+        if problem:
+            self.fail(problem, param, ctx)
+        return path
+
+
+def output_problem(path: str, directory: bool = False) -> str | None:
+    """Why `path` cannot be written (a file, or a directory to create), or None."""
+    if os.path.isdir(path):
+        if not directory:
+            return f"{path!r} is a directory"
+        target = path
+    elif os.path.exists(path):
+        if directory:
+            return f"{path!r} exists and is not a directory"
+        if not os.path.isfile(path):
+            return f"{path!r} is not a regular file (a device or a pipe); give a file path"
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as exc:
+            return f"{path!r} is not writable ({exc.strerror})"
+        return None
+    else:
+        target = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(target):
+            return f"directory {target!r} does not exist"
+    try:
+        fd, probe = tempfile.mkstemp(dir=target, prefix=".mlasandbox-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"directory {target!r} does not take new files ({exc.strerror})"
+    return None
+
+
+def output_option(*names, help: str, dest: str | None = None):
+    decls = list(names) + ([dest] if dest else [])
+    return click.option(*decls, type=OutputFile(), default=None, metavar="FILE", help=help)
+
+
+def json_option(f):
+    """`--json` alone: JSON on stdout instead of tables (every command); `--json FILE`:
+    tables on stdout and the JSON written to FILE (checked before any work)."""
+    return click.option("--json", "json_out", type=OutputFile(allow_dash=True), is_flag=False,
+                        flag_value="-", default=None, metavar="[FILE]",
+                        help="JSON on stdout instead of tables, or with FILE: write it there.")(f)
+
+
+class JsonAwareException(click.ClickException):
+    """A failure (exit 1) whose JSON error object carries a payload."""
+
+    def __init__(self, message: str, payload: dict | None = None, exit_code: int = 1):
+        super().__init__(message)
+        self.payload = payload or {}
+        self.exit_code = exit_code
+
+
+def bad_input(msg: str):
+    """Exit 2 with `msg` (the group adds the JSON error object under --json)."""
+    raise click.UsageError(msg)
+
+
+def write_json(obj, path) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(jsonable(obj), f, indent=2)
+            f.write("\n")
+    except OSError as exc:
+        raise click.ClickException(f"could not write {path}: {exc.strerror}") from None
+
+
+def deliver_json(result, json_out, err: Console) -> bool:
+    """Where `--json` sends a finished result: to FILE (saying so on `err`), or to stdout
+    instead of the tables. True when it went to stdout (the command prints nothing else)."""
+    if json_out == "-":
+        emit_json(result)
+        return True
+    if json_out:
+        write_json(result, json_out)
+        err.print(f"wrote {escape(str(json_out))}")
+    return False
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, highlight=False, emoji=False)
+
+
+def progress_bar(console: Console) -> Progress:
+    return Progress(TextColumn("{task.description}", style="bold"), BarColumn(),
+                    MofNCompleteColumn(), TimeElapsedColumn(), console=console,
+                    transient=False)

@@ -1,0 +1,246 @@
+"""Every bad input: exit 2 with a message naming the parameter and the limit, before any work.
+
+Each case runs the real command through CliRunner; the ones that would compile or time
+something first (sweep, stalls) are checked not to start that work.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from mlasandbox import limits, reference
+from mlasandbox.archs import ARCH_NAMES
+from mlasandbox.cli.main import main
+from mlasandbox.dims import Dims, check_inputs
+from mlasandbox.inputs import make_inputs
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def words(res) -> str:
+    return " ".join(res.stderr.split())
+
+
+def unwritable_dir(tmp_path) -> str:
+    """A directory that takes no new file: chmod'ed for a user, /sys for root (whom file
+    modes do not stop)."""
+    if os.geteuid() != 0:
+        d = tmp_path / "ro"
+        d.mkdir()
+        d.chmod(0o500)
+        return str(d)
+    if not os.path.isdir("/sys") or os.access("/sys", os.W_OK) and _writable("/sys"):
+        pytest.skip("no directory here refuses a new file to root")
+    return "/sys"
+
+
+def _writable(d) -> bool:
+    try:
+        open(os.path.join(d, ".probe"), "w").close()
+    except OSError:
+        return False
+    os.unlink(os.path.join(d, ".probe"))
+    return True
+
+
+# ---------------------------------------------------------------------------- arch
+
+ARCH_LIMIT = f"--arch must be one of {', '.join(ARCH_NAMES)}"
+ARCH_COMMANDS = [
+    ("regs",), ("sweep", "--no-gpu"), ("bench",),
+    ("grid", "--variant", "split", "--heads", "8", "--ctx", "10"),
+    ("repro", "--variant", "split"),
+]
+
+
+@pytest.mark.parametrize("cmd", ARCH_COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize("arch", ["sm_12", "sm_90a", "compute_90"])
+def test_every_command_rejects_an_unknown_arch_the_same_way(cmd, arch):
+    res = run(*cmd, "--arch", arch)
+    assert res.exit_code == 2, res.output
+    assert ARCH_LIMIT in words(res) and repr(arch) in words(res)
+    assert "NVRTC" not in res.output and "Traceback" not in res.output
+
+
+def test_regs_on_an_older_arch_says_which_kernel_needs_sm_90_and_prints_the_rest():
+    res = run("regs", "--arch", "sm_80", "--cache", "f16", "--q", "f32", "--json")
+    assert res.exit_code == 0, res.output
+    rows = {r["name"]: r for r in json.loads(res.stdout)["rows"]}
+    assert rows["attn_tiled<hpb=16,cache=f16,q=f32>"]["needs"] == "sm_90"
+    others = [r for n, r in rows.items() if not n.startswith("attn_tiled")]
+    assert others and all(r["registers"] > 0 for r in others)
+
+
+def test_grid_of_a_kernel_the_arch_cannot_build():
+    res = run("grid", "--variant", "tiled16", "--heads", "16", "--ctx", "4096", "--arch",
+              "sm_86")
+    assert res.exit_code == 2 and "tiled16 needs sm_90" in words(res)
+
+
+# ---------------------------------------------------------------------------- output paths
+
+def _output_cases(tmp_path):
+    ro = unwritable_dir(tmp_path)
+    return [("/nonexistent_dir/x.py", "directory '/nonexistent_dir' does not exist"),
+            (os.path.join(ro, "x.py"), f"directory {ro!r} does not take new files"),
+            ("/dev/full", "'/dev/full' is not a regular file"),
+            (str(tmp_path), "is a directory")]
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_repro_output_path_is_checked(tmp_path, case):
+    path, msg = _output_cases(tmp_path)[case]
+    res = run("repro", "--variant", "split", "--blocks-per-sm", "2", "-o", path)
+    assert res.exit_code == 2 and "'-o' / '--output'" in words(res) and msg in words(res)
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_json_file_is_checked_before_any_work(tmp_path, case, monkeypatch):
+    from mlasandbox.cli import sweep_cmd
+
+    path, msg = _output_cases(tmp_path)[case]
+    monkeypatch.setattr(sweep_cmd, "_run_sweep", lambda **k: pytest.fail("sweep ran"))
+    res = run("sweep", "--no-gpu", "--json", path)
+    assert res.exit_code == 2 and "'--json'" in words(res) and msg in words(res)
+
+
+def test_stalls_json_file_is_checked_before_reading(tmp_path):
+    res = run("stalls", "--from", tmp_path / "absent.csv", "--json", "/nonexistent/x.json")
+    assert res.exit_code == 2 and "directory '/nonexistent' does not exist" in words(res)
+
+
+@pytest.mark.parametrize("opt", ["--csv", "--plot"])
+def test_bench_output_files_are_checked(opt):
+    res = run("bench", opt, "/nonexistent_dir/b.out")
+    assert res.exit_code == 2 and f"'{opt}'" in words(res) and "does not exist" in words(res)
+
+
+def test_stalls_from_a_file_that_is_not_gzip(tmp_path):
+    bad = tmp_path / "x.csv.gz"
+    bad.write_text("Address,Source\n")
+    res = run("stalls", "--from", bad)
+    assert res.exit_code == 2 and "'--from'" in words(res)
+    assert "is not a gzip-compressed ncu CSV" in words(res)
+
+
+# ---------------------------------------------------------------------------- limits
+
+HUGE = "99999999999999999999999"
+
+
+@pytest.mark.parametrize("cmd", [
+    ("grid", "--variant", "split", "--heads", "8", "--blocks-per-sm", "2", "--ctx", HUGE),
+    ("repro", "--variant", "split", "--ctx", HUGE),
+    ("check", "--ctx", "99999999999"),
+    ("sweep", "--no-gpu", "--ctx", HUGE),
+    ("bench", "--ctx", HUGE),
+], ids=lambda c: c[0])
+def test_contexts_past_the_int32_limit(cmd):
+    res = run(*cmd)
+    assert res.exit_code == 2, res.output
+    assert "'--ctx'" in words(res) and f"<= {limits.MAX_CTX:,}" in words(res)
+    assert "int32" in words(res)
+
+
+@pytest.mark.parametrize("cmd", [
+    ("grid", "--variant", "split", "--ctx", "10", "--blocks-per-sm", "2"),
+    ("repro", "--variant", "split"),
+], ids=lambda c: c[0])
+def test_heads_past_the_int32_limit(cmd):
+    res = run(*cmd, "--heads", "99999999999")
+    assert res.exit_code == 2 and "'--heads'" in words(res)
+    assert f"<= {limits.MAX_HEADS:,}" in words(res)
+
+
+@pytest.mark.parametrize("cmd", [
+    ("grid", "--variant", "split", "--heads", "8", "--ctx", "10", "--blocks-per-sm", "2"),
+    ("repro", "--variant", "split"), ("check", "--ctx", "4096"),
+], ids=lambda c: c[0])
+def test_splits_past_the_grid_limit(cmd):
+    res = run(*cmd, "--splits", "100000")
+    assert res.exit_code == 2 and "'--splits'" in words(res)
+    assert "<= 65,535" in words(res) and "grid's y dimension" in words(res)
+
+
+def test_check_context_past_host_memory(monkeypatch):
+    # 2e6 rows x (6 x 576 + 12 x 12) B = 7.2 GB, over the 1 GiB this test pretends to have
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 30)
+    res = run("check", "--ctx", "2000000")
+    assert res.exit_code == 2 and "n_ctx 2,000,000 with 12 heads needs about 6.7 GiB" \
+        in words(res)
+    assert "this machine has 1.0 GiB" in words(res)
+
+
+def test_the_shared_validation_names_the_callers_parameter():
+    with pytest.raises(ValueError, match=r"n_ctx must be <= 2,147,418,113"):
+        limits.check_problem(n_ctx=limits.MAX_CTX + 1)
+    limits.check_problem(n_ctx=limits.MAX_CTX, n_head=limits.MAX_HEADS,
+                         splits=limits.MAX_SPLITS)
+    # the kernels' slice length (n_ctx + S - 1) / S stays in int32 at both limits
+    assert limits.MAX_CTX + limits.MAX_SPLITS - 1 <= 2**31 - 1
+    with pytest.raises(ValueError, match="--splits must be <= 65,535"):
+        limits.check_problem(splits=65536, names={"splits": "--splits"})
+
+
+# ---------------------------------------------------------------------------- conventions
+
+def test_grid_names_the_hpb_limit():
+    res = run("grid", "--variant", "batched", "--hpb", "5", "--heads", "16", "--ctx", "4096")
+    assert res.exit_code == 2 and "'--hpb'" in words(res)
+    assert "among 1, 2, 4, 8, 12, 16, 24" in words(res) and "batched5" not in words(res)
+
+
+@pytest.mark.parametrize("cmd", [
+    ("regs", "--cache", "f32"), ("grid", "--variant", "split"),
+    ("sweep", "--ctx", "x"), ("check", "--seeds", "0"), ("repro", "--variant", "nope"),
+], ids=lambda c: c[0])
+def test_click_errors_print_the_json_error_object(cmd):
+    res = run(*cmd, "--json")
+    assert res.exit_code == 2
+    data = json.loads(res.stdout)
+    assert data["ok"] is False and data["error"]
+
+
+# ---------------------------------------------------------------------------- the library
+
+@pytest.fixture
+def args():
+    return make_inputs(Dims(n_head=4), 50, seed=1).decode_args()
+
+
+class FakeTorchTensor:
+    """Stands in for torch.Tensor: the check goes by the type's module, never imports torch."""
+
+    __module__ = "torch"
+    shape, ndim, dtype = (4, 576), 2, "torch.float16"
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (lambda a: {"cache": a["cache"][:, :512]}, ValueError,
+     r"cache must be \[N_alloc, kv_lora\+rope=576\]"),
+    (lambda a: {"wv_b": np.ascontiguousarray(a["wv_b"].transpose(0, 2, 1))}, ValueError,
+     r"wv_b must be \[n_head, v_head, kv_lora\].*is it transposed\? .* \(4, 128, 512\)"),
+    (lambda a: {"scale": "abc"}, TypeError, "scale must be a real number, got 'abc'"),
+    (lambda a: {"chunk_rows": 0}, ValueError, "chunk_rows must be an integer >= 1"),
+    (lambda a: {"chunk_rows": -5}, ValueError, "chunk_rows must be an integer >= 1"),
+    (lambda a: {"chunk_rows": 2.5}, TypeError, "chunk_rows must be an integer"),
+    (lambda a: {"q": FakeTorchTensor()}, TypeError, r"q is a torch tensor.*cupy\.from_dlpack"),
+    (lambda a: {"cache": [[0.0] * 576]}, TypeError, "cache must be a NumPy or CuPy array"),
+])
+def test_reference_names_the_parameter(args, change, exc, match):
+    args.update(change(args))
+    with pytest.raises(exc, match=match):
+        reference.decode(**args)
+
+
+def test_a_cache_too_wide_for_q_blames_q_and_one_too_narrow_blames_the_cache(args):
+    with pytest.raises(ValueError, match="^q must be"):
+        check_inputs(args["q"][:, :500], args["cache"], args["wv_b"])
+    with pytest.raises(ValueError, match="^cache must be"):
+        check_inputs(args["q"], args["cache"][:, :520], args["wv_b"])
