@@ -1,7 +1,7 @@
 """`mlasandbox bench`: the timed depth curve (mlasandbox.bench) on a GPU, and what runs
 without one.
 
-With no arguments: the 96-head preset (`lecture`, f16 cache), contexts 64 .. 131072, every
+With no arguments: the 96-head preset (`h96`, f16 cache), contexts 64 .. 131072, every
 variant and the cuBLAS engine; a progress bar on stderr, then the tables on stdout. Files:
 `--json FILE`, `--csv FILE`, `--plot FILE.png`; `--vs BASELINE.json` compares with a saved
 run. Without a GPU: says so, shows the compile-side tables (registers, occupancy) and the

@@ -24,7 +24,7 @@ __all__ = ["check", "cpu_accuracy", "CHECK_CTXS", "CHECK_SEEDS"]
 # (12287/12288/12289) and 20000, several seeds.
 CHECK_CTXS = (1, 4095, 4096, 4097, 12287, 12288, 12289, 20000)
 CHECK_SEEDS = 3
-STUDY_PRESET = "lecture-tp8"  # 12 heads: a tensor-parallel shard, the study's default dims
+STUDY_PRESET = "h96-tp8"  # 12 heads: a tensor-parallel shard, the study's default dims
 
 
 def cpu_accuracy(ctxs, seeds, splits="auto", preset: str | None = None,

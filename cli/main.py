@@ -115,7 +115,7 @@ def collect_info() -> dict:
     ok, why = toolkit.device_available()
     if ok:
         try:
-            info["device"] = toolkit.device_info()
+            info["device"] = toolkit.device_properties()
         except Exception as exc:  # listed but unusable: say so, no traceback
             info["device"] = None
             info["device_reason"] = f"{why}, but its properties could not be read: {exc}"

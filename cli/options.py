@@ -25,7 +25,7 @@ __all__ = ["int_list", "str_list", "auto_or_int", "OutputFile", "json_option", "
            "arch_option", "timing_options", "preset_option", "q_option", "variants_option",
            "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of"]
 
-DEFAULT_PRESET = "lecture"
+DEFAULT_PRESET = "h96"
 Q_CHOICES = ("f32", "cache")
 
 
@@ -181,7 +181,7 @@ def arch_option(help="Architecture to compile for without a GPU."):
 def preset_option(default=DEFAULT_PRESET):
     return click.option("--preset", type=click.Choice(sorted(PRESETS)), default=default,
                         show_default=True,
-                        help="Head dims preset: 96 heads ('lecture'), dsv3 128, and their "
+                        help="Head dims preset: 96 heads ('h96'), dsv3 128, and their "
                              "tensor-parallel shards (-tp8: 12, 16).")
 
 

@@ -105,7 +105,7 @@ def grid(variant_name, heads, ctx, splits, hpb, sms, bps, arch, cache, q_dtype, 
                                  f"{', '.join(map(str, HPB_VALUES))} (the instantiated values), "
                                  f"got {hpb}", param_hint="'--hpb'")
     try:
-        var = geometry.resolve_variant(variant_name, hpb)
+        var = registry.resolve_variant(variant_name, hpb, option="--hpb")
         need = archs.variant_needs(arch, var.name)
         if need and bps == "auto":
             raise ValueError(f"{var.name} needs {need}: its 'auto' occupancy cannot be "

@@ -17,6 +17,7 @@ from .cublas_engine import cublas_attention, cublas_projection
 from .dims import Dims, check_inputs, dtype_name
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
+from .limits import check_problem
 from .reference import DecodeResult
 from .splits import SplitPlan, plan_splits
 
@@ -87,6 +88,7 @@ class DecodeStep:
 
         var = registry.resolve_variant(variant, heads_per_block, default_hpb=DEFAULT_BATCHED_HPB)
         self.dims, self.n_ctx, self.scale, dts = check_inputs(q, cache, wv_b, n_ctx, scale)
+        check_problem(splits=splits)
         for name, arr in (("q", q), ("cache", cache), ("wv_b", wv_b)):
             _check_device_array(name, arr)
         if var.is_cuda:

@@ -9,19 +9,9 @@ from __future__ import annotations
 from . import registry
 from .occupancy import ARCHS
 
-__all__ = ["ARCH_NAMES", "MIN_ARCH", "check_arch", "arch_number", "variant_needs",
-           "instance_needs"]
+__all__ = ["ARCH_NAMES", "check_arch", "arch_number", "variant_needs", "instance_needs"]
 
 ARCH_NAMES = tuple(ARCHS)
-
-# Kernel family -> the oldest arch its source compiles for. attn_tiled waits on its tile
-# buffers with mbarrier.try_wait.parity, which PTX offers from sm_90 on; every other family
-# compiles for each arch of the table. (A fact of the kernel: it belongs on KernelInstance.)
-MIN_ARCH = {"tiled": "sm_90"}
-
-# The family of each attention source file, derived from the registry.
-_SOURCE_FAMILY = {registry.attention_instance(v).source: v.family
-                  for v in registry.VARIANTS.values() if v.is_cuda}
 
 
 def check_arch(arch, param: str = "--arch") -> str:
@@ -37,18 +27,13 @@ def arch_number(arch: str) -> int:
     return int(check_arch(arch)[3:])
 
 
-def _needs(arch: str, family: str | None) -> str | None:
-    need = MIN_ARCH.get(family)
-    if need is not None and arch_number(arch) < arch_number(need):
-        return need
-    return None
+def instance_needs(arch: str, inst) -> str | None:
+    """The arch a KernelInstance needs (its `min_arch`) when `arch` is too old for it."""
+    need = inst.min_arch
+    return need if arch_number(arch) < int(need[3:]) else None
 
 
 def variant_needs(arch: str, variant_name: str) -> str | None:
-    """The arch a variant needs when `arch` is too old for it, else None."""
-    return _needs(arch, registry.variant(variant_name).family)
-
-
-def instance_needs(arch: str, inst) -> str | None:
-    """The arch a KernelInstance needs when `arch` is too old for it, else None."""
-    return _needs(arch, _SOURCE_FAMILY.get(inst.source))
+    """The arch a variant's attention kernel needs when `arch` is too old for it, else None."""
+    var = registry.variant(variant_name)
+    return instance_needs(arch, registry.attention_instance(var)) if var.is_cuda else None

@@ -27,7 +27,7 @@ _LAUNCH_US = 5.0
 @dataclass(frozen=True)
 class BenchConfig:
     dims: Dims
-    preset: str | None = "lecture"
+    preset: str | None = "h96"
     contexts: tuple = DEFAULT_CONTEXTS
     variants: tuple = tuple(registry.variant_names())
     cache_dtypes: tuple = ("f16",)
@@ -67,14 +67,14 @@ def q_dtype_of(cfg_q: str, cache_dtype: str) -> str:
     return cache_dtype if cfg_q == "cache" else cfg_q
 
 
-def make_config(*, preset: str | None = "lecture", heads: int | None = None,
+def make_config(*, preset: str | None = "h96", heads: int | None = None,
                 dims: Dims | None = None, contexts=None, variants=None, hpbs=None,
                 cache_dtypes=None, q_dtype: str = "f32", splits="auto", **kw) -> BenchConfig:
     """Validate the options into a BenchConfig (ValueError naming the bad one)."""
     if dims is None:
         if preset is not None and preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-        dims = PRESETS[preset or "lecture"]
+        dims = PRESETS[preset or "h96"]
     if heads is not None:
         if int(heads) != heads or heads < 1:
             raise ValueError(f"heads must be an integer >= 1, got {heads!r}")

@@ -80,7 +80,7 @@ def run_meta() -> dict:
     """Device, versions, commit and date: what a results file must say about itself."""
     import cupy
 
-    dev = toolkit.device_info(cupy.cuda.Device().id)
+    dev = toolkit.device_properties(cupy.cuda.Device().id)
     try:
         nvrtc = "%d.%d" % toolkit.nvrtc_version()
     except Exception:

@@ -49,9 +49,9 @@ class Dims:
 # 96 heads, DeepSeek-V3's 128, and per-rank shards of them under
 # tensor parallelism (96/8 = 12, 128/8 = 16).
 PRESETS = {
-    "lecture": Dims(n_head=96),
+    "h96": Dims(n_head=96),
     "dsv3": Dims(n_head=128),
-    "lecture-tp8": Dims(n_head=12),
+    "h96-tp8": Dims(n_head=12),
     "dsv3-tp8": Dims(n_head=16),
 }
 

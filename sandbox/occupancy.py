@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .toolkit import device_info
+from .toolkit import device_properties
 
 __all__ = ["ArchLimits", "ARCHS", "arch_limits", "Occupancy", "occupancy", "waves",
            "idle_sms", "DeviceLimits", "device_limits"]
@@ -221,11 +221,11 @@ class DeviceLimits:
 
 
 def device_limits(device_id: int | None = None) -> DeviceLimits:
-    """SM count, L2 size and shared-memory limits of a CUDA device (toolkit.device_info).
+    """SM count, L2 size and shared-memory limits of a CUDA device (toolkit.device_properties).
 
     Raises RuntimeError (toolkit.NoDeviceError) when CuPy or a device is missing, saying which."""
 
-    d = device_info(device_id)
+    d = device_properties(device_id)
     return DeviceLimits(
         name=d["name"], arch=d["arch"], num_sms=d["sms"], l2_bytes=d["l2_bytes"],
         smem_per_sm=d["smem_per_sm"], smem_per_block_optin=d["smem_per_block_optin"],

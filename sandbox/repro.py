@@ -49,8 +49,9 @@ ATTN_ARGS = ("q", "cache", "n_head", "n_ctx", "splits", "scale", "part_acc", "pa
              "part_l")
 COMBINE_ARGS = ("part_acc", "part_m", "part_l", "n_head", "splits", "wv_b", "v_head", "out",
                 "latent", "lse", "out_part", "tickets")
+# The registry's launch values go along, so the script's kernels static_assert them too.
 NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",
-                 f"-DMLA_ROPE={registry.ROPE}")
+                 f"-DMLA_ROPE={registry.ROPE}", *registry.compile_defines())
 _CUBLAS_TOL = {"f16": 3e-3, "bf16": 2e-2}  # mirrors bench_gpu.CUBLAS_TOLERANCE
 
 
@@ -102,7 +103,7 @@ def _auto_blocks_per_sm(var, inst, cache, q, arch, num_sms):
         f"occupancy model of {arch} ({row['registers']} registers; no GPU at generation)")
 
 
-def make_case(variant: str, *, preset: str = "lecture", heads: int | None = None,
+def make_case(variant: str, *, preset: str = "h96", heads: int | None = None,
               contexts=REPRO_CONTEXTS, cache: str = "f16", q: str = "f32", splits="auto",
               seed: int = 0, negative_control: bool = False, num_sms: int | None = None,
               blocks_per_sm="auto", arch: str | None = None, min_ctx: int | None = None,

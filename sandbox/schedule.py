@@ -57,7 +57,7 @@ SCHEDULES = ("per_head", "split", "batched")
 _STEP_ELEMENTS = 1 << 24
 
 # The accuracy study runs at 12 heads: 96 heads sharded over 8 ranks (head sharding).
-DEFAULT_STUDY_DIMS = preset("lecture-tp8")
+DEFAULT_STUDY_DIMS = preset("h96-tp8")
 
 
 def _check_schedule(schedule, splits, heads_per_block, tile):

@@ -85,7 +85,7 @@ def sweep_rows(*, hpbs, n_ctx: int, dims: Dims, cache: str, q: str, arch: str, n
     return rows
 
 
-def run_sweep(*, n_ctx: int = SWEEP_CTX, preset: str = "lecture", heads: int | None = None,
+def run_sweep(*, n_ctx: int = SWEEP_CTX, preset: str = "h96", heads: int | None = None,
               hpbs=registry.HPB_VALUES, cache: str = "f16", q: str = "f32", splits="auto",
               arch: str | None = None, num_sms: int | None = None, seed: int = 0,
               timing_kw: dict | None = None, use_gpu: bool | None = None, backend=None,

@@ -202,7 +202,7 @@ def check_arch(arch: str) -> str:
     """Validate a real architecture name such as 'sm_90' (ptxas runs only for sm_XX)."""
     if not isinstance(arch, str) or not _ARCH.match(arch):
         raise ValueError(
-            f"arch must be a real GPU architecture such as sm_80, sm_90 or sm_90a, got {arch!r} "
+            f"arch must be a real GPU architecture such as sm_80 or sm_90, got {arch!r} "
             "(a virtual compute_XX target runs no ptxas, so it has no register report)")
     return arch
 
@@ -296,7 +296,3 @@ def device_properties(device: int | None = None) -> dict:
         "runtime_version": ver(runtime.runtimeGetVersion()),
     }
 
-
-# The name of device_properties that cli/main.py, occupancy.py and bench_gpu.py still call;
-# kernels.device_info (a DeviceInfo) is the other. Goes once those callers are renamed.
-device_info = device_properties

@@ -104,4 +104,4 @@ def test_ablate_table_and_json_with_a_fake_gpu(monkeypatch):
 
 def test_ablate_needs_rounds_to_pair():
     with pytest.raises(ValueError, match="rounds"):
-        ablate_mod.ablate("split", "lecture", 8192, rounds=1)
+        ablate_mod.ablate("split", "h96", 8192, rounds=1)

@@ -72,7 +72,7 @@ def test_regs_on_an_older_arch_says_which_kernel_needs_sm_90_and_prints_the_rest
     res = run("regs", "--arch", "sm_80", "--cache", "f16", "--q", "f32", "--json")
     assert res.exit_code == 0, res.output
     rows = {r["name"]: r for r in json.loads(res.stdout)["rows"]}
-    assert rows["attn_tiled<hpb=16,cache=f16,q=f32>"]["needs"] == "sm_90"
+    assert rows["attn_tiled<heads=16,cache=f16,q=f32>"]["needs"] == "sm_90"
     others = [r for n, r in rows.items() if not n.startswith("attn_tiled")]
     assert others and all(r["registers"] > 0 for r in others)
 

@@ -6,7 +6,7 @@ import pytest
 from mlasandbox import metrics
 from mlasandbox.dims import PRESETS, Dims
 
-LECTURE = PRESETS["lecture"]  # 96 heads
+LECTURE = PRESETS["h96"]  # 96 heads
 N = 131072
 
 

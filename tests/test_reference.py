@@ -42,7 +42,7 @@ def test_reference_is_the_contract_formula(seeds):
 
 
 def test_reference_does_not_depend_on_its_chunking(seeds):
-    inp = make_inputs(preset("lecture-tp8"), n_alloc=1000, seed=seeds.one())
+    inp = make_inputs(preset("h96-tp8"), n_alloc=1000, seed=seeds.one())
     a = decode(**inp.decode_args())
     b = decode(**inp.decode_args(), chunk_rows=7)
     for name in ("out", "latent", "lse"):

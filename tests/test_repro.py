@@ -66,7 +66,8 @@ def test_a_script_per_variant_pins_the_case(scripts, variant):
         assert ns["COMBINE"]["expression"] == registry.combine_instance("f16").expression
         assert ns["COMBINE"]["threads"] == registry.COMBINE_THREADS
         assert ns["COMBINE"]["col_blocks"] == registry.COMBINE_COL_BLOCKS
-        assert ns["NVRTC_OPTIONS"] == ("-std=c++17", "-DMLA_KV_LORA=512", "-DMLA_ROPE=64")
+        assert ns["NVRTC_OPTIONS"] == ("-std=c++17", "-DMLA_KV_LORA=512", "-DMLA_ROPE=64",
+                                       *registry.compile_defines())
         assert ns["TOLERANCE"] == {"out": 1e-4, "latent": 1e-4, "lse": 1e-4}
     else:
         assert ns["CUDA_PROGRAMS"] == [] and callable(ns["cublas_attention"])

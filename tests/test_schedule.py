@@ -18,7 +18,7 @@ from mlasandbox.reference import decode
 from mlasandbox.schedule import (AccuracyRow, accuracy_study, judge_study, run_schedule)
 from mlasandbox.splits import SPLIT_MIN_CTX, plan_splits, slice_bounds
 
-K3 = preset("lecture-tp8")   # 12 heads at the real 576 / 512 / 128: the lecture's K3 shard
+K3 = preset("h96-tp8")   # 12 heads at the real 576 / 512 / 128: the lecture's K3 shard
 DEPTH = 20000                # where the lecture measured the split's accuracy
 TOL = DEFAULT_TOLERANCE
 

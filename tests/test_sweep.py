@@ -29,7 +29,7 @@ def test_variant_names():
 
 
 def test_the_register_wall_is_marked_without_a_gpu():
-    rows = sweep_rows(hpbs=(8, 12, 16), n_ctx=131072, dims=PRESETS["lecture"], cache="f16",
+    rows = sweep_rows(hpbs=(8, 12, 16), n_ctx=131072, dims=PRESETS["h96"], cache="f16",
                       q="f32", arch="sm_90", num_sms=132, report=fake_report(LECTURE_REGS))
     by = {r["hpb"]: r for r in rows}
     assert by[12]["blocks_per_sm_model"] == 2 and by[16]["blocks_per_sm_model"] == 1
@@ -50,7 +50,7 @@ def test_timed_rows_mark_the_fastest_and_the_driver_step():
         return {"timing": t, "driver_blocks_per_sm": bps[hpb], "num_regs": LECTURE_REGS[hpb],
                 "plan": {"splits": 33, "head_blocks": 96 // hpb, "waves": 1.0, "reason": "x"}}
 
-    rows = sweep_rows(hpbs=(8, 12, 16), n_ctx=131072, dims=PRESETS["lecture"], cache="f16",
+    rows = sweep_rows(hpbs=(8, 12, 16), n_ctx=131072, dims=PRESETS["h96"], cache="f16",
                       q="f32", arch="sm_90", num_sms=132, report=fake_report(LECTURE_REGS),
                       measure=measure)
     by = {r["hpb"]: r for r in rows}
