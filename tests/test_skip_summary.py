@@ -4,6 +4,7 @@ Runs pytest on a throwaway test file next to a copy of this suite's conftest.py.
 """
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -31,9 +32,10 @@ def test_passes():
 def test_skips_are_counted_by_reason_and_the_closing_line_is_pytests(tmp_path):
     shutil.copy2(HERE / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "test_sample.py").write_text(SAMPLE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # this run's own
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
-                          "test_sample.py"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=120)
+                          "test_sample.py"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=120)
     assert res.returncode == 0, res.stdout + res.stderr
     lines = res.stdout.strip().splitlines()
     assert "3 skipped: needs a CUDA device: none here" in lines, res.stdout
