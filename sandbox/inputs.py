@@ -15,19 +15,24 @@ numbers and any error is the kernel's own.
   FlashMLA's tests).
 * ``wv_b [H, v_head, kv_lora]`` ~ N(0, 1/kv_lora), so ``out`` stays O(|latent|).
 
-bf16 arrays are uint16 bit patterns (see bf16.py). With ``xp=cupy`` everything is generated
-on the device, so a 131072-row cache takes milliseconds; the NumPy and CuPy streams differ
-for the same seed. Picking a fresh seed per call is the caller's job.
+bf16 arrays are uint16 bit patterns (see bf16.py). Every draw is made on the host by NumPy's
+``default_rng(seed)`` and rounded there; ``xp=cupy`` then copies the finished arrays to the
+device. So ``xp=numpy`` and ``xp=cupy`` give bit-identical values for the same seed, and no
+curand is needed (``cupy.random`` loads libcurand, which none of the dependencies ship). The
+price is host time: a 131072-row cache (75M values) took 3-5 s on a busy 2-core machine, so
+draw once per case and reuse. Picking a fresh seed per call is the caller's job.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .bf16 import BF16_NAN_BITS, as_f32, to_storage
 from .dims import Dims, check_inputs, preset
+from .reference import q_absorb
 
 __all__ = ["DecodeInputs", "make_inputs", "make_rising_inputs", "RISING_SPAN"]
 
@@ -51,21 +56,25 @@ class DecodeInputs:
                 "n_ctx": self.n_ctx, "scale": self.scale}
 
 
-def _normal(xp, rng, shape, std=1.0):
-    if xp is np:
-        out = rng.standard_normal(shape, dtype=np.float32)
-    else:
-        out = rng.standard_normal(shape, dtype=xp.float32)
+def _normal(rng, shape, std=1.0):
+    out = rng.standard_normal(shape, dtype=np.float32)
     if std != 1.0:
         out *= np.float32(std)
     return out
 
 
-def _rng(xp, seed):
-    if xp is np:
-        return np.random.default_rng(seed)
-    # cupy.random.RandomState draws float32 normals natively (dtype=), on the device.
-    return xp.random.RandomState(seed)
+def _store(x, dtype: str) -> np.ndarray:
+    """bf16.to_storage on the host, bf16 through ml_dtypes' cast: bit-identical to
+    bf16.f32_to_bf16_bits (tests/test_inputs.py checks both against ml_dtypes) and about 50x
+    faster on a 131072-row cache."""
+    if dtype == "bf16":
+        return np.asarray(x, dtype=np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+    return to_storage(x, dtype, np)
+
+
+def _copy_to(xp, *arrays) -> tuple:
+    """The finished host arrays in `xp`'s memory: one copy each, nothing drawn there."""
+    return arrays if xp is np else tuple(xp.asarray(a) for a in arrays)
 
 
 def make_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str = "f16",
@@ -90,26 +99,22 @@ def make_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str =
         raise ValueError(f"n_ctx must be in 1..N_alloc={n_alloc}, got {n_ctx}")
 
     H = dims.n_head
-    rng = _rng(xp, seed)
+    rng = np.random.default_rng(seed)
     # Weights and q_absorb inputs first, then the cache: the large draw comes last, so the
     # small arrays do not depend on n_alloc for a given seed.
-    q_nope = to_storage(_normal(xp, rng, (H, dims.nope)), cache_dtype, xp)
-    q_rope = to_storage(_normal(xp, rng, (H, dims.rope)), cache_dtype, xp)
-    wk_b = to_storage(_normal(xp, rng, (H, dims.nope, dims.kv_lora), dims.nope ** -0.5),
-                      cache_dtype, xp)
-    wv_b = to_storage(_normal(xp, rng, (H, dims.v_head, dims.kv_lora), dims.kv_lora ** -0.5),
-                      cache_dtype, xp)
-    cache = to_storage(_normal(xp, rng, (n_alloc, dims.key_dim)), cache_dtype, xp)
+    q_nope = _store(_normal(rng, (H, dims.nope)), cache_dtype)
+    q_rope = _store(_normal(rng, (H, dims.rope)), cache_dtype)
+    wk_b = _store(_normal(rng, (H, dims.nope, dims.kv_lora), dims.nope ** -0.5), cache_dtype)
+    wv_b = _store(_normal(rng, (H, dims.v_head, dims.kv_lora), dims.kv_lora ** -0.5),
+                  cache_dtype)
+    cache = _store(_normal(rng, (n_alloc, dims.key_dim)), cache_dtype)
     if nan_fill and n_ctx < n_alloc:
         cache[n_ctx:] = BF16_NAN_BITS if cache_dtype == "bf16" else np.nan
+    # The absorb is the reference's formula (float64), so the GPU q_absorb kernel is checked
+    # against the one definition.
+    q = _store(q_absorb(q_nope, q_rope, wk_b), q_dtype)
 
-    # Deferred import: reference.py imports nothing from here, but keeping the absorb in one
-    # place (float64, on the host) means the GPU q_absorb kernel is checked against one formula.
-    from .reference import q_absorb
-
-    q64 = q_absorb(q_nope, q_rope, wk_b)
-    q = to_storage(xp.asarray(q64), q_dtype, xp)
-
+    q, cache, wv_b, q_nope, q_rope, wk_b = _copy_to(xp, q, cache, wv_b, q_nope, q_rope, wk_b)
     inputs = DecodeInputs(q=q, cache=cache, wv_b=wv_b, n_ctx=int(n_ctx),
                           scale=dims.default_scale, q_nope=q_nope, q_rope=q_rope, wk_b=wk_b)
     check_inputs(q, cache, wv_b, inputs.n_ctx, inputs.scale, dims)
@@ -136,21 +141,23 @@ def make_rising_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype
     the weight; lse stays ~10..20 as in make_inputs. q no longer comes from the q_absorb
     inputs, so those are None here.
     """
-    base = make_inputs(dims, n_alloc, n_ctx, cache_dtype, q_dtype, seed, nan_fill, xp)
+    # Built on the host like make_inputs, then copied: the same values for xp=numpy and cupy.
+    base = make_inputs(dims, n_alloc, n_ctx, cache_dtype, q_dtype, seed, nan_fill, np)
     d = dims if isinstance(dims, Dims) else preset(dims)
     n = base.n_ctx
     v = np.float32(d.key_dim ** -0.5)
     along = 10.0                                   # q[h] . (v * ones) ~ along
     slope = base.scale * along                      # score per unit of c_t
     c_lo, c_hi = -RISING_SPAN / slope, 8.0 / slope
-    q = as_f32(base.q, xp)
+    q = as_f32(base.q, np)
     q = q + (np.float32(along) - q.sum(axis=1, keepdims=True) * v) * v
-    ramp = xp.linspace(c_lo, c_hi, n, dtype=xp.float32) * v
-    cache32 = as_f32(base.cache[:n], xp) + ramp[:, None]
+    ramp = np.linspace(c_lo, c_hi, n, dtype=np.float32) * v
+    cache32 = as_f32(base.cache[:n], np) + ramp[:, None]
     cache = base.cache  # freshly drawn by make_inputs: ramped in place, rows >= n_ctx untouched
-    cache[:n] = to_storage(cache32, cache_dtype, xp)
-    q = to_storage(q, q_dtype, xp)
-    out = DecodeInputs(q=q, cache=cache, wv_b=base.wv_b, n_ctx=n, scale=base.scale,
+    cache[:n] = _store(cache32, cache_dtype)
+    q, wv_b = _store(q, q_dtype), base.wv_b
+    q, cache, wv_b = _copy_to(xp, q, cache, wv_b)
+    out = DecodeInputs(q=q, cache=cache, wv_b=wv_b, n_ctx=n, scale=base.scale,
                        q_nope=None, q_rope=None, wk_b=None)
     check_inputs(out.q, out.cache, out.wv_b, n, out.scale, d)
     return out

@@ -1,13 +1,18 @@
-"""Shared fixtures: fresh random seeds that a failure can replay.
+"""Shared fixtures: fresh random seeds that a failure can replay; skips summed up by reason.
 
 Every run draws a new entropy (so a constant seed cannot hide a bug), prints it in the
 header, and every test derives its seeds from it and its own name. A failing test's message
 names the entropy; `MLASANDBOX_SEED=<entropy> pytest ...` replays exactly that run.
+
+Without a GPU a few hundred tests skip for one reason, so instead of a line per skip
+(`-rs`) the end of the run prints one line per distinct reason, "N skipped: reason"
+(`pytest -rs` still lists them one by one). pytest's own closing line is left as it is.
 """
 from __future__ import annotations
 
 import os
 import zlib
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -17,6 +22,27 @@ _ENTROPY = int(os.environ.get("MLASANDBOX_SEED") or np.random.SeedSequence().ent
 
 def pytest_report_header(config):
     return f"mlasandbox seed entropy {_ENTROPY} (replay: MLASANDBOX_SEED={_ENTROPY})"
+
+
+def skip_reason(report) -> str:
+    """The reason of a skipped test's report, without pytest's "Skipped: " prefix."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def skip_summary(reports) -> list[str]:
+    """"N skipped: reason" for each distinct reason, the most frequent first."""
+    counts = Counter(skip_reason(r) for r in reports)
+    return [f"{n} skipped: {reason}" for reason, n in counts.most_common()]
+
+
+def pytest_terminal_summary(terminalreporter):
+    lines = skip_summary(terminalreporter.stats.get("skipped", []))
+    if lines:
+        terminalreporter.write_sep("=", "skips by reason")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 class Seeds:

@@ -1,13 +1,16 @@
 """bf16 conversion is bit-exact, and make_inputs draws what the contract says it draws."""
 from __future__ import annotations
 
+import sys
+import types
+
 import ml_dtypes
 import numpy as np
 import pytest
 
 from mlasandbox import bf16
 from mlasandbox.dims import Dims, check_inputs, preset
-from mlasandbox.inputs import make_inputs
+from mlasandbox.inputs import make_inputs, make_rising_inputs
 from mlasandbox.reference import q_absorb
 
 BF16 = ml_dtypes.bfloat16
@@ -187,12 +190,63 @@ def test_make_inputs_rejects_bad_arguments_by_name():
         make_inputs("no-such-preset", n_alloc=10)
 
 
+class _DeviceArray(np.ndarray):
+    """What the fake CuPy below hands out: a NumPy array marked as copied to the "device"."""
+
+
+class _CupyWithoutCurand(types.ModuleType):
+    """A stand-in for CuPy on a machine without libcurand: `asarray` copies (marking the
+    result), everything else is NumPy's, and any use of `random` fails as the real one does
+    there (cupy.random loads libcurand, which no dependency ships)."""
+
+    def __init__(self):
+        super().__init__("cupy")
+
+    def asarray(self, a, dtype=None):
+        return np.array(a, dtype=dtype).view(_DeviceArray)
+
+    def __getattr__(self, name):
+        if name == "random":
+            raise AssertionError("cupy.random used: it needs libcurand")
+        return getattr(np, name)
+
+
+@pytest.mark.parametrize("make", [make_inputs, make_rising_inputs])
+@pytest.mark.parametrize("cache_dtype, q_dtype", [("f16", "f32"), ("bf16", "bf16")])
+def test_device_inputs_need_no_curand_and_equal_the_host_ones(make, cache_dtype, q_dtype,
+                                                               monkeypatch, seeds):
+    fake = _CupyWithoutCurand()
+    with pytest.raises(AssertionError, match="libcurand"):  # the fake has the power to fail
+        fake.random.RandomState(0)
+    monkeypatch.setitem(sys.modules, "cupy", fake)  # a stray `import cupy` gets it too
+    seed = seeds.one()
+    dev = make(SMALL, 300, 290, cache_dtype, q_dtype, seed=seed, xp=fake)
+    host = make(SMALL, 300, 290, cache_dtype, q_dtype, seed=seed)
+    for name in ("q", "cache", "wv_b", "q_nope", "q_rope", "wk_b"):
+        want = getattr(host, name)
+        got = getattr(dev, name)
+        if want is None:  # make_rising_inputs has no q_absorb inputs
+            assert got is None, name
+            continue
+        assert isinstance(got, _DeviceArray), f"{name} was not copied with xp.asarray"
+        assert got.dtype == want.dtype, name
+        # bit for bit, NaN rows included: the same seed gives the same values on either side
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                      want.view(np.uint8), err_msg=f"{name} {seeds}")
+
+
 def test_make_inputs_on_the_device_generates_device_arrays(cupy_device, seeds):
     cp = cupy_device
+    seed = seeds.one()
     inp = make_inputs(preset("dsv3"), n_alloc=131072, n_ctx=131000, cache_dtype="bf16",
-                      seed=seeds.one(), xp=cp)
+                      seed=seed, xp=cp)
     assert isinstance(inp.cache, cp.ndarray) and inp.cache.dtype == cp.uint16
     assert isinstance(inp.q, cp.ndarray) and inp.q.dtype == cp.float32
     tail = bf16.as_f32(inp.cache[131000:])
     assert bool(cp.isnan(tail).all())
     assert bool(cp.isfinite(bf16.as_f32(inp.cache[:131000])).all())
+    host = make_inputs(preset("dsv3"), n_alloc=131072, n_ctx=131000, cache_dtype="bf16",
+                       seed=seed)
+    for name in ("q", "cache", "wv_b"):
+        np.testing.assert_array_equal(cp.asnumpy(getattr(inp, name)), getattr(host, name),
+                                      err_msg=f"{name} {seeds}")

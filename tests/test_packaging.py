@@ -1,14 +1,19 @@
-"""The .cu sources are found the same way from the checkout and from a built wheel.
+"""The .cu sources are found the same way from the checkout and from a built wheel; what the
+build and CI need is declared.
 
 Builds a wheel from a copy of the source tree (so the checkout gets no build/ or egg-info
 litter), checks its contents, installs it into a scratch --target directory and imports
-`mlasandbox.sources.read_source` from there in a fresh interpreter. About 10 s; set
-MLASANDBOX_SKIP_PACKAGING=1 to leave it out of a quick run.
+`mlasandbox.sources.read_source` from there in a fresh interpreter. The build runs with
+--no-build-isolation (no index needed), i.e. with this environment's setuptools, which the
+`test` extra therefore declares. About 10 s; set MLASANDBOX_SKIP_PACKAGING=1 to leave it out
+of a quick run.
 """
 from __future__ import annotations
 
+import configparser
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +29,40 @@ TREE = ("setup.cfg", "pyproject.toml", "README.md", "sandbox", "cli", "cuda_src"
 
 pytestmark = pytest.mark.skipif(os.environ.get("MLASANDBOX_SKIP_PACKAGING") == "1",
                                 reason="MLASANDBOX_SKIP_PACKAGING=1")
+
+
+def _setup_cfg() -> configparser.ConfigParser:
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    return cfg
+
+
+def _requirement_lines(value: str) -> set[str]:
+    return {ln.split("#")[0].replace(" ", "") for ln in value.splitlines()} - {""}
+
+
+def test_the_test_extra_brings_the_build_backend():
+    text = (ROOT / "pyproject.toml").read_text()
+    found = re.search(r"^requires\s*=\s*\[([^\]]*)\]", text, re.M)
+    assert found, "pyproject.toml has no [build-system] requires"
+    build = {r.replace(" ", "") for r in re.findall(r'"([^"]+)"', found.group(1))}
+    test = _requirement_lines(_setup_cfg()["options.extras_require"]["test"])
+    assert build and build <= test, (
+        f"the wheel below is built with --no-build-isolation, so the test extra {sorted(test)} "
+        f"must hold every build requirement {sorted(build)}")
+
+
+def test_ci_runs_the_readme_commands_and_installs_nothing_else():
+    res = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print-commands"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    commands = res.stdout.splitlines()
+    readme = (ROOT / "README.md").read_text().splitlines()
+    assert len(commands) == 2 and all(c in readme for c in commands), commands
+    assert commands[0].endswith("&& python -m pytest -q"), commands[0]
+    assert commands[1].endswith("&& mlasandbox bench"), commands[1]
+    # an install step of CI's own would hide a step the README lacks
+    assert "pip install" not in (ROOT / ".ci" / "run").read_text()
 
 
 def _checkout_cu_files() -> list[str]:
