@@ -20,8 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
+from .paged import PagedShape, check_paged_values, pages_needed, visible_lengths
 
-__all__ = ["cublas_attention", "cublas_projection"]
+__all__ = ["cublas_attention", "cublas_projection", "cublas_paged_attention"]
 
 _CUDA_R_16F, _CUDA_R_32F, _CUDA_R_16BF = 2, 0, 14   # cudaDataType_t
 _COMPUTE_32F = 68                                   # cublasComputeType_t CUBLAS_COMPUTE_32F
@@ -34,6 +35,9 @@ def _gemm(transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha
     from cupy_backends.cuda.libs import cublas
 
     handle = cupy.cuda.device.get_cublas_handle()
+    # CuPy's handle keeps whatever stream its last user set: put this GEMM on the current one,
+    # where the engine's other passes run.
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     one, zero = np.array(alpha, np.float32), np.array(0.0, np.float32)
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
@@ -106,11 +110,48 @@ def cublas_attention(q, cache, n_ctx: int, scale: float, cache_dtype: str, laten
 
 
 def cublas_projection(wv_b, latent, cache_dtype: str, out) -> None:
-    """The combine phase: out[h] = wv_b[h] @ latent[h] (batched cuBLAS), into `out` (f32)."""
+    """The combine phase: out[..., h, :] = wv_b[h] @ latent[..., h, :] (batched cuBLAS), into
+    `out` (f32). latent [H, kv_lora], or [..., H, kv_lora] for a batch of query rows."""
     import cupy
 
     lat16 = _to_cache_dtype(latent, cache_dtype)
     if cache_dtype == "f16":
-        out[...] = cupy.matmul(wv_b, lat16[:, :, None])[:, :, 0]
+        out[...] = cupy.matmul(wv_b, lat16[..., None])[..., 0]
     else:  # CuPy has no bf16 matmul: widen (the reference engine is not the fast path)
-        out[...] = cupy.matmul(bf16_bits_to_f32(wv_b), bf16_bits_to_f32(lat16)[:, :, None])[:, :, 0]
+        out[...] = cupy.matmul(bf16_bits_to_f32(wv_b), bf16_bits_to_f32(lat16)[..., None])[..., 0]
+
+
+def cublas_paged_attention(q, kv_cache, block_table, cache_seqlens, shape: PagedShape,
+                           scale: float, causal: bool, latent, lse) -> None:
+    """The attn phase of a paged step, request by request: the request's pages gathered
+    through the table into one contiguous run of rows (its last page cut at its length),
+    then `cublas_attention` over its (query token x head) rows; under `causal`, query by
+    query when their visible lengths differ. Rows that see nothing keep latent 0, lse -inf.
+
+    The GEMMs are sized by the lengths, so this reads the table and the lengths to the host
+    (a synchronization): the engine cannot be captured in a CUDA graph. The host copies are
+    checked (check_paged_values) before any page is gathered."""
+    import cupy
+
+    table, lengths = cupy.asnumpy(block_table), cupy.asnumpy(cache_seqlens)
+    check_paged_values(table, lengths, shape)
+    d = shape.dims
+    latent.fill(0)
+    lse.fill(-np.inf)
+    visible = visible_lengths(lengths, shape.s_q, causal)
+    need = pages_needed(lengths, shape.page_size)
+    for b in range(shape.batch):
+        n = int(lengths[b])
+        if n == 0:
+            continue
+        ids = cupy.asarray(table[b, :need[b]].astype(np.int64))
+        rows = kv_cache[ids].reshape(-1, d.key_dim)[:n]
+        vis = visible[b]
+        same = bool((vis == vis[0]).all())
+        groups = [(0, shape.s_q)] if same else [(i, i + 1) for i in range(shape.s_q)]
+        for i0, i1 in groups:
+            if vis[i0] == 0:
+                continue
+            cublas_attention(q[b, i0:i1].reshape(-1, d.key_dim), rows, int(vis[i0]), scale,
+                             shape.cache_dtype, latent[b, i0:i1].reshape(-1, d.kv_lora),
+                             lse[b, i0:i1].reshape(-1))
