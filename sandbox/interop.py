@@ -16,7 +16,7 @@
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 __all__ = ["framework_of", "common_framework", "Caller", "from_caller"]
@@ -67,8 +67,7 @@ class Caller:
         if self.framework == "torch":
             s = _torch().cuda.current_stream(self.device_id)
             return cupy.cuda.ExternalStream(int(s.cuda_stream), self.device_id)
-        with cupy.cuda.Device(self.device_id):
-            return cupy.cuda.get_current_stream()
+        return cupy.cuda.get_current_stream(self.device_id)
 
     @contextmanager
     def on(self, stream=None):
@@ -76,7 +75,8 @@ class Caller:
         current ones for the body: CuPy kernels launch on the current stream."""
         import cupy
 
-        with cupy.cuda.Device(self.device_id):
+        here = cupy.cuda.runtime.getDevice() == self.device_id
+        with nullcontext() if here else cupy.cuda.Device(self.device_id):
             with (stream if stream is not None else self.current_stream()):
                 yield
 

@@ -272,11 +272,11 @@ class PagedDecodeStep:
                        (self.combine_inst.threads, 1, 1), 0)]
 
     # ---- the index validator -------------------------------------------------------------
-    def check_indices(self) -> None:
-        """Run the index validator on the current table and lengths: every length in
-        0..max_pages*page_size, every entry a request reads in 0..num_pages-1. Raises a
-        ValueError naming the request and the entry. It reads its verdict to the host, so
-        it cannot run inside a graph capture."""
+    def index_report(self) -> np.ndarray:
+        """The index validator's verdict on the current table and lengths, read back to the
+        host: [flag, request, entry, value], flag 0 when every length is in
+        0..max_pages*page_size and every entry a request reads in 0..num_pages-1 (1: a bad
+        length, entry -1; 2: a bad entry). Cannot run inside a graph capture."""
         import cupy
 
         sh = self.shape
@@ -294,10 +294,17 @@ class PagedDecodeStep:
                                np.int32(sh.max_pages), np.int32(sh.page_size),
                                np.int32(sh.num_pages), error),
                               kernel_name=self.check_inst.name)
-            report = error.get()
-            if report[0]:
-                raise_for_index_report(report, self.block_table.get(),
-                                       self.cache_seqlens.get(), sh)
+            return error.get()
+
+    def check_indices(self) -> None:
+        """Run the index validator; a bad length or table entry raises a ValueError naming
+        the request and the entry (check_paged_values' words, from host copies of the same
+        buffers, which are read only when the validator flags something)."""
+        report = self.index_report()
+        if report[0]:
+            with self.caller.on(self._stream):
+                table, lengths = self.block_table.get(), self.cache_seqlens.get()
+            raise_for_index_report(report, table, lengths, self.shape)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
     def capture(self):
