@@ -91,6 +91,7 @@ class Caller:
                 raise ValueError(f"{name} is a torch tensor on {arr.device}; it must be on a "
                                  "CUDA device")
             torch = _torch()
+            arr = arr.detach()   # the same memory; DLPack refuses a tensor that needs grad
             bf16 = arr.dtype == torch.bfloat16
             out = cupy.from_dlpack(arr.view(torch.int16) if bf16 else arr)
             return out.view(cupy.uint16) if bf16 else out

@@ -336,7 +336,8 @@ def decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, causal: 
     """One paged decode step (see the module docstring and sandbox/paged.py). With
     `check_indices` the index validator runs first (not inside a graph capture, where it
     cannot read its verdict back): a bad table entry or length raises naming the request
-    and the entry instead of reading out of bounds."""
+    and the entry instead of reading out of bounds. It allocates its outputs: to capture a
+    step, build a PagedDecodeStep before the capture and run it inside."""
     step = PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b, causal=causal,
                            variant=variant, splits=splits, scale=scale)
     if check_indices and not step.capturing():

@@ -13,6 +13,7 @@ import pytest
 
 import mlasandbox as mla
 from mlasandbox import interop, paged_api, registry
+from mlasandbox.bf16 import as_f64
 from mlasandbox.chunks import CHUNK_CAP
 from mlasandbox.dims import Dims
 from mlasandbox.paged import check_paged_inputs
@@ -272,6 +273,9 @@ class _FakeTorchTensor:
     def view(self, dtype):
         return _FakeTorchTensor(dtype, self.device.index, self.is_cuda, f"{self.tag}.view")
 
+    def detach(self):
+        return self
+
 
 _FakeTorchTensor.__module__ = "torch"
 
@@ -344,6 +348,50 @@ def test_a_cupy_bf16_array_is_read_as_words(monkeypatch):
     assert interop.Caller("cupy", 0).to_device("q", arr).viewed is cupy.uint16
     plain = _FakeCupyArray(None, "uint16")
     assert interop.Caller("cupy", 0).to_device("q", plain).viewed is None
+
+
+# ---- the cuBLAS engine's paged gathering -------------------------------------------------
+def _attention_f64(q, cache, n_ctx, scale, cache_dtype, latent, lse):
+    """cublas_attention's contract in float64 NumPy: what the gathering is tested through."""
+    q64, rows = as_f64(q), as_f64(cache[:n_ctx])
+    s = q64 @ rows.T * scale
+    m = s.max(axis=1, keepdims=True)
+    w = np.exp(s - m)
+    l = w.sum(axis=1, keepdims=True)
+    latent[...] = (w @ rows[:, :latent.shape[1]]) / l
+    lse[...] = (m + np.log(l)).ravel()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_engine_gathers_each_requests_pages_and_visible_rows(monkeypatch, seeds, causal):
+    """The engine's paged path (page gathering through the table, the cut at the length,
+    causal queries grouped by what they see, empty rows) on the host, with its GEMM
+    attention swapped for float64 NumPy: it must equal the reference to float64 rounding
+    (1e-12: the same sums in another order). NaN tails and unused pages poison any wrong
+    gather."""
+    import cupy
+
+    from mlasandbox import cublas_engine
+
+    monkeypatch.setattr(cupy, "asarray", np.asarray)
+    monkeypatch.setattr(cublas_engine, "cublas_attention", _attention_f64)
+    inp = make_paged_inputs(Dims(n_head=3), [0, 1, 40, 17, 2], s_q=3, page_size=16,
+                            causal=causal, seed=seeds.one(), with_wv_b=False)
+    shape, scale = check_paged_inputs(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens,
+                                      causal=causal)
+    latent = np.full((*inp.q.shape[:3], 512), np.nan)
+    lse = np.full(inp.q.shape[:3], np.nan)
+    cublas_engine.cublas_paged_attention(inp.q, inp.kv_cache, inp.block_table,
+                                         inp.cache_seqlens, shape, scale, causal, latent, lse)
+    ref = mla.reference.decode_paged(**inp.decode_args())
+    assert np.array_equal(np.isneginf(lse), np.isneginf(ref.lse)), seeds
+    # 9 rows a request (3 tokens x 3 heads): request 0 is empty; under causal, tokens 0, 1
+    # of the length-1 request and token 0 of the length-2 one see nothing too
+    assert np.isneginf(lse).sum() == (9 + 6 + 3 if causal else 9)
+    live = np.isfinite(ref.lse)
+    np.testing.assert_allclose(latent[live], ref.latent[live], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(lse[live], ref.lse[live], rtol=0, atol=1e-12)
+    assert not latent[~live].any()
 
 
 # ---- exports -------------------------------------------------------------------------------
