@@ -406,3 +406,148 @@ def test_the_package_exports_the_paged_api_and_its_reference(seeds):
     want = reference_paged.decode_paged(**inp.decode_args())
     for f in ("latent", "lse", "out"):
         assert np.array_equal(getattr(got, f), getattr(want, f)), f
+
+
+# ---- the whole step on a fake device ------------------------------------------------------
+class HostArray(np.ndarray):
+    """A NumPy array with CuPy's .get(), standing in for device buffers."""
+
+    def get(self):
+        return np.asarray(self).copy()
+
+
+class FakeStream:
+    def __init__(self, name, capturing=False):
+        self.name, self.capturing, self.ptr, self.done = name, capturing, id(self), True
+
+    def is_capturing(self):
+        return self.capturing
+
+    def synchronize(self):
+        pass
+
+
+class FakeKernel:
+    def __init__(self, name, log, report=None):
+        self.name, self.log, self.report = name, log, report
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.log.append((self.name, grid, block, args, shared_mem))
+        if self.report is not None:
+            args[-1][...] = self.report
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    """Everything PagedDecodeStep touches on a device, on the host: kernels that record
+    their launches, streams that say whether they capture, NumPy scratch."""
+    import cupy
+
+    from mlasandbox.kernels import DeviceInfo
+
+    state = types.SimpleNamespace(log=[], report=[0, 0, 0, 0], current=FakeStream("caller"))
+
+    def on(self, stream=None):
+        class Ctx:
+            def __enter__(self_):
+                self_.prev, state.current = state.current, stream or state.current
+
+            def __exit__(self_, *exc):
+                state.current = self_.prev
+        return Ctx()
+
+    def instance(kind, heads=None, tile=0, threads=256, smem=0):
+        name = f"{kind}<paged=true>"
+        return types.SimpleNamespace(name=name, heads=heads, tile_rows=tile, threads=threads,
+                                     smem_bytes=smem)
+
+    monkeypatch.setattr(interop, "from_caller",
+                        lambda arrs: (interop.Caller("cupy", 0), arrs))
+    monkeypatch.setattr(interop.Caller, "on", on)
+    monkeypatch.setattr(cupy.cuda, "get_current_stream", lambda *a: state.current)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: nullcontext())
+    monkeypatch.setattr(cupy.cuda, "Stream", lambda **kw: FakeStream("capture"))
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype: np.empty(shape, dtype))
+    monkeypatch.setattr(cupy, "zeros", lambda n, dtype: np.zeros(n, dtype).view(HostArray))
+    monkeypatch.setattr(paged_api, "_check_device_array", lambda name, arr: None)
+    monkeypatch.setattr(paged_api, "device_info", lambda dev: DeviceInfo(
+        0, "Fake H200", "sm_90", 132, 50 << 20, 227 << 10, 228 << 10, 65535))
+    monkeypatch.setattr(paged_api, "blocks_per_sm", lambda inst: 2)
+    monkeypatch.setattr(paged_api, "scratch_for_device",
+                        lambda dev, name, size, dtype="float32": np.zeros(size, dtype))
+    monkeypatch.setattr(paged_api, "get_kernel", lambda inst: FakeKernel(
+        inst.name, state.log, state.report if inst.name.startswith("check") else None))
+    monkeypatch.setattr(registry, "paged_attention_instance", raising=False,
+                        value=lambda var, cache, q: instance("attn", var.hpb, 64, 256, 1000))
+    monkeypatch.setattr(registry, "paged_combine_instance", raising=False,
+                        value=lambda cache, rescale: instance(f"combine{rescale}"))
+    monkeypatch.setattr(registry, "paged_check_instance", raising=False,
+                        value=lambda: instance("check", threads=128))
+
+    def fake_capture(fn, stream):
+        stream.capturing = True
+        with interop.Caller("cupy", 0).on(stream):
+            fn()
+        stream.capturing = False
+        return "graph"
+
+    monkeypatch.setattr(paged_api, "capture_graph", fake_capture)
+    return state
+
+
+def _host_step_inputs(seed):
+    inp = make_paged_inputs(Dims(n_head=16), [0, 300, 1000], s_q=2, page_size=16, seed=seed)
+    args = inp.decode_args()
+    for k in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b"):
+        args[k] = args[k].view(HostArray)
+    return inp, args
+
+
+def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
+    inp, args = _host_step_inputs(seeds.one())
+    step = PagedDecodeStep(**args, variant="mma16", splits=4)
+    assert step.plan.grid == (2, 4, 3) and step.plan.min_chunk == 256
+    res = step.run()
+    (a_name, a_grid, a_block, a_args, a_smem), (c_name, c_grid, c_block, c_args, _) = \
+        fake_device.log
+    assert (a_name, a_grid, a_block, a_smem) == ("attn<paged=true>", (2, 4, 3), (256, 1, 1), 1000)
+    assert len(a_args) == 16
+    assert all(x is y or x == y for x, y in zip(a_args, step.attn_args()))
+    assert c_name == "combineTrue<paged=true>" and c_grid == (32, registry.COMBINE_COL_BLOCKS, 3)
+    assert res.latent.shape == (3, 2, 16, 512) and res.out.shape == (3, 2, 16, 128)
+    assert [launch.grid for launch in step.launches()] == [(2, 4, 3), c_grid]
+    assert step.guard.polls == 2 and step.guard.captured == 0
+
+
+def test_decode_paged_checks_indices_first_and_raises_in_the_host_words(fake_device, seeds):
+    inp, args = _host_step_inputs(seeds.one())
+    args["block_table"][2, 5] = 10_000
+    fake_device.report = [2, 2, 5, 10_000]
+    with pytest.raises(ValueError, match=r"block_table\[2, 5\] = 10000.*request 2"):
+        mla.decode_paged(**args)
+    assert [entry[0] for entry in fake_device.log] == ["check<paged=true>"]
+    (_, grid, block, check_args, _), = fake_device.log
+    assert grid == (3, 1, 1) and block == (128, 1, 1)
+    assert [int(x) for x in check_args[2:6]] == [3, 63, 16, inp.kv_cache.shape[0]]
+
+
+def test_capture_runs_the_phases_once_on_its_own_stream(fake_device, seeds):
+    _, args = _host_step_inputs(seeds.one())
+    step = PagedDecodeStep(**args, variant="split")
+    assert step.capture() == "graph"
+    assert step.guard.captured == 2 and step.guard.polls == 0
+    assert step.graph_stream.name == "capture" and step.launch_stream().name == "caller"
+    with pytest.raises(RuntimeError, match="cannot run inside a CUDA-graph capture"):
+        fake_device.current.capturing = True
+        step.check_indices()
+
+
+def test_the_cublas_engine_refuses_to_run_inside_a_capture(fake_device, seeds):
+    _, args = _host_step_inputs(seeds.one())
+    step = PagedDecodeStep(**args, variant="cublas")
+    assert step.launches() == [] and step.plan is None
+    with pytest.raises(ValueError, match="cublas cannot be captured"):
+        step.capture()
+    fake_device.current.capturing = True
+    with pytest.raises(ValueError, match="cublas cannot be captured"):
+        step.run_attn()
