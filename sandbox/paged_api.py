@@ -27,7 +27,7 @@ import numpy as np
 
 from . import interop, registry
 from .api import DEFAULT_BATCHED_HPB, _check_device_array, scratch_for_device
-from .chunks import ChunkPlan, plan_chunks
+from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
 from .cublas_engine import cublas_paged_attention, cublas_projection
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
@@ -91,7 +91,11 @@ def plan_for(shape: PagedShape, inst, *, num_sms: int, blocks_per_sm: int,
     """The chunk plan of a paged step on attention instance `inst`: head blocks of
     inst.heads query rows, its tile, and splits=N as every request's chunk cap."""
     n_rows = shape.s_q * shape.n_head
-    chunks = None if splits in (None, "auto") else splits
+    chunks = None if isinstance(splits, str) and splits == "auto" else splits
+    if chunks is not None and (isinstance(chunks, (bool, np.bool_, str))
+                               or not isinstance(chunks, (int, np.integer))):
+        raise ValueError(f"splits must be None, 'auto' or an integer 1..{CHUNK_CAP} (the "
+                         f"chunks a request may take), got {splits!r}")
     return plan_chunks(shape.batch, -(-n_rows // inst.heads), num_sms=num_sms,
                        blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows, chunks=chunks)
 
