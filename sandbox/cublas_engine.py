@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
-from .paged import PagedShape, check_paged_values, pages_needed, visible_lengths
 
 __all__ = ["cublas_attention", "cublas_projection", "cublas_paged_attention"]
 
@@ -121,37 +120,32 @@ def cublas_projection(wv_b, latent, cache_dtype: str, out) -> None:
         out[...] = cupy.matmul(bf16_bits_to_f32(wv_b), bf16_bits_to_f32(lat16)[..., None])[..., 0]
 
 
-def cublas_paged_attention(q, kv_cache, block_table, cache_seqlens, shape: PagedShape,
-                           scale: float, causal: bool, latent, lse) -> None:
-    """The attn phase of a paged step, request by request: the request's pages gathered
-    through the table into one contiguous run of rows (its last page cut at its length),
-    then `cublas_attention` over its (query token x head) rows; under `causal`, query by
-    query when their visible lengths differ. Rows that see nothing keep latent 0, lse -inf.
+def cublas_paged_attention(q, kv_cache, table, pages, visible, scale: float,
+                           cache_dtype: str, latent, lse) -> None:
+    """The attn phase of a paged step, request by request, from host copies of the block
+    `table` [B, max_pages], each request's page count `pages` [B] and what each query sees,
+    `visible` [B, s_q] (the caller checks them first): the request's pages gathered into
+    one contiguous run of rows, then `cublas_attention` over its (query token x head) rows,
+    query by query where their visible lengths differ (causal). q [B, s_q, H, K], kv_cache
+    [num_pages, page_size, K]; rows that see nothing get latent 0, lse -inf.
 
-    The GEMMs are sized by the lengths, so this reads the table and the lengths to the host
-    (a synchronization): the engine cannot be captured in a CUDA graph. The host copies are
-    checked (check_paged_values) before any page is gathered."""
+    The GEMMs are sized by the lengths, which is why they are read to the host: the engine
+    cannot be captured in a CUDA graph."""
     import cupy
 
-    table, lengths = cupy.asnumpy(block_table), cupy.asnumpy(cache_seqlens)
-    check_paged_values(table, lengths, shape)
-    d = shape.dims
+    s_q, key_dim, kv_lora = q.shape[1], q.shape[-1], latent.shape[-1]
     latent.fill(0)
     lse.fill(-np.inf)
-    visible = visible_lengths(lengths, shape.s_q, causal)
-    need = pages_needed(lengths, shape.page_size)
-    for b in range(shape.batch):
-        n = int(lengths[b])
-        if n == 0:
-            continue
-        ids = cupy.asarray(table[b, :need[b]].astype(np.int64))
-        rows = kv_cache[ids].reshape(-1, d.key_dim)[:n]
+    for b in range(q.shape[0]):
         vis = visible[b]
+        if vis.max() == 0:
+            continue
+        ids = cupy.asarray(table[b, :pages[b]].astype(np.int64))
+        rows = kv_cache[ids].reshape(-1, key_dim)[:vis.max()]
         same = bool((vis == vis[0]).all())
-        groups = [(0, shape.s_q)] if same else [(i, i + 1) for i in range(shape.s_q)]
-        for i0, i1 in groups:
+        for i0, i1 in [(0, s_q)] if same else [(i, i + 1) for i in range(s_q)]:
             if vis[i0] == 0:
                 continue
-            cublas_attention(q[b, i0:i1].reshape(-1, d.key_dim), rows, int(vis[i0]), scale,
-                             shape.cache_dtype, latent[b, i0:i1].reshape(-1, d.kv_lora),
+            cublas_attention(q[b, i0:i1].reshape(-1, key_dim), rows, int(vis[i0]), scale,
+                             cache_dtype, latent[b, i0:i1].reshape(-1, kv_lora),
                              lse[b, i0:i1].reshape(-1))

@@ -31,7 +31,8 @@ from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
 from .cublas_engine import cublas_paged_attention, cublas_projection
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
-from .paged import PagedResult, PagedShape, check_paged_inputs, check_paged_values
+from .paged import (PagedResult, PagedShape, check_paged_inputs, check_paged_values,
+                    pages_needed, visible_lengths)
 from .timing import capture_graph
 
 __all__ = ["decode_paged", "PagedDecodeStep", "PagedResult", "PAGE_SIZES",
@@ -240,14 +241,22 @@ class PagedDecodeStep:
                 if self.launch_stream().is_capturing():
                     check_capturable(self.variant)
                 with self.guard.phase("attn"):
-                    cublas_paged_attention(self.q, self.kv_cache, self.block_table,
-                                           self.cache_seqlens, self.shape, self.scale,
-                                           self.causal, self.latent, self.lse)
+                    self._cublas_attention()
                 return
             self.guard.launch("attn", self.attn_kernel, self.attn_grid,
                               (self.attn_inst.threads, 1, 1), self.attn_args(),
                               smem_bytes=self.attn_inst.smem_bytes,
                               kernel_name=self.attn_inst.name)
+
+    def _cublas_attention(self) -> None:
+        """The engine's attn phase: the table and the lengths read to the host (the engine
+        sizes its GEMMs by them) and checked there before any page is gathered."""
+        sh = self.shape
+        table, lengths = self.block_table.get(), self.cache_seqlens.get()
+        check_paged_values(table, lengths, sh)
+        cublas_paged_attention(self.q, self.kv_cache, table, pages_needed(lengths, sh.page_size),
+                               visible_lengths(lengths, sh.s_q, self.causal), self.scale,
+                               sh.cache_dtype, self.latent, self.lse)
 
     def run_combine(self) -> None:
         with self.caller.on(self._stream):

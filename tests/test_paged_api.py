@@ -16,7 +16,7 @@ from mlasandbox import interop, paged_api, registry
 from mlasandbox.bf16 import as_f64
 from mlasandbox.chunks import CHUNK_CAP
 from mlasandbox.dims import Dims
-from mlasandbox.paged import check_paged_inputs
+from mlasandbox.paged import check_paged_inputs, pages_needed, visible_lengths
 from mlasandbox.paged_api import (PagedDecodeStep, check_capturable, check_page_size,
                                   paged_variant, plan_for, raise_for_index_report)
 from mlasandbox.paged_inputs import make_paged_inputs
@@ -382,12 +382,13 @@ def test_the_engine_gathers_each_requests_pages_and_visible_rows(monkeypatch, se
     monkeypatch.setattr(cublas_engine, "cublas_attention", _attention_f64)
     inp = make_paged_inputs(Dims(n_head=3), [0, 1, 40, 17, 2], s_q=3, page_size=16,
                             causal=causal, seed=seeds.one(), with_wv_b=False)
-    shape, scale = check_paged_inputs(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens,
-                                      causal=causal)
+    lengths = inp.cache_seqlens
     latent = np.full((*inp.q.shape[:3], 512), np.nan)
     lse = np.full(inp.q.shape[:3], np.nan)
     cublas_engine.cublas_paged_attention(inp.q, inp.kv_cache, inp.block_table,
-                                         inp.cache_seqlens, shape, scale, causal, latent, lse)
+                                         pages_needed(lengths, 16),
+                                         visible_lengths(lengths, 3, causal), inp.scale, "f16",
+                                         latent, lse)
     ref = mla.reference.decode_paged(**inp.decode_args())
     assert np.array_equal(np.isneginf(lse), np.isneginf(ref.lse)), seeds
     # 9 rows a request (3 tokens x 3 heads): request 0 is empty; under causal, tokens 0, 1
