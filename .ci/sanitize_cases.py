@@ -5,8 +5,11 @@ Each attention variant runs, with the synchronizing phase guard, on shapes that 
 paths a long-context bench never does: a last partial head group (13 heads), a slice shorter
 than a tile, more slices than rows (empty slices write their neutral partial), a bf16 cache
 with 16-bit q, and `split` forced past its gate so its combine runs too. q_absorb runs once
-per case. Every result is also checked against the float64 reference: under a sanitizer a
-kernel must still be right. Prints one line per case and exits 1 if any check failed.
+per case. The paged variants run batches of mixed lengths (0 included) in page sizes 1, 16
+and 64, causal with two query tokens, after the index validator, through tables whose
+unused entries hold INVALID_PAGE (a read of one faults under memcheck). Every result is also
+checked against the float64 reference: under a sanitizer a kernel must still be right. Prints
+one line per case and exits 1 if any check failed.
 
 `--planted TOOL` runs instead a kernel with the defect that TOOL exists to find (memcheck: writes
 past the end of a buffer; racecheck: two warps' shared-memory write and read with no
@@ -22,13 +25,24 @@ import cupy
 from mlasandbox import reference, registry
 from mlasandbox.api import DecodeStep, QAbsorb
 from mlasandbox.compare import compare
+from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.inputs import make_inputs
+from mlasandbox.paged_api import PagedDecodeStep
+from mlasandbox.paged_inputs import make_paged_inputs
 
 # (heads, n_ctx, splits, cache, q): several slices; a partial head group and uneven slices;
 # more slices than rows; 16-bit storage for both.
 CASES = ((16, 100, 3, "f16", "f32"), (13, 777, 5, "f16", "f32"), (12, 70, 100, "f16", "f32"),
          (16, 333, 4, "bf16", "bf16"))
+
+# Paged: (heads, lengths, page_size, s_q, causal, splits, cache, q): a partial row block and
+# one-row pages; causal MTP rows of which some see nothing, in bf16; FlashMLA's page size with
+# the auto chunk plan.
+PAGED_CASES = ((13, (0, 1, 70, 300), 1, 1, False, 3, "f16", "f32"),
+               (16, (0, 17, 129, 64), 16, 2, True, 5, "bf16", "bf16"),
+               (5, (200, 0, 5), 64, 2, True, None, "f16", "f32"))
+PAGED_VARIANTS = ("split", "batched4", "mma16", "mma32")
 
 
 _PLANTED = r"""
@@ -88,9 +102,31 @@ def main() -> int:
                   f"cache={cache} q={q}", flush=True)
         QAbsorb(inp.q_nope, inp.q_rope, inp.wk_b, "f32" if q == "f32" else "cache",
                 sync_check=True).run()
+    failed += paged_cases()
     cupy.cuda.Device().synchronize()
     print(f"sanitize cases: {failed} failed", flush=True)
     return 1 if failed else 0
+
+
+def paged_cases() -> int:
+    failed = 0
+    for heads, lengths, page, s_q, causal, splits, cache, q in PAGED_CASES:
+        host = make_paged_inputs(Dims(n_head=heads), lengths, s_q=s_q, page_size=page,
+                                 cache_dtype=cache, q_dtype=q, causal=causal, seed=heads + page)
+        ref = reference.decode_paged(**host.decode_args())
+        dev = dataclasses.replace(host, **{f: cupy.asarray(getattr(host, f)) for f in
+                                           ("q", "kv_cache", "block_table", "cache_seqlens",
+                                            "wv_b")})
+        for name in PAGED_VARIANTS:
+            step = PagedDecodeStep(**dev.decode_args(), variant=name, splits=splits,
+                                   sync_check=True)
+            step.check_indices()
+            ok = compare_paged(step.run(), ref).ok
+            failed += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} paged {name:8s} H={heads:3d} lengths={lengths} "
+                  f"page={page} s_q={s_q} causal={causal} splits={splits} cache={cache} q={q}",
+                  flush=True)
+    return failed
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@
     import mlasandbox as mla
     res = mla.decode(q, cache, wv_b, variant="batched12")      # CuPy arrays in
     ref = mla.reference.decode(q_np, cache_np, wv_b_np)          # NumPy float64
+    res = mla.decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b)  # a serving batch
+    ref = mla.reference.decode_paged(q_np, kv_np, table_np, lengths_np, wv_b_np)
 
 Importing the package needs neither a GPU nor CuPy; the CUDA paths import CuPy lazily.
 """
@@ -17,10 +19,16 @@ def __getattr__(name):
     import importlib
 
     if name in ("reference", "schedule", "occupancy", "compare", "inputs", "bf16", "ptxas",
-                "toolkit", "kernels", "guard", "api", "bench", "sweep", "repro", "timing"):
+                "toolkit", "kernels", "guard", "api", "bench", "sweep", "repro", "timing",
+                "paged", "paged_api", "interop", "chunks", "paged_inputs", "reference_paged",
+                "compare_paged"):
         return importlib.import_module(f".{name}", __name__)
     if name in ("decode", "DecodeStep", "DecodeResult", "q_absorb"):
         from . import api
 
         return getattr(api, name)
+    if name in ("decode_paged", "PagedDecodeStep", "PagedResult"):
+        from . import paged_api
+
+        return getattr(paged_api, name)
     raise AttributeError(f"module 'mlasandbox' has no attribute {name!r}")

@@ -21,7 +21,7 @@ import numpy as np
 
 from .bf16 import bf16_bits_to_f32, f32_to_bf16_bits
 
-__all__ = ["cublas_attention", "cublas_projection"]
+__all__ = ["cublas_attention", "cublas_projection", "cublas_paged_attention"]
 
 _CUDA_R_16F, _CUDA_R_32F, _CUDA_R_16BF = 2, 0, 14   # cudaDataType_t
 _COMPUTE_32F = 68                                   # cublasComputeType_t CUBLAS_COMPUTE_32F
@@ -34,6 +34,9 @@ def _gemm(transa, transb, m, n, k, a, a_type, lda, b, b_type, ldb, c, ldc, alpha
     from cupy_backends.cuda.libs import cublas
 
     handle = cupy.cuda.device.get_cublas_handle()
+    # CuPy's handle keeps whatever stream its last user set: put this GEMM on the current one,
+    # where the engine's other passes run.
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     one, zero = np.array(alpha, np.float32), np.array(0.0, np.float32)
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
@@ -106,11 +109,43 @@ def cublas_attention(q, cache, n_ctx: int, scale: float, cache_dtype: str, laten
 
 
 def cublas_projection(wv_b, latent, cache_dtype: str, out) -> None:
-    """The combine phase: out[h] = wv_b[h] @ latent[h] (batched cuBLAS), into `out` (f32)."""
+    """The combine phase: out[..., h, :] = wv_b[h] @ latent[..., h, :] (batched cuBLAS), into
+    `out` (f32). latent [H, kv_lora], or [..., H, kv_lora] for a batch of query rows."""
     import cupy
 
     lat16 = _to_cache_dtype(latent, cache_dtype)
     if cache_dtype == "f16":
-        out[...] = cupy.matmul(wv_b, lat16[:, :, None])[:, :, 0]
+        out[...] = cupy.matmul(wv_b, lat16[..., None])[..., 0]
     else:  # CuPy has no bf16 matmul: widen (the reference engine is not the fast path)
-        out[...] = cupy.matmul(bf16_bits_to_f32(wv_b), bf16_bits_to_f32(lat16)[:, :, None])[:, :, 0]
+        out[...] = cupy.matmul(bf16_bits_to_f32(wv_b), bf16_bits_to_f32(lat16)[..., None])[..., 0]
+
+
+def cublas_paged_attention(q, kv_cache, table, pages, visible, scale: float,
+                           cache_dtype: str, latent, lse) -> None:
+    """The attn phase of a paged step, request by request, from host copies of the block
+    `table` [B, max_pages], each request's page count `pages` [B] and what each query sees,
+    `visible` [B, s_q] (the caller checks them first): the request's pages gathered into
+    one contiguous run of rows, then `cublas_attention` over its (query token x head) rows,
+    query by query where their visible lengths differ (causal). q [B, s_q, H, K], kv_cache
+    [num_pages, page_size, K]; rows that see nothing get latent 0, lse -inf.
+
+    The GEMMs are sized by the lengths, which is why they are read to the host: the engine
+    cannot be captured in a CUDA graph."""
+    import cupy
+
+    s_q, key_dim, kv_lora = q.shape[1], q.shape[-1], latent.shape[-1]
+    latent.fill(0)
+    lse.fill(-np.inf)
+    for b in range(q.shape[0]):
+        vis = visible[b]
+        if vis.max() == 0:
+            continue
+        ids = cupy.asarray(table[b, :pages[b]].astype(np.int64))
+        rows = kv_cache[ids].reshape(-1, key_dim)[:vis.max()]
+        same = bool((vis == vis[0]).all())
+        for i0, i1 in [(0, s_q)] if same else [(i, i + 1) for i in range(s_q)]:
+            if vis[i0] == 0:
+                continue
+            cublas_attention(q[b, i0:i1].reshape(-1, key_dim), rows, int(vis[i0]), scale,
+                             cache_dtype, latent[b, i0:i1].reshape(-1, kv_lora),
+                             lse[b, i0:i1].reshape(-1))

@@ -27,7 +27,7 @@ from .bf16 import as_f64
 from .dims import check_inputs
 from .limits import check_host_memory
 
-__all__ = ["DecodeResult", "decode", "q_absorb", "to_host", "CHUNK_ROWS"]
+__all__ = ["DecodeResult", "decode", "decode_paged", "q_absorb", "to_host", "CHUNK_ROWS"]
 
 # Rows of cache widened to float64 at once: 8192 x 576 x 8 B = 38 MB.
 CHUNK_ROWS = 8192
@@ -114,3 +114,14 @@ def q_absorb(q_nope, q_rope, wk_b) -> np.ndarray:
             f"and wk_b [{n_head}, {nope}, kv_lora]; got {q_rope.shape} and {wk_b.shape}")
     absorbed = np.einsum("hn,hnk->hk", q_nope, wk_b)
     return np.concatenate([absorbed, q_rope], axis=1)
+
+
+def decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, causal: bool = False,
+                 scale=None, kv_lora: int = 512):
+    """The float64 reference of one paged step: reference_paged.decode_paged, re-exported so
+    that `mla.reference.decode_paged` sits beside `mla.reference.decode`. Imported on call:
+    reference_paged imports this module."""
+    from .reference_paged import decode_paged as paged
+
+    return paged(q, kv_cache, block_table, cache_seqlens, wv_b, causal=causal, scale=scale,
+                 kv_lora=kv_lora)

@@ -1,0 +1,358 @@
+"""The paged decode step of a serving batch, on torch tensors or CuPy arrays.
+
+    import mlasandbox as mla
+    res = mla.decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
+                           causal=False, variant="auto", splits=None, scale=None,
+                           check_indices=True)
+    res.latent [B, s_q, H, 512] f32   res.lse [B, s_q, H] f32   res.out [B, s_q, H, 128] f32
+
+    step = mla.PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b, ...)
+    step.run()                      # or step.run_attn(); step.run_combine()
+    graph = step.capture()          # cupy.cuda.Graph of the whole step
+    graph.launch(stream)            # replays read the same table and length buffers
+
+The contract (shapes, causal rule, empty rows) is sandbox/paged.py's; the chunk rule is
+sandbox/chunks.py's. The grid is (head blocks, max_chunks, B) whatever the lengths: every
+program reads its request's length on the device and exits if its chunk is past the end, so
+changing the contents of `cache_seqlens` and `block_table` between replays needs no recapture.
+
+`decode()` (batch 1, one contiguous cache) stays beside this path with its own kernels'
+machine code; batch 1 through the paged path agrees with it within the float64 tolerances.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import interop, registry
+from .api import DEFAULT_BATCHED_HPB, _check_device_array, scratch_for_device
+from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
+from .cublas_engine import cublas_paged_attention, cublas_projection
+from .guard import Launch, PhaseGuard
+from .kernels import blocks_per_sm, device_info, get_kernel
+from .paged import (PagedResult, PagedShape, check_paged_inputs, check_paged_values,
+                    pages_needed, visible_lengths)
+from .timing import capture_graph
+
+__all__ = ["decode_paged", "PagedDecodeStep", "PagedResult", "PAGE_SIZES",
+           "paged_variant", "paged_variant_names", "plan_for", "check_page_size",
+           "check_capturable", "raise_for_index_report"]
+
+# The page sizes the CUDA kernels address by a shift (FlashMLA's is 64).
+PAGE_SIZES = (1, 16, 64)
+# The kernel families that take the paged contract; per_head and tiled16 stay batch 1.
+PAGED_FAMILIES = ("split", "batched", "mma")
+MAX_GRID_Z = 65535   # CUDA's grid z limit: requests of one launch
+_LOG2E = math.log2(math.e)
+_NULL = np.uint64(0)  # a null pointer argument (no wv_b: the combine writes no `out`)
+
+
+def paged_variant_names() -> list[str]:
+    """The registered variants that take the paged contract (plus "auto")."""
+    return [n for n, v in registry.VARIANTS.items()
+            if v.family in PAGED_FAMILIES or not v.is_cuda]
+
+
+def paged_variant(name: str, s_q: int, n_head: int) -> registry.Variant:
+    """The Variant of `name` for the paged step: "auto" is mma16 when the s_q x H query rows
+    fit one 16-row tile, else mma32; "batched" is batched<DEFAULT_BATCHED_HPB>."""
+    if not isinstance(name, str):
+        raise TypeError(f"variant must be a name, got {name!r}")
+    if name == "auto":
+        name = "mma16" if s_q * n_head <= 16 else "mma32"
+    known = ", ".join(["auto", *paged_variant_names()])
+    var = registry.VARIANTS.get(name)
+    if var is not None and var.name not in paged_variant_names():
+        raise ValueError(f"variant {name} serves batch 1 from a contiguous cache only (use "
+                         f"mla.decode); the paged step takes {known}")
+    if var is None and name != "batched":
+        raise ValueError(f"unknown paged variant {name!r}; known: {known}")
+    return registry.resolve_variant(name, None, default_hpb=DEFAULT_BATCHED_HPB)
+
+
+def check_page_size(page_size: int) -> int:
+    """The log2 of a page size the CUDA kernels take, or a ValueError naming the allowed."""
+    if page_size not in PAGE_SIZES:
+        raise ValueError(f"page_size {page_size} is not supported by the CUDA variants: "
+                         f"page_size must be one of {', '.join(map(str, PAGE_SIZES))} (the "
+                         "kernels address a page by a shift; the cublas engine takes any)")
+    return page_size.bit_length() - 1
+
+
+def check_capturable(variant: registry.Variant) -> None:
+    if not variant.is_cuda:
+        raise ValueError(f"variant {variant.name} cannot be captured in a CUDA graph: it "
+                         "reads the lengths and the block table to the host to size its "
+                         "GEMMs; capture split, batched<HPB>, mma16 or mma32")
+
+
+def plan_for(shape: PagedShape, inst, *, num_sms: int, blocks_per_sm: int,
+             splits=None) -> ChunkPlan:
+    """The chunk plan of a paged step on attention instance `inst`: head blocks of
+    inst.heads query rows, its tile, and splits=N as every request's chunk cap."""
+    n_rows = shape.s_q * shape.n_head
+    chunks = None if isinstance(splits, str) and splits == "auto" else splits
+    if chunks is not None and (isinstance(chunks, (bool, np.bool_, str))
+                               or not isinstance(chunks, (int, np.integer))):
+        raise ValueError(f"splits must be None, 'auto' or an integer 1..{CHUNK_CAP} (the "
+                         f"chunks a request may take), got {splits!r}")
+    return plan_chunks(shape.batch, -(-n_rows // inst.heads), num_sms=num_sms,
+                       blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows, chunks=chunks)
+
+
+def raise_for_index_report(report, block_table, cache_seqlens, shape: PagedShape) -> None:
+    """Turn the index validator's report {flag, request, entry, value} into the host check's
+    error (check_paged_values on host copies of the same buffers: the same words, the first
+    bad request and entry in order). A report the host check cannot confirm is a
+    validator bug, raised as such."""
+    flag, b, j, value = (int(x) for x in report)
+    if flag == 0:
+        return
+    check_paged_values(block_table, cache_seqlens, shape)
+    raise RuntimeError(f"the index validator reported flag {flag} at request {b}, entry {j} "
+                       f"(value {value}), but check_paged_values finds the same table and "
+                       "lengths valid: the validator and the host check disagree")
+
+
+class PagedDecodeStep:
+    """One paged decode step: validated, planned and compiled once; run by phase.
+
+    torch tensors or CuPy arrays (zero copy); results in the caller's framework, the same
+    buffers every run. Launches go on the caller's current stream at each call (torch's for
+    torch inputs). Scratch (partials, tickets) is per device and shared with DecodeStep: steps
+    on one device must run on one stream, as api.scratch_for_device says. A captured graph
+    refers to this step's buffers: keep the step alive while the graph is replayed.
+    """
+
+    def __init__(self, q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
+                 causal: bool = False, variant: str = "auto", splits=None, scale=None,
+                 sync_check: bool = False, rescale: bool = True):
+        self.shape, self.scale = check_paged_inputs(q, kv_cache, block_table, cache_seqlens,
+                                                    wv_b, scale=scale, causal=causal)
+        sh = self.shape
+        self.causal = bool(causal)
+        self.variant = var = paged_variant(variant, sh.s_q, sh.n_head)
+        self.page_shift = None
+        if var.is_cuda:
+            self.page_shift = check_page_size(sh.page_size)
+            registry.check_cuda_dims(sh.dims.kv_lora, sh.dims.rope)
+            if sh.batch > MAX_GRID_Z:
+                raise ValueError(f"batch {sh.batch} exceeds the grid's z limit {MAX_GRID_Z}")
+        elif splits not in (None, "auto"):
+            raise ValueError("the cublas engine does not split; splits must be None")
+        self.caller, arrs = interop.from_caller(
+            {"q": q, "kv_cache": kv_cache, "block_table": block_table,
+             "cache_seqlens": cache_seqlens, "wv_b": wv_b})
+        self.device_id = self.caller.device_id
+        self._stream = None   # the capture stream while capture() runs
+        self.guard = PhaseGuard(var.name, sync_check=sync_check)
+        with self.caller.on():
+            self._setup(arrs, splits, rescale)
+
+    def _setup(self, arrs, splits, rescale) -> None:
+        import cupy
+
+        sh, d = self.shape, self.shape.dims
+        for name, arr in arrs.items():
+            if arr is not None:
+                _check_device_array(name, arr)
+        self.q, self.block_table, self.cache_seqlens = (arrs["q"], arrs["block_table"],
+                                                        arrs["cache_seqlens"])
+        self.kv_cache = arrs["kv_cache"].reshape(sh.num_pages, sh.page_size, d.key_dim)
+        self.wv_b = arrs["wv_b"]
+        rows = (sh.batch, sh.s_q, sh.n_head)
+        self.latent = cupy.empty((*rows, d.kv_lora), cupy.float32)
+        self.lse = cupy.empty(rows, cupy.float32)
+        self.out = cupy.empty((*rows, d.v_head), cupy.float32) if sh.has_wv_b else None
+        self.result = PagedResult(*(self.caller.to_caller(a)
+                                    for a in (self.latent, self.lse, self.out)))
+        self.check_inst = self.check_kernel = None
+        self.plan: ChunkPlan | None = None
+        if not self.variant.is_cuda:
+            return
+        self.attn_inst = registry.paged_attention_instance(self.variant, sh.cache_dtype,
+                                                           sh.q_dtype)
+        self.combine_inst = registry.paged_combine_instance(sh.cache_dtype, rescale)
+        info = device_info(self.device_id)
+        self.plan = plan_for(sh, self.attn_inst, num_sms=info.num_sms,
+                             blocks_per_sm=blocks_per_sm(self.attn_inst), splits=splits)
+        if self.plan.max_chunks > info.max_grid_y:
+            raise ValueError(f"max_chunks={self.plan.max_chunks} exceeds the grid's y limit "
+                             f"{info.max_grid_y} on {info.name}")
+        self.attn_kernel = get_kernel(self.attn_inst)
+        self.combine_kernel = get_kernel(self.combine_inst)
+        n = sh.batch * self.plan.max_chunks * self.n_rows
+        dev = self.device_id
+        self.part_acc = scratch_for_device(dev, "part_acc", n * d.kv_lora)
+        self.part_m = scratch_for_device(dev, "part_m", n)
+        self.part_l = scratch_for_device(dev, "part_l", n)
+        self.out_part = scratch_for_device(
+            dev, "out_part", sh.batch * self.n_rows * registry.COMBINE_COL_BLOCKS * d.v_head)
+        self.tickets = scratch_for_device(dev, "tickets", sh.batch * self.n_rows, "uint32")
+
+    @property
+    def n_rows(self) -> int:
+        """Query rows of a request, (query token, head): what the kernels serve as heads."""
+        return self.shape.s_q * self.shape.n_head
+
+    # ---- where launches go ---------------------------------------------------------------
+    def launch_stream(self):
+        """The stream the next phase launches on: the capture stream inside capture(), the
+        caller's current stream otherwise."""
+        return self._stream if self._stream is not None else self.caller.current_stream()
+
+    def capturing(self) -> bool:
+        """Whether the stream the next phase launches on is capturing a CUDA graph."""
+        with self.caller.on(self._stream):
+            return bool(self.launch_stream().is_capturing())
+
+    # ---- phases --------------------------------------------------------------------------
+    @property
+    def attn_grid(self) -> tuple:
+        return self.plan.grid
+
+    @property
+    def combine_grid(self) -> tuple:
+        return (self.n_rows, registry.COMBINE_COL_BLOCKS, self.shape.batch)
+
+    def attn_args(self) -> tuple:
+        """The paged attention kernel's arguments, in the kernels' order."""
+        sh, p = self.shape, self.plan
+        return (self.q, self.kv_cache, self.block_table, self.cache_seqlens,
+                np.int32(self.n_rows), np.int32(sh.n_head), np.int32(sh.s_q),
+                np.int32(self.causal), np.int32(sh.max_pages), np.int32(self.page_shift),
+                np.int32(p.max_chunks), np.int32(p.min_chunk),
+                np.float32(self.scale * _LOG2E), self.part_acc, self.part_m, self.part_l)
+
+    def combine_args(self) -> tuple:
+        """The paged combine's arguments, in the kernel's order (no wv_b: null pointers)."""
+        sh, p = self.shape, self.plan
+        wv_b = self.wv_b if self.wv_b is not None else _NULL
+        out = self.out if self.out is not None else _NULL
+        return (self.part_acc, self.part_m, self.part_l, self.cache_seqlens,
+                np.int32(self.n_rows), np.int32(sh.n_head), np.int32(p.max_chunks),
+                np.int32(p.min_chunk), np.int32(p.tile), wv_b, np.int32(sh.dims.v_head), out,
+                self.latent, self.lse, self.out_part, self.tickets)
+
+    def run_attn(self) -> None:
+        with self.caller.on(self._stream):
+            if not self.variant.is_cuda:
+                if self.launch_stream().is_capturing():
+                    check_capturable(self.variant)
+                with self.guard.phase("attn"):
+                    self._cublas_attention()
+                return
+            self.guard.launch("attn", self.attn_kernel, self.attn_grid,
+                              (self.attn_inst.threads, 1, 1), self.attn_args(),
+                              smem_bytes=self.attn_inst.smem_bytes,
+                              kernel_name=self.attn_inst.name)
+
+    def _cublas_attention(self) -> None:
+        """The engine's attn phase: the table and the lengths read to the host (the engine
+        sizes its GEMMs by them) and checked there before any page is gathered."""
+        sh = self.shape
+        table, lengths = self.block_table.get(), self.cache_seqlens.get()
+        check_paged_values(table, lengths, sh)
+        cublas_paged_attention(self.q, self.kv_cache, table, pages_needed(lengths, sh.page_size),
+                               visible_lengths(lengths, sh.s_q, self.causal), self.scale,
+                               sh.cache_dtype, self.latent, self.lse)
+
+    def run_combine(self) -> None:
+        with self.caller.on(self._stream):
+            if not self.variant.is_cuda:
+                if self.out is not None:
+                    with self.guard.phase("combine"):
+                        cublas_projection(self.wv_b, self.latent, self.shape.cache_dtype,
+                                          self.out)
+                return
+            self.guard.launch("combine", self.combine_kernel, self.combine_grid,
+                              (self.combine_inst.threads, 1, 1), self.combine_args(),
+                              kernel_name=self.combine_inst.name)
+
+    def run(self) -> PagedResult:
+        self.run_attn()
+        self.run_combine()
+        return self.result
+
+    def launches(self) -> list[Launch]:
+        """The step's kernel launches (none for the cublas engine), for the bench."""
+        if not self.variant.is_cuda:
+            return []
+        return [Launch(self.attn_inst.name, self.attn_grid, (self.attn_inst.threads, 1, 1),
+                       self.attn_inst.smem_bytes),
+                Launch(self.combine_inst.name, self.combine_grid,
+                       (self.combine_inst.threads, 1, 1), 0)]
+
+    # ---- the index validator -------------------------------------------------------------
+    def index_report(self) -> np.ndarray:
+        """The index validator's verdict on the current table and lengths, read back to the
+        host: [flag, request, entry, value], flag 0 when every length is in
+        0..max_pages*page_size and every entry a request reads in 0..num_pages-1 (1: a bad
+        length, entry -1; 2: a bad entry). Cannot run inside a graph capture."""
+        import cupy
+
+        sh = self.shape
+        with self.caller.on(self._stream):
+            if self.launch_stream().is_capturing():
+                raise RuntimeError("the index check reads its verdict to the host and cannot "
+                                   "run inside a CUDA-graph capture; check before capturing")
+            if self.check_kernel is None:
+                self.check_inst = registry.paged_check_instance()
+                self.check_kernel = get_kernel(self.check_inst)
+            error = cupy.zeros(4, cupy.int32)
+            self.guard.launch("check", self.check_kernel, (sh.batch, 1, 1),
+                              (self.check_inst.threads, 1, 1),
+                              (self.block_table, self.cache_seqlens, np.int32(sh.batch),
+                               np.int32(sh.max_pages), np.int32(sh.page_size),
+                               np.int32(sh.num_pages), error),
+                              kernel_name=self.check_inst.name)
+            return error.get()
+
+    def check_indices(self) -> None:
+        """Run the index validator; a bad length or table entry raises a ValueError naming
+        the request and the entry (check_paged_values' words, from host copies of the same
+        buffers, which are read only when the validator flags something)."""
+        report = self.index_report()
+        if report[0]:
+            with self.caller.on(self._stream):
+                table, lengths = self.block_table.get(), self.cache_seqlens.get()
+            raise_for_index_report(report, table, lengths, self.shape)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------
+    def capture(self):
+        """The whole step (attn, combine) captured into a cupy.cuda.Graph on a non-default
+        stream of its own (`self.graph_stream`). `graph.launch(stream)` replays it: the
+        replay reads cache_seqlens and block_table from the same device buffers, so new
+        contents need no recapture. Raises for the cublas engine."""
+        import cupy
+
+        check_capturable(self.variant)
+        with cupy.cuda.Device(self.device_id):
+            stream = cupy.cuda.Stream(non_blocking=True)
+            self._stream = stream
+            try:
+                graph = capture_graph(self._run_phases, stream)
+            finally:
+                self._stream = None
+        self.graph_stream = stream
+        return graph
+
+    def _run_phases(self) -> None:
+        self.run_attn()
+        self.run_combine()
+
+
+def decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, causal: bool = False,
+                 variant: str = "auto", splits=None, scale=None,
+                 check_indices: bool = True) -> PagedResult:
+    """One paged decode step (see the module docstring and sandbox/paged.py). With
+    `check_indices` the index validator runs first (not inside a graph capture, where it
+    cannot read its verdict back): a bad table entry or length raises naming the request
+    and the entry instead of reading out of bounds. It allocates its outputs: to capture a
+    step, build a PagedDecodeStep before the capture and run it inside."""
+    step = PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b, causal=causal,
+                           variant=variant, splits=splits, scale=scale)
+    if check_indices and not step.capturing():
+        step.check_indices()
+    return step.run()
