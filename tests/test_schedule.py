@@ -17,6 +17,7 @@ from mlasandbox.inputs import RISING_SPAN, make_inputs, make_rising_inputs
 from mlasandbox.reference import decode
 from mlasandbox.schedule import (AccuracyRow, accuracy_study, judge_study, run_schedule)
 from mlasandbox.splits import SPLIT_MIN_CTX, plan_splits, slice_bounds
+from tolerances import f32_error_scale
 
 K3 = preset("lecture-tp8")   # 12 heads at the real 576 / 512 / 128: the lecture's K3 shard
 DEPTH = 20000                # where the lecture measured the split's accuracy
@@ -191,8 +192,17 @@ def test_batched_masks_the_last_partial_head_group(n_head, hpb, seeds):
     # Per head, batching shares the cache pass and changes nothing else: the last group's
     # heads agree with the one-head-per-block split as closely as any other head.
     split = run_schedule(**args, schedule="split", splits=splits)
+    # Both round the same slices' chains but their score GEMMs differ (another head count
+    # picks another BLAS kernel), so each is its own f32 result: by the triangle inequality
+    # they differ by at most twice the bound a correct f32 schedule keeps from float64
+    # (tests/tolerances.py: 2-3e-6 x MARGIN per head here). A wrong mask writes a padded
+    # zero-query head's uniform average, or another head's result: relL2 O(1), > 1e4 x.
+    scale = f32_error_scale(**args, splits=splits)
+    uniform = inp.cache[:inp.n_ctx, :dims.kv_lora].astype(np.float64).mean(axis=0)
     for h in range(n_head):
-        assert rel_l2(batched.latent[h], split.latent[h]) < 1e-6, f"head {h} {seeds}"
+        bound = 2 * scale.latent_bound(h)
+        assert rel_l2(batched.latent[h], split.latent[h]) < bound, f"head {h} {seeds}"
+        assert rel_l2(uniform, split.latent[h]) > 1e4 * bound, f"head {h} {seeds}"
 
 
 # ---- tiled16's lazy max ----------------------------------------------------------------------
