@@ -236,8 +236,12 @@ def test_the_lazy_max_is_as_accurate_as_the_eager_one_and_never_moving_it_overfl
     with np.errstate(over="ignore", invalid="ignore"):
         never = compare(run_schedule(**args, **kw, lazy=1e30), ref)
     assert eager.ok and lazy.ok, f"{eager.summary()}\n{lazy.summary()} {seeds}"
-    assert rel_l2(run_schedule(**args, **kw, lazy=LAZY_LOG2 * np.log(2)).latent,
-                  ref.latent) < 5 * max(eager.latent.value, 1e-7), seeds
+    # p up to 2^8 instead of 1 changes no relative rounding, so both stay within the one
+    # bound an f32 chain over these 4095 rows keeps (tests/tolerances.py, ~1.2e-5 for
+    # these climbing scores; both measure ~1e-6); never moving the max overflows to inf/NaN
+    bound = f32_error_scale(**args).latent_bound()
+    assert max(eager.latent.value, lazy.latent.value) < bound, \
+        f"{eager.summary()}\n{lazy.summary()}\nbound {bound:.2e} {seeds}"
     assert not never.ok, f"{never.summary()} {seeds}"
 
 
