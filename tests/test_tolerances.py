@@ -47,10 +47,15 @@ def test_the_default_tolerance_sits_between_the_f32_bound_at_depth_and_the_bugs(
     n = 20000
     inp = make_inputs(K3, n_alloc=n, seed=seeds.one())
     scale = f32_error_scale(**inp.decode_args(), heads=[0])
-    deepest = scale.latent_bound() * math.sqrt(DEEPEST / n)
+    grow = math.sqrt(DEEPEST / n)
+    deepest = scale.latent_bound() * grow
     print(f"\nMARGIN x rms of an unsplit chain: {scale.latent_bound():.2e} at {n}, "
-          f"{deepest:.2e} at {DEEPEST} (default {DEFAULT_TOLERANCE.latent:.0e})")
+          f"{deepest:.2e} at {DEEPEST} (default {DEFAULT_TOLERANCE.latent:.0e}); lse "
+          f"{scale.lse_bound() * grow:.2e} (default {DEFAULT_TOLERANCE.lse_abs:.0e})")
     assert deepest < DEFAULT_TOLERANCE.latent < 1e-3, seeds
+    assert scale.out_bound() * grow < DEFAULT_TOLERANCE.out < 1e-3, seeds
+    # lse: l's chain of positive terms (partial sums up to l) grows like sqrt(n) too
+    assert scale.lse_bound() * grow < DEFAULT_TOLERANCE.lse_abs, seeds
 
 
 def test_assert_within_fails_past_the_bound_and_on_nan():
