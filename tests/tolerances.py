@@ -28,8 +28,9 @@ concentrates at its rms, sqrt(sum of the variances) / ||latent||, within a few p
 Measured errors lie at 0.3 .. 1 of that rms (the model takes every rounding at the uniform
 worst case and the score's chain in sequential order, which BLAS shortens). MARGIN = 4
 covers what the model leaves out (the tile rescales' one rounding per 32 rows, about 1/32 of
-the chain's variance; the combine weights' rounding, common to a slice) with room. A single value (lse of one head) is a Gaussian
-tail: LAMBDA = 6 standard deviations (probability 2e-9 each).
+the chain's variance; the combine weights' rounding, common to a slice) with room. A
+single value (lse of one head) is a Gaussian tail: LAMBDA = 6 standard deviations
+(probability 2e-9 each).
 
 Negative controls are orders of magnitude above these bounds (each test shows it): a
 combine without its exp(m_i - m) factors errs by 0.2 .. 0.5, a skipped 32-row tile by
