@@ -202,8 +202,9 @@ def test_batched_masks_the_last_partial_head_group(n_head, hpb, seeds):
     # Both round the same slices' chains but their score GEMMs differ (another head count
     # picks another BLAS kernel), so each is its own f32 result: by the triangle inequality
     # they differ by at most twice the bound a correct f32 schedule keeps from float64
-    # (tests/tolerances.py: 2-3e-6 x MARGIN per head here). A wrong mask writes a padded
-    # zero-query head's uniform average, or another head's result: relL2 O(1), > 1e4 x.
+    # (tests/tolerances.py: MARGIN x an rms of 1-3e-6 per head here). A wrong mask writes
+    # a padded zero-query head's uniform average, or another head's result: relL2 O(1),
+    # more than 1e4 x the bound.
     scale = f32_error_scale(**args, splits=splits)
     uniform = inp.cache[:inp.n_ctx, :dims.kv_lora].astype(np.float64).mean(axis=0)
     for h in range(n_head):
