@@ -210,6 +210,8 @@ def test_check_json_small():
     assert short["splits"] == 1 and short["control_rejected"] is None
     assert long_["splits"] > 1 and long_["control_rejected"] is True
     assert long_["relL2_no_rescale"] > data["schedule_model"]["tolerance"]
+    # chains of 187 rows + a 22-term combine against one of 4096: the model gains 1.6-2.1x
+    # over seeds (the score's error, common to both, caps it), so never below 1
     assert long_["relL2_split"] <= long_["relL2_unsplit"]
 
 

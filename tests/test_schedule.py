@@ -17,6 +17,7 @@ from mlasandbox.inputs import RISING_SPAN, make_inputs, make_rising_inputs
 from mlasandbox.reference import decode
 from mlasandbox.schedule import (AccuracyRow, accuracy_study, judge_study, run_schedule)
 from mlasandbox.splits import SPLIT_MIN_CTX, plan_splits, slice_bounds
+from tolerances import f32_error_scale
 
 K3 = preset("h96-tp8")   # 12 heads at the real 576 / 512 / 128: the lecture's K3 shard
 DEPTH = 20000                # where the lecture measured the split's accuracy
@@ -55,6 +56,11 @@ def test_split_is_at_least_as_accurate_as_unsplit_at_long_context(depth_study):
     assert all(r.splits > 1 for r in rows), "the plan did not split at depth"
     # The lecture measured ~4x at 20000; the model gives 6-8x with S = 22. Every seed must
     # gain, and the median must show the pairwise-summation effect, not a coin flip.
+    # Derivation (tests/tolerances.py): an f32 chain's rms error grows like sqrt(its
+    # length), and the split's chains are 909 rows plus a 22-term combine, so the rounding
+    # model predicts 3.6-3.8x between their rms (it overcounts the split's share of the
+    # score error, common to both); a relL2 over 512 columns sits within a few per cent of
+    # its rms, so one seed's gain varies little: 1.5 and 3 sit well below the 5-8x measured.
     gains = [r.gain for r in rows]
     assert min(gains) >= 1.5, f"gains {gains} {seeds}"
     assert statistics.median(gains) >= 3.0, f"gains {gains} {seeds}"
@@ -65,6 +71,8 @@ def test_the_negative_control_fails_the_check_the_real_combine_passes(depth_stud
     for r in rows:
         print(f"\nseed={r.seed}: relL2(latent) combine {r.split:.3e}, "
               f"without exp(m_i - m) {r.split_no_rescale:.3e} (limit {TOL.latent:.0e})")
+        # TOL is compare's default: above MARGIN x the model's rms of an unsplit chain at
+        # 20000 (1.7e-5) and at 131072 (4.3e-5), see tests/test_tolerances.py
         assert r.unsplit <= TOL.latent and r.split <= TOL.latent, f"{r} {seeds}"
         # not a near miss: the control is off by orders of magnitude
         assert r.split_no_rescale > 100 * TOL.latent, f"{r} {seeds}"
@@ -191,8 +199,18 @@ def test_batched_masks_the_last_partial_head_group(n_head, hpb, seeds):
     # Per head, batching shares the cache pass and changes nothing else: the last group's
     # heads agree with the one-head-per-block split as closely as any other head.
     split = run_schedule(**args, schedule="split", splits=splits)
+    # Both round the same slices' chains but their score GEMMs differ (another head count
+    # picks another BLAS kernel), so each is its own f32 result: by the triangle inequality
+    # they differ by at most twice the bound a correct f32 schedule keeps from float64
+    # (tests/tolerances.py: MARGIN x an rms of 1-3e-6 per head here). A wrong mask writes
+    # a padded zero-query head's uniform average, or another head's result: relL2 O(1),
+    # more than 1e4 x the bound.
+    scale = f32_error_scale(**args, splits=splits)
+    uniform = inp.cache[:inp.n_ctx, :dims.kv_lora].astype(np.float64).mean(axis=0)
     for h in range(n_head):
-        assert rel_l2(batched.latent[h], split.latent[h]) < 1e-6, f"head {h} {seeds}"
+        bound = 2 * scale.latent_bound(h)
+        assert rel_l2(batched.latent[h], split.latent[h]) < bound, f"head {h} {seeds}"
+        assert rel_l2(uniform, split.latent[h]) > 1e4 * bound, f"head {h} {seeds}"
 
 
 # ---- tiled16's lazy max ----------------------------------------------------------------------
@@ -226,8 +244,12 @@ def test_the_lazy_max_is_as_accurate_as_the_eager_one_and_never_moving_it_overfl
     with np.errstate(over="ignore", invalid="ignore"):
         never = compare(run_schedule(**args, **kw, lazy=1e30), ref)
     assert eager.ok and lazy.ok, f"{eager.summary()}\n{lazy.summary()} {seeds}"
-    assert rel_l2(run_schedule(**args, **kw, lazy=LAZY_LOG2 * np.log(2)).latent,
-                  ref.latent) < 5 * max(eager.latent.value, 1e-7), seeds
+    # p up to 2^8 instead of 1 changes no relative rounding, so both stay within the one
+    # bound an f32 chain over these 4095 rows keeps (tests/tolerances.py, ~1.2e-5 for
+    # these climbing scores; both measure ~1e-6); never moving the max overflows to inf/NaN
+    bound = f32_error_scale(**args).latent_bound()
+    assert max(eager.latent.value, lazy.latent.value) < bound, \
+        f"{eager.summary()}\n{lazy.summary()}\nbound {bound:.2e} {seeds}"
     assert not never.ok, f"{never.summary()} {seeds}"
 
 
