@@ -24,7 +24,7 @@ def bench(backend=None, **kw):
 
 # ---------------------------------------------------------------------------- config
 
-def test_defaults_are_the_lecture_run():
+def test_defaults_are_the_96_head_depth_run():
     cfg = make_config()
     assert cfg.dims.n_head == 96 and cfg.dims.key_dim == 576
     assert cfg.contexts == DEFAULT_CONTEXTS == (64, 512, 4096, 8192, 32768, 131072)

@@ -178,7 +178,7 @@ def test_ptxas_registers_match_the_loaded_kernels_and_the_driver_occupancy():
         assert report[inst.name].spill_stores == 0, f"{inst.name} spills"
         model = occupancy(arch, k.num_regs, inst.threads, inst.smem_bytes + k.shared_size_bytes)
         assert model.blocks_per_sm == blocks_per_sm(inst), inst.name
-    # the occupancy step (lecture section 4): up to HPB 16 two blocks fit an SM; HPB 24 needs
+    # the occupancy step (the register wall): up to HPB 16 two blocks fit an SM; HPB 24 needs
     # 154 registers and 132 KB of shared memory, and falls to one
     assert blocks_per_sm(registry.attn_instance(16)) == 2
     assert blocks_per_sm(registry.attn_instance(24)) == 1

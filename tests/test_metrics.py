@@ -13,10 +13,10 @@ N = 131072
 def test_attn_per_head_streams_the_cache_once_per_head():
     c = metrics.attn_cost("per_head", LECTURE, N, "f16", "f32", splits=1)
     cache_once = N * 576 * 2
-    assert cache_once == 150_994_944            # the lecture's "302 MB" is 2 layers' worth
+    assert cache_once == 150_994_944            # "302 MB" is 2 layers' worth
     terms = {t.name: t for t in c.terms}
     assert terms["cache rows"].ideal == cache_once
-    assert terms["cache rows"].issued == 96 * cache_once   # section 1.1: 96 times
+    assert terms["cache rows"].issued == 96 * cache_once   # once per head: 96 times
     assert terms["q"].ideal == 96 * 576 * 4
     assert terms["partials written"].ideal == 96 * 514 * 4
     assert c.ideal_bytes == cache_once + 96 * 576 * 4 + 96 * 514 * 4

@@ -52,7 +52,7 @@ def test_verdicts_against_the_floor():
     assert v.kind == "faster" and v.text == "2.00x faster" and v.ratio == 2.0
     v = verdict(110.0, 100.0, 0.03)
     assert v.kind == "slower" and v.text == "1.10x slower"
-    # the lecture's example: a 0.8 % cost under a 2 % floor is "no measurable cost"
+    # a 0.8 % cost under a 2 % floor is "no measurable cost"
     assert verdict(142.54, 141.35, 0.02).text == NO_DIFFERENCE
     # exactly at the floor is not above it
     assert verdict(103.0, 100.0, 0.03).kind == "same"

@@ -1,4 +1,4 @@
-"""Occupancy is a step function of registers and shared memory (lecture section 4), and a
+"""Occupancy is a step function of registers and shared memory (the register wall), and a
 block that cannot launch is refused by name."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mlasandbox.splits import plan_splits
 
 
 @pytest.mark.parametrize("regs, blocks", [(96, 2), (125, 2), (148, 1)])
-def test_the_lecture_register_wall_at_256_threads(regs, blocks):
+def test_the_register_wall_at_256_threads(regs, blocks):
     o = occupancy("sm_90", regs, 256, 0)
     assert o.blocks_per_sm == blocks
     assert o.limiter == "registers"
@@ -30,7 +30,7 @@ def test_the_register_step_is_where_the_allocation_unit_says():
 
 
 @pytest.mark.parametrize("hpb, regs, blocks", [(8, 96, 2), (12, 125, 2), (16, 148, 1)])
-def test_the_lecture_table_with_the_kernels_shared_memory(hpb, regs, blocks):
+def test_the_register_wall_table_with_the_kernels_shared_memory(hpb, regs, blocks):
     o = occupancy("sm_90", regs, ATTN_THREADS, attn_smem_bytes(hpb))
     assert o.blocks_per_sm == blocks, o
 
@@ -123,7 +123,7 @@ def test_arch_names_and_tables():
     assert arch_limits("sm_100").smem_per_sm == 228 * 1024
 
 
-def test_waves_and_idle_sms_name_the_lecture_bug():
+def test_waves_and_idle_sms_name_the_one_block_per_head_bug():
     # 96 heads, one block each, on a 132-SM H200: 36 SMs get nothing.
     assert idle_sms(96, 132) == 36
     assert waves(96, 1, 132) == pytest.approx(96 / 132)

@@ -82,7 +82,7 @@ def test_splits_are_the_launchers_rule():
     assert case.splits[4095] == plan_splits(4095, 96, 12, num_sms=132, blocks_per_sm=2).splits > 1
     assert "no split gate" in case.splits_from
     below = repro.make_case("split", contexts=(4095, 4096), blocks_per_sm=5)
-    assert below.splits[4095] == 1 and below.splits[4096] > 1  # split's gate, the lecture's
+    assert below.splits[4095] == 1 and below.splits[4096] > 1  # the split gate
     assert "split gate 4096" in below.splits_from
     assert case.splits[131072] == plan_splits(131072, 96, 12, num_sms=132,
                                               blocks_per_sm=2).splits

@@ -1,5 +1,5 @@
 """The split and batched schedules, tested where the short-context gate cannot reach them
-(lecture section 6): at depth, at the slice boundaries, with empty slices, with a partial
+(a gate on a device runs below the split gate, so it cannot reach them): at depth, at the slice boundaries, with empty slices, with a partial
 head group, and against a negative control that shows the check has power.
 
 Every input is fresh per run (see conftest.py); a failure prints how to replay it.
@@ -19,8 +19,8 @@ from mlasandbox.schedule import (AccuracyRow, accuracy_study, judge_study, run_s
 from mlasandbox.splits import SPLIT_MIN_CTX, plan_splits, slice_bounds
 from tolerances import f32_error_scale
 
-K3 = preset("h96-tp8")   # 12 heads at the real 576 / 512 / 128: the lecture's K3 shard
-DEPTH = 20000                # where the lecture measured the split's accuracy
+SHARD = preset("h96-tp8")   # 12 heads at the real 576 / 512 / 128: a 96-head model's 8-way shard
+DEPTH = 20000                # a depth where the split's accuracy gain is well above noise
 TOL = DEFAULT_TOLERANCE
 
 
@@ -40,12 +40,12 @@ def test_numpy_adds_along_a_non_inner_axis_in_order(seeds):
     np.testing.assert_array_equal(x.sum(axis=2), in_order, err_msg=str(seeds))
 
 
-# ---- accuracy at depth (lecture section 2.1) -------------------------------------------------
+# ---- accuracy at depth (the split's summation order) -------------------------------------------------
 
 @pytest.fixture(scope="module")
 def depth_study(module_seeds):
     seeds = module_seeds.take(4)
-    return accuracy_study([DEPTH], seeds, "auto", dims=K3), module_seeds
+    return accuracy_study([DEPTH], seeds, "auto", dims=SHARD), module_seeds
 
 
 def test_split_is_at_least_as_accurate_as_unsplit_at_long_context(depth_study):
@@ -54,7 +54,7 @@ def test_split_is_at_least_as_accurate_as_unsplit_at_long_context(depth_study):
         print(f"\nn_ctx={r.n_ctx} S={r.splits} seed={r.seed}: relL2(latent) unsplit "
               f"{r.unsplit:.3e}  split {r.split:.3e}  ({r.gain:.1f}x more accurate)")
     assert all(r.splits > 1 for r in rows), "the plan did not split at depth"
-    # The lecture measured ~4x at 20000; the model gives 6-8x with S = 22. Every seed must
+    # At 20000 the model gives 6-8x with S = 22. Every seed must
     # gain, and the median must show the pairwise-summation effect, not a coin flip.
     # Derivation (tests/tolerances.py): an f32 chain's rms error grows like sqrt(its
     # length), and the split's chains are 909 rows plus a 22-term combine, so the rounding
@@ -81,10 +81,10 @@ def test_the_negative_control_fails_the_check_the_real_combine_passes(depth_stud
 
 
 def test_the_full_comparison_rejects_the_combine_without_rescale(seeds):
-    inp = make_inputs(K3, n_alloc=5000, n_ctx=4097, seed=seeds.one())
+    inp = make_inputs(SHARD, n_alloc=5000, n_ctx=4097, seed=seeds.one())
     args = inp.decode_args()
     ref = decode(**args)
-    s = planned_splits(4097, K3.n_head)
+    s = planned_splits(4097, SHARD.n_head)
     good = compare(run_schedule(**args, schedule="split", splits=s), ref)
     bad = compare(run_schedule(**args, schedule="split", splits=s, rescale=False), ref)
     assert good.ok, f"{good.summary()} {seeds}"
@@ -96,8 +96,8 @@ def test_below_the_split_gate_a_missing_rescale_is_invisible(seeds):
     # Why the gate cannot test the combine: with one slice exp(m_0 - m) = 1, so dropping it
     # changes no bit. The negative control only has power where the context is split.
     n_ctx = SPLIT_MIN_CTX - 1
-    assert planned_splits(n_ctx, K3.n_head) == 1
-    inp = make_inputs(K3, n_alloc=n_ctx, seed=seeds.one())
+    assert planned_splits(n_ctx, SHARD.n_head) == 1
+    inp = make_inputs(SHARD, n_alloc=n_ctx, seed=seeds.one())
     with_rescale = run_schedule(**inp.decode_args(), schedule="split", splits=1)
     without = run_schedule(**inp.decode_args(), schedule="split", splits=1, rescale=False)
     np.testing.assert_array_equal(with_rescale.latent, without.latent)
@@ -131,10 +131,10 @@ BOUNDARIES = [1, 4095, 4096, 4097, 12287, 12288, 12289, 20000]
 
 @pytest.mark.parametrize("n_ctx", BOUNDARIES)
 def test_every_split_count_matches_the_reference_at_the_boundaries(n_ctx, seeds):
-    inp = make_inputs(K3, n_alloc=n_ctx + 3, n_ctx=n_ctx, seed=seeds.one())
+    inp = make_inputs(SHARD, n_alloc=n_ctx + 3, n_ctx=n_ctx, seed=seeds.one())
     args = inp.decode_args()
     ref = decode(**args)
-    planned = planned_splits(n_ctx, K3.n_head)
+    planned = planned_splits(n_ctx, SHARD.n_head)
     # the plan's S, odd counts whose slices end mid-tile, and more slices than tiles
     counts = sorted({planned, 3, 7, 64, max(1, n_ctx // 2 + 1)})
     results = {"per_head": run_schedule(**args, schedule="per_head")}
@@ -159,7 +159,7 @@ def test_slices_cover_the_context_exactly_once():
 
 @pytest.mark.parametrize("n_ctx", [1, 5, 50])
 def test_empty_slices_stay_neutral(n_ctx, seeds):
-    inp = make_inputs(K3, n_alloc=n_ctx, seed=seeds.one())
+    inp = make_inputs(SHARD, n_alloc=n_ctx, seed=seeds.one())
     args = inp.decode_args()
     exact_fit = run_schedule(**args, schedule="split", splits=n_ctx)
     for s in (n_ctx + 1, 2 * n_ctx + 3, 256):
@@ -178,7 +178,7 @@ def test_empty_slices_stay_neutral(n_ctx, seeds):
 @pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
 def test_nan_rows_past_n_ctx_never_leak(schedule, kw, cache_dtype, seeds):
     n_ctx = 4097
-    inp = make_inputs(K3, n_alloc=n_ctx + 77, n_ctx=n_ctx, cache_dtype=cache_dtype,
+    inp = make_inputs(SHARD, n_alloc=n_ctx + 77, n_ctx=n_ctx, cache_dtype=cache_dtype,
                       seed=seeds.one())
     poisoned = run_schedule(**inp.decode_args(), schedule=schedule, **kw)
     clean = run_schedule(inp.q, inp.cache[:n_ctx].copy(), inp.wv_b, schedule=schedule, **kw)
@@ -270,7 +270,7 @@ def test_run_schedule_rejects_bad_arguments_by_name(kw, match, seeds):
 
 
 def test_the_split_gate_is_split_s_alone():
-    # one head per block (split) keeps the lecture's gate, or the one given; blocks serving
+    # one head per block (split) keeps the split gate, or the one given; blocks serving
     # several heads have none, and the sizing rule's 4 tiles per slice bound them instead
     from mlasandbox.splits import SPLIT_MIN_CTX, default_gate, plan_splits
 

@@ -15,7 +15,7 @@ from mlasandbox.reference import decode
 from mlasandbox.schedule import run_schedule
 from tolerances import MARGIN, assert_within, f32_error_scale
 
-K3 = preset("lecture-tp8")
+SHARD = preset("h96-tp8")
 DEEPEST = 131072   # the longest context the kernels are checked at
 
 
@@ -45,7 +45,7 @@ def test_the_default_tolerance_sits_between_the_f32_bound_at_depth_and_the_bugs(
     scaled by sqrt(131072 / 20000), is what a correct kernel can reach at the deepest
     context; the default must lie above it, and far below a skipped tile (1e-3 .. 1e-2)."""
     n = 20000
-    inp = make_inputs(K3, n_alloc=n, seed=seeds.one())
+    inp = make_inputs(SHARD, n_alloc=n, seed=seeds.one())
     scale = f32_error_scale(**inp.decode_args(), heads=[0])
     grow = math.sqrt(DEEPEST / n)
     deepest = scale.latent_bound() * grow
