@@ -20,7 +20,7 @@ def __getattr__(name):
 
     if name in ("reference", "schedule", "occupancy", "compare", "inputs", "bf16", "ptxas",
                 "toolkit", "kernels", "guard", "api", "bench", "sweep", "repro", "timing",
-                "paged", "paged_api", "interop", "chunks", "paged_inputs", "reference_paged",
+                "paged", "paged_api", "interop", "chunks", "paged_inputs",
                 "compare_paged"):
         return importlib.import_module(f".{name}", __name__)
     if name in ("decode", "DecodeStep", "DecodeResult", "q_absorb"):

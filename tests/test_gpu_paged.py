@@ -1,4 +1,4 @@
-"""The paged decode step on the device, against the float64 reference (reference_paged).
+"""The paged decode step on the device, against the float64 reference (reference.decode_paged).
 
 Inputs come from paged_inputs.make_paged_inputs: the block table is a random permutation of
 the pages, unused pages and the tail of each request's last page are NaN, and the table

@@ -13,7 +13,7 @@ from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
 from mlasandbox.paged_inputs import make_paged_inputs, parse_lengths
 from mlasandbox.reference import decode
-from mlasandbox.reference_paged import decode_paged
+from mlasandbox.reference import decode_paged
 from mlasandbox.schedule_paged import run_paged_schedule
 
 SMALL = Dims(n_head=3, kv_lora=16, rope=8, v_head=4)

@@ -402,14 +402,14 @@ def test_the_engine_gathers_each_requests_pages_and_visible_rows(monkeypatch, se
 
 # ---- exports -------------------------------------------------------------------------------
 def test_the_package_exports_the_paged_api_and_its_reference(seeds):
-    from mlasandbox import reference_paged
+    from mlasandbox import reference
 
     assert mla.decode_paged is paged_api.decode_paged
     assert mla.PagedDecodeStep is PagedDecodeStep
     inp = make_paged_inputs(Dims(n_head=3), [0, 7, 33], s_q=2, page_size=16, causal=True,
                             seed=seeds.one())
     got = mla.reference.decode_paged(**inp.decode_args())
-    want = reference_paged.decode_paged(**inp.decode_args())
+    want = reference.decode_paged(**inp.decode_args())
     for f in ("latent", "lse", "out"):
         assert np.array_equal(getattr(got, f), getattr(want, f)), f
 
