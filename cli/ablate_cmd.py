@@ -11,7 +11,6 @@ import dataclasses
 import click
 from rich import box
 from rich.markup import escape
-from rich.table import Table
 
 from mlasandbox import registry, toolkit
 from mlasandbox.ablate import ablate as run
@@ -24,6 +23,7 @@ from .lab_render import fmt_us
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
                       preset_option, progress_bar, q_of, q_option, splits_option, stderr_console,
                       variants_option)
+from .render import Column, FitTable
 
 __all__ = ["ablate"]
 
@@ -42,23 +42,28 @@ def _run_meta() -> dict:
     return run_meta()
 
 
-def ablate_table(rows: list[dict], title: str) -> Table:
-    t = Table(title=title, title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD,
-              caption="loads ablated: the same kernel built with -DMLA_ABLATE_CACHE_LOADS (only "
-                      "the first tile per stage buffer is copied; its results are wrong by "
-                      "design and only checked to differ); loads share: 1 - ablated / real, "
-                      "the part of the time the cache copies add; floor: A/A of the real "
-                      "kernel, interleaved with the ablated one")
-    for col, j in (("variant", "left"), ("S", "right"), ("head blocks", "right"),
-                   ("real us", "right"), ("loads ablated us", "right"),
-                   ("loads share", "right"), ("floor", "right")):
-        t.add_column(col, justify=j, no_wrap=True)
+def ablate_table(rows: list[dict], title: str) -> FitTable:
+    """The ablation table; at a narrow console the geometry columns go first, never the
+    times or the share the table exists for."""
+    columns = (Column("variant"), Column("S", "right", drop=2),
+               Column("head blocks", "right", drop=1), Column("real us", "right"),
+               Column("loads ablated us", "right"), Column("loads share", "right"),
+               Column("floor", "right", drop=3))
+    cells = []
     for r in rows:
         v = r["verdict"]
         share = f"{100 * r['share']:.0f}%" if v["kind"] != "same" else NO_DIFFERENCE
-        t.add_row(r["variant"], str(r["splits"]), str(r["head_blocks"]), fmt_us(r["real_us"]),
-                  fmt_us(r["ablated_us"]), share, f"{100 * r['floor']['floor']:.2f}%")
-    return t
+        cells.append((r["variant"], str(r["splits"]), str(r["head_blocks"]),
+                      fmt_us(r["real_us"]), fmt_us(r["ablated_us"]), share,
+                      f"{100 * r['floor']['floor']:.2f}%"))
+    return FitTable(columns, cells, title=title, title_justify="left", caption_justify="left",
+                    box=box.SIMPLE_HEAD,
+                    caption="loads ablated: the same kernel built with "
+                            "-DMLA_ABLATE_CACHE_LOADS (only the first tile per stage buffer is "
+                            "copied; its results are wrong by design and only checked to "
+                            "differ); loads share: 1 - ablated / real, the part of the time the "
+                            "cache copies add; floor: A/A of the real kernel, interleaved with "
+                            "the ablated one")
 
 
 @click.command("ablate")
