@@ -13,6 +13,9 @@
 //   (AttnSmem<HPB>::bytes); the kernel static_asserts them (mla_common.cuh).
 //
 // Launch: grid = (ceil(H / HPB), S), block = kThreads, dynamic smem = attn_smem_bytes(HPB).
+// mla::attn_paged<HPB, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
+// grid = (ceil(n_rows / HPB), max_chunks, B), same block and shared memory; a block's HPB
+// heads are HPB query rows r = i * H + h of its request, partials [B][max_chunks][n_rows].
 // Block (g, s) serves heads g*HPB .. g*HPB+HPB-1 (heads >= H are masked, not dropped) over
 // the contiguous slice s of [0, n_ctx): [s*L, min(n_ctx, s*L + L)), L = ceil(n_ctx / S).
 // Contiguous, not strided, so each block's walk stays sequential for the prefetcher.

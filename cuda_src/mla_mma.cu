@@ -12,6 +12,10 @@
 // Launch: grid = (ceil(H / HEADS), S), block = 256, dynamic smem = MmaSmem<HM>::bytes.
 // Same slices and same partial (m, l, acc[512]) in the log2 domain as mla_attn.cu, so the
 // same combine merges it.
+// mla::mma_attn_paged<HEADS, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
+// grid = (ceil(n_rows / HEADS), max_chunks, B), same block and shared memory; a block's
+// HEADS "heads" are HEADS query rows r = i * H + h of its request (16 heads x s_q 4 fill two
+// mma32 blocks or four mma16 ones), partials [B][max_chunks][n_rows].
 //
 // Exact to f32 level although the tensor cores take 16-bit operands: q and p are split into
 // hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each product is
