@@ -70,11 +70,18 @@ CASES = [
     Case("mma32", 16, (141, 4000), s_q=2, causal=True, page_size=64, max_chunks=3),
     Case("mma32", 63, (2, 700), s_q=1, page_size=16, max_chunks=2, cache="bf16", q="bf16",
          wv_b=False),
+    # A last chunk of 1 or 2 positions (1026 = 4 x 256 + 2 at the mma tile of 64, 514 =
+    # 4 x 128 + 2 at the tile of 32): the early causal rows see nothing of it but see earlier
+    # chunks, so a block mixes rows with a neutral partial and rows with a live one.
+    Case("mma16", 4, (1026, 1025), s_q=4, causal=True, page_size=16, max_chunks=16),
+    Case("mma32", 8, (1026,), s_q=4, causal=True, page_size=64, max_chunks=16, cache="bf16"),
+    Case("batched8", 2, (514,), s_q=4, causal=True, page_size=64, max_chunks=16),
+    Case("split", 2, (514,), s_q=3, causal=True, page_size=16, max_chunks=16),
 ]
 
 
 def run_paged(inp, variant: str, max_chunks: int, *, rescale: bool = True):
-    """The paged attention launch and the paged combine on `inp`, as PagedResult."""
+    """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l)."""
     import cupy as cp
 
     from mlasandbox.kernels import get_kernel
@@ -139,10 +146,8 @@ def test_paged_kernels_match_the_float64_reference(case):
     assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
     # the programs past a request's last chunk wrote nothing (their l is still NaN), and the
     # ones before it wrote every row
-    n, _ = request_chunks(list(case.lengths), case.max_chunks,
-                          registry.paged_attention_instance(case.variant).tile_rows,
-                          MIN_TILES_PER_CHUNK * registry.paged_attention_instance(
-                              case.variant).tile_rows)
+    tile = registry.paged_attention_instance(case.variant).tile_rows
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile)
     written = ~np.isnan(part_l.get())                      # [B, max_chunks, n_rows]
     want = np.arange(case.max_chunks)[None, :] < n[:, None]  # [B, max_chunks]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
