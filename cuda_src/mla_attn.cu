@@ -164,7 +164,8 @@ __device__ __forceinline__ void attn_body(const QT* __restrict__ q, W& walk, flo
     const int n_head = walk.rows();  // rows of q (heads; paged: s_q x heads of a request)
 
     auto load_tile = [&](int tile_index, int buf) {
-        walk.template copy_tile<kTile, kChunksPerRow, Smem::stages, kThreads>(tiles, buf, tile_index, row_start, row_end);
+        walk.template copy_tile<kTile, kChunksPerRow, Smem::stages, kThreads>(tiles, buf, tile_index,
+                                                                              row_start, row_end);
     };
     walk.template fetch<kTile, kThreads>(0, row_start, row_end);
     load_tile(0, 0);

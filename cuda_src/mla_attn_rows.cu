@@ -164,7 +164,8 @@ __device__ __forceinline__ void attn_rows_body(const QT* __restrict__ q, W& walk
     // (work.part_base is not held across the walk: the end recomputes it, one register less)
 
     walk.template fetch<kTile, kThreads>(0, row_start, row_end);
-    walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 0, row_start, row_end);
+    walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 0, row_start,
+                                                                      row_end);
 
     // q in f32, pre-scaled into the log2 domain: this lane's 16 latent and 2 rope columns.
     const QT* q_head = walk.q(q) + static_cast<size_t>(head) * kKeyDim;
@@ -197,7 +198,8 @@ __device__ __forceinline__ void attn_rows_body(const QT* __restrict__ q, W& walk
         warp_rows<kPair, false, CacheT>(lat_row, rope_row, q_rope, q_lat, acc, m, l_own, kRowsPerWarp);
         __syncthreads();  // every warp is done reading the one tile buffer
         // the next tile: tile 1 counted from this one (the memory ablation skips it)
-        walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 1, row0, row_end);
+        walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 1, row0,
+                                                                          row_end);
     }
     // The last tile, whose rows may run past the slice end: each warp checks its rows.
     cp_async_wait<0>();

@@ -113,7 +113,8 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
 
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float wl = 0.f;  // this thread's share of l = sum_i w_i l_i
-    const float* acc_base = part_acc + static_cast<size_t>(merge.first()) * MLA_KV_LORA + cb * kBlockCols + 4 * col4;
+    const float* acc_base =
+        part_acc + static_cast<size_t>(merge.first()) * MLA_KV_LORA + cb * kBlockCols + 4 * col4;
     const size_t split_stride = static_cast<size_t>(merge.stride()) * MLA_KV_LORA;
     for (int i0 = 0; i0 < splits; i0 += kSplitTile) {
         const int n = min(kSplitTile, splits - i0);
@@ -149,7 +150,8 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
         }
         const float inv_l = M::inv_l(l);
         const float4 lat = make_float4(sum.x * inv_l, sum.y * inv_l, sum.z * inv_l, sum.w * inv_l);
-        *reinterpret_cast<float4*>(latent + static_cast<size_t>(merge.row()) * MLA_KV_LORA + cb * kBlockCols + 4 * col4) = lat;
+        float* lat_dst = latent + merge.row() * MLA_KV_LORA + cb * kBlockCols + 4 * col4;
+        *reinterpret_cast<float4*>(lat_dst) = lat;
         *reinterpret_cast<float4*>(&group_acc[0][4 * col4]) = lat;  // group 0's row now holds the latent
         if (tid == 0 && cb == 0) lse[merge.row()] = M::lse(m, l);
     }
@@ -160,7 +162,8 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
     const float4 lat = *reinterpret_cast<const float4*>(&group_acc[0][4 * lane]);
     float* my_part = out_part + (static_cast<size_t>(merge.row()) * kColBlocks + cb) * v_head;
     for (int v = warp; v < v_head; v += kCombineThreads / 32) {
-        const WvT* row = wv_b + (static_cast<size_t>(merge.head()) * v_head + v) * MLA_KV_LORA + cb * kBlockCols + 4 * lane;
+        const WvT* row = wv_b + (static_cast<size_t>(merge.head()) * v_head + v) * MLA_KV_LORA +
+                         cb * kBlockCols + 4 * lane;
         const uint2 raw = *reinterpret_cast<const uint2*>(row);
         const float2 a = pair_to_f32<WvT>(raw.x), b = pair_to_f32<WvT>(raw.y);
         float sum = a.x * lat.x;

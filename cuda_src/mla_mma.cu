@@ -157,13 +157,15 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     const int n_head = walk.rows();  // rows of q (heads; paged: s_q x heads of a request)
 
     auto load_tile = [&](int tile_index, int buf) {  // two stage buffers
-        walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(tiles, buf, tile_index, row_start, row_end);
+        walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(tiles, buf, tile_index,
+                                                                      row_start, row_end);
     };
     walk.template fetch<kMmaTile, kMmaThreads>(0, row_start, row_end);
     load_tile(0, 0);
 
     // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
-    stage_q<kHeads, kMmaKey, kMmaThreads>(walk.q(q), head0, n_head, scale_log2, [&](int j, int k, float x) {
+    const QT* q_rows = walk.q(q);
+    stage_q<kHeads, kMmaKey, kMmaThreads>(q_rows, head0, n_head, scale_log2, [&](int j, int k, float x) {
         CacheT hi, lo;
         split_hi_lo(x, hi, lo);
         const int off = swizzled_chunk(j, k >> 3, kMmaChunks) * 8 + (k & 7);
@@ -273,7 +275,8 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             const int h = warp + (lane / kLanesPerHead) * kMmaWarps;
             const int r0 = (lane % kLanesPerHead) * kRowsPerLane;
             // >= 1 for lane 0 of every head but a paged one that sees nothing yet
-            const int rows_valid = walk.row_end(head0 + h, row_end) - (row_start + it * kMmaTile + r0);
+            const int rows_valid =
+                walk.row_end(head0 + h, row_end) - (row_start + it * kMmaTile + r0);
             float sc[kRowsPerLane];
 #pragma unroll
             for (int r = 0; r < kRowsPerLane; ++r) sc[r] = 0.f;

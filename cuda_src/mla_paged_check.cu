@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(kCheckThreads)
 check_paged(const int* __restrict__ block_table, const int* __restrict__ cache_seqlens, int batch,
             int max_pages, int page_size, int num_pages, int* __restrict__ error) {
 #ifdef MLA_REGISTRY_FACTS
-    static_assert(MLA_CHECK_THREADS == kCheckThreads, "registry.CHECK_THREADS differs from kCheckThreads");
+    static_assert(MLA_CHECK_THREADS == kCheckThreads,
+                  "registry.CHECK_THREADS differs from kCheckThreads");
 #endif
     const int b = blockIdx.x;
     if (b >= batch) return;

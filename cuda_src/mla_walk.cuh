@@ -93,9 +93,9 @@ struct ContiguousWalk {
 // t < len is ever looked up, so a table entry past the request's pages is never read.
 // kPrefetch: the pages of a thread's rows of the next tile are looked up while this tile is
 // copied (fetch), so a copy never waits on a table read: one lookup per copied row per tile,
-// off the critical path, and nothing in the loops over a tile. Without it (attn_rows, whose
-// 80-register limit has no room for the looked-up pages across a tile) each copy looks its
-// pages up first, and the SM's other resident blocks cover the wait.
+// off the critical path, and nothing in the loops over a tile. Without it (attn_rows, at its
+// register limit) each copy looks its pages up first, and the SM's other resident blocks
+// cover the wait.
 enum : int { kPagedMaxPasses = 2 };  // copy passes of a tile per thread, at most (an enum:
                                      // NVRTC emits namespace constants into every PTX)
 
@@ -133,8 +133,8 @@ struct PagedWalk {
         return false;
     }
     __device__ __forceinline__ int rows() const { return n_rows; }
-    // Request b's row of the table, rederived from the launch values at each lookup: two
-    // registers less across the walk (attn_rows sits at its limit).
+    // Request b's row of the table, rederived from the launch values at each lookup rather
+    // than held across the walk.
     __device__ __forceinline__ const int* request_pages() const {
         return table + static_cast<size_t>(blockIdx.z) * max_pages;
     }
@@ -158,14 +158,16 @@ struct PagedWalk {
             page[pass] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
         }
     }
-    // cp_async_tile through the pages of this tile (fetched one copy ago with kPrefetch, else
-    // now); with kPrefetch, then the next tile's pages.
+    // cp_async_tile's copy, each row's address through the pages of this tile (fetched one
+    // copy ago with kPrefetch, else now); with kPrefetch, then the next tile's pages. A loop
+    // of its own: routing cp_async_tile through a row-address callback reorders the batch-1
+    // kernels' PTX.
     template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true>
     __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
                                               int row_end) {
         constexpr int kRowsPerPass = kThreadsT / 8;
         static_assert(kThreadsT % 64 == 0 && kRows % kRowsPerPass == 0,
-                      "8 threads per row, and a pass of rows a multiple of 8 (one swizzle per thread)");
+                      "8 threads per row, a pass of rows a multiple of 8 (one swizzle a thread)");
         static_assert(kChunks % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
         if (kAblateCacheLoads && tile_index >= kStages) return;
         const int row0 = row_start + tile_index * kRows;
@@ -177,7 +179,8 @@ struct PagedWalk {
         for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
             const int row = row0 + pass * kRowsPerPass + copy_row;
             const bool valid = row < row_end;
-            const int pg = kPrefetch ? page[pass] : valid ? __ldg(request_pages() + (row >> page_shift)) : 0;
+            const int pg = kPrefetch ? page[pass]
+                         : valid   ? __ldg(request_pages() + (row >> page_shift)) : 0;
             const size_t cache_row = (static_cast<size_t>(pg) << page_shift) + (row & in_page);
             const CacheT* src = cache + cache_row * (kChunks * 8) + copy_lane * 8;
 #pragma unroll

@@ -87,8 +87,8 @@ def run_paged(inp, variant: str, max_chunks: int, *, rescale: bool = True):
     from mlasandbox.kernels import get_kernel
 
     q, cache, table, seqlens = inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens
-    batch, s_q, n_head, key_dim = q.shape
-    num_pages, page_size, _ = cache.shape
+    batch, s_q, n_head, _ = q.shape
+    page_size = cache.shape[1]
     n_rows, max_pages = s_q * n_head, table.shape[1]
     cache_dt = "bf16" if cache.dtype == cp.uint16 else "f16"
     q_dt = "f32" if q.dtype == cp.float32 else cache_dt

@@ -10,12 +10,10 @@ the kernel's lowered name replaced by `KERNEL`, so that a change of template spe
 changes only the mangled name compares equal. Besides the registry instances it compiles the
 attention kernels with the defines the memory ablation and the negative controls use, and
 ceiling_fma.cu. A refactor that must not change machine code dumps before and after and
-runs `compare`, which ignores only NVRTC's header comments, the hashed name NVRTC gives
+runs `compare`, which ignores only NVRTC's header comments and the hashed name NVRTC gives
 the program's internal-linkage namespace (it changes with any edit of the source, comments
-included), and which function a static __shared__ variable is declared in (its symbol
-`_ZZ<function>E<name>` names it: a kernel whose body moved into a device function it
-inlines declares the same memory under another spelling). `compare` checks every file of
-BEFORE; files only AFTER has (new instances) are listed, not failed. No GPU is needed.
+included). `compare` checks every file of BEFORE; files only AFTER has (instances added
+since) are listed, not failed. No GPU is needed.
 """
 from __future__ import annotations
 
@@ -78,19 +76,10 @@ def dump(out_dir: Path, arch: str) -> int:
 # (a hash that changes with the source text, comments included).
 _HEADER = re.compile(r"^//.*\n", re.MULTILINE)
 _INTERNAL = re.compile(r"_ZN\d+_INTERNAL_[0-9a-f]+_\d+_kernel_cu_[0-9a-f]+_\d+")
-# A function-local static: _ZZ <the function's mangled name> E <length> <name> (no
-# discriminator: each kernel declares each name once).
-_LOCAL_STATIC = re.compile(r"_ZZN\w*?E(\d+)(\w+)")
-
-
-def _local_static(m: re.Match) -> str:
-    n = int(m.group(1))
-    return f"_ZZ_LOCAL_{m.group(2)[:n]}" + m.group(2)[n:]
 
 
 def normalize(ptx: str) -> str:
-    ptx = _INTERNAL.sub("_ZN_INTERNAL_", _HEADER.sub("", ptx))
-    return _LOCAL_STATIC.sub(_local_static, ptx)
+    return _INTERNAL.sub("_ZN_INTERNAL_", _HEADER.sub("", ptx))
 
 
 def compare(before: Path, after: Path) -> int:
