@@ -13,6 +13,9 @@
 //   (AttnSmem<HPB>::bytes); the kernel static_asserts them (mla_common.cuh).
 //
 // Launch: grid = (ceil(H / HPB), S), block = kThreads, dynamic smem = attn_smem_bytes(HPB).
+// mla::attn_paged<HPB, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
+// grid = (ceil(n_rows / HPB), max_chunks, B), same block and shared memory; a block's HPB
+// heads are HPB query rows r = i * H + h of its request, partials [B][max_chunks][n_rows].
 // Block (g, s) serves heads g*HPB .. g*HPB+HPB-1 (heads >= H are masked, not dropped) over
 // the contiguous slice s of [0, n_ctx): [s*L, min(n_ctx, s*L + L)), L = ceil(n_ctx / S).
 // Contiguous, not strided, so each block's walk stays sequential for the prefetcher.
@@ -36,7 +39,7 @@
 //      in registers across the whole slice: acc = acc * alpha + sum_t p[t] * cache[t, cols];
 //      the two row halves are summed once, when the slice is done.
 // Shared memory is O(key_dim * HPB + tile), never O(n_ctx): see attn_smem_bytes().
-#include "mla_common.cuh"
+#include "mla_walk.cuh"
 
 namespace mla {
 
@@ -114,11 +117,11 @@ __device__ __forceinline__ void load_heads(const float* src, float (&dst)[HPT]) 
     }
 }
 
-template <int HPB, typename CacheT, typename QT>
-__global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
-attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
-     int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
-     float* __restrict__ part_l) {
+// The kernel body, on the walk W of its launch (mla_walk.cuh).
+template <int HPB, typename CacheT, typename QT, typename W>
+__device__ __forceinline__ void attn_body(const QT* __restrict__ q, W& walk, float scale_log2,
+                                          float* __restrict__ part_acc, float* __restrict__ part_m,
+                                          float* __restrict__ part_l) {
     using Smem = AttnSmem<HPB>;
 #ifdef MLA_REGISTRY_FACTS
     static_assert(MLA_ATTN_THREADS == kThreads, "registry.ATTN_THREADS differs from kThreads");
@@ -155,18 +158,21 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
-    if (!begin_slice(HPB, n_head, n_ctx, splits, kKvLora, part_acc, part_m, part_l, work)) return;
+    if (!walk.begin(HPB, kKvLora, part_acc, part_m, part_l, work)) return;
     const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
     const size_t part_base = work.part_base;
+    const int n_head = walk.rows();  // rows of q (heads; paged: s_q x heads of a request)
 
     auto load_tile = [&](int tile_index, int buf) {
-        cp_async_tile<kTile, kChunksPerRow, Smem::stages, kThreads>(tiles, buf, tile_index, cache, row_start, row_end);
+        walk.template copy_tile<kTile, kChunksPerRow, Smem::stages, kThreads>(tiles, buf, tile_index,
+                                                                              row_start, row_end);
     };
+    walk.template fetch<kTile, kThreads>(0, row_start, row_end);
     load_tile(0, 0);
 
     // q in f32, pre-scaled into the log2 domain, laid out [key column][head] so that the
     // score phase reads HPT heads of one column with one broadcast.
-    stage_q<HPB, kKeyDim, kThreads>(q, head0, n_head, scale_log2,
+    stage_q<HPB, kKeyDim, kThreads>(walk.q(q), head0, n_head, scale_log2,
                                     [&](int j, int k, float x) { q_s[k * HPB + j] = x; });
     for (int j = tid; j < HPB; j += kThreads) { m_s[j] = -INFINITY; l_s[j] = 0.f; }
 
@@ -233,16 +239,18 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
             float s = 0.f;
 #pragma unroll
             for (int w = 0; w < kWarps; ++w) s += red[(w * HPB + j) * kTile + lane];
-            s = (row < row_end) ? s : -INFINITY;
+            s = (row < walk.row_end(head0 + j, row_end)) ? s : -INFINITY;
             const float m_old = m_s[j];
-            const float m_new = fmaxf(m_old, warp_max(s));  // finite: row_start + it*kTile < row_end
-            const float p = exp2f(s - m_new);
+            // finite: row_start + it*kTile < row_end, but for a paged row that sees nothing
+            // yet (-inf, which W::exp_offset and W::softmax_step keep from NaN)
+            const float m_new = fmaxf(m_old, warp_max(s));
+            const float p = exp2f(s - W::exp_offset(m_new));
             const float p_sum = warp_sum(p);
             p_s[j * kTile + lane] = p;
             // Every lane has read m_s[] above; lane 0 overwrites it. The shuffles order the
             // two in practice, the barrier makes it formal (racecheck flags it otherwise).
             __syncwarp();
-            if (lane == 0) online_softmax_step(m_s, l_s, alpha_s, j, m_old, m_new, p_sum);
+            if (lane == 0) W::softmax_step(m_s, l_s, alpha_s, j, m_old, m_new, p_sum);
         }
         __syncthreads();
         // The partials are consumed: the spare buffer can take the next tile, which lands
@@ -309,6 +317,28 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
         part_m[part_base + head0 + tid] = m_s[tid];
         part_l[part_base + head0 + tid] = l_s[tid];
     }
+}
+
+template <int HPB, typename CacheT, typename QT>
+__global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
+attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
+     int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
+     float* __restrict__ part_l) {
+    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
+    attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
+}
+
+// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HPB), max_chunks, B).
+template <int HPB, typename CacheT, typename QT>
+__global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
+attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
+           const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
+           int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
+           int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
+           float* __restrict__ part_m, float* __restrict__ part_l) {
+    PagedWalk<CacheT, kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
+                                  causal, max_pages, page_shift, max_chunks, min_chunk};
+    attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
 }  // namespace mla

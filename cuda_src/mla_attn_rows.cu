@@ -11,6 +11,9 @@
 //   for the block, the tile and the shared memory; the kernel static_asserts them.
 //
 // Launch: grid = (H, S), block = kThreads, dynamic smem = RowsSmem::bytes (36,864 B).
+// mla::attn_rows_paged<CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
+// grid = (n_rows, max_chunks, B), one query row r = i * H + h of request b per block, the
+// same block and shared memory, 5 resident blocks per SM (see the kernel).
 // Block (h, s) serves head h over the contiguous slice s of [0, n_ctx) (begin_slice) and writes
 // the partial of mla_attn.cu, in the log2 domain (q is pre-scaled by scale * log2(e)):
 //   l = sum_t 2^(s2[t] - m),  acc = sum_t 2^(s2[t] - m) * cache[t, :512]
@@ -42,7 +45,7 @@
 // kernel sits at its 80-register limit (6 blocks of 4 warps).
 // The slice's last tile goes one row a step, which frees the registers its bookkeeping needs.
 // Shared memory is O(tile), never O(n_ctx).
-#include "mla_common.cuh"
+#include "mla_walk.cuh"
 
 namespace mla {
 namespace rows {
@@ -135,11 +138,14 @@ __device__ __forceinline__ void warp_rows(const uint4* lat_row, const unsigned i
 
 }  // namespace rows
 
-template <typename CacheT, typename QT>
-__global__ void __launch_bounds__(rows::kThreads, rows::kMinBlocks)
-attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
-          int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
-          float* __restrict__ part_l) {
+// The kernel body, on the walk W of its launch (mla_walk.cuh). A block serves one row, so a
+// paged causal row's limit is the block's slice end (W::begin) and the last-tile masking
+// covers it.
+template <typename CacheT, typename QT, typename W>
+__device__ __forceinline__ void attn_rows_body(const QT* __restrict__ q, W& walk, float scale_log2,
+                                               float* __restrict__ part_acc,
+                                               float* __restrict__ part_m,
+                                               float* __restrict__ part_l) {
     using namespace rows;
 #ifdef MLA_REGISTRY_FACTS
     static_assert(MLA_ROWS_THREADS == kThreads, "registry.ROWS_THREADS differs from kThreads");
@@ -153,14 +159,17 @@ attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
-    if (!begin_slice(1, n_head, n_ctx, splits, kKvLora, part_acc, part_m, part_l, work)) return;
+    if (!walk.begin(1, kKvLora, part_acc, part_m, part_l, work)) return;
     const int head = work.head0, row_start = work.row_start, row_end = work.row_end;
     // (work.part_base is not held across the walk: the end recomputes it, one register less)
 
-    cp_async_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 0, cache, row_start, row_end);
+    walk.template fetch<kTile, kThreads>(0, row_start, row_end);
+    walk.template fetch<kTile, kThreads>(0, row_start, row_end);
+    walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 0, row_start,
+                                                                      row_end);
 
     // q in f32, pre-scaled into the log2 domain: this lane's 16 latent and 2 rope columns.
-    const QT* q_head = q + static_cast<size_t>(head) * kKeyDim;
+    const QT* q_head = walk.q(q) + static_cast<size_t>(head) * kKeyDim;
     float q_lat[16];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -190,7 +199,8 @@ attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head
         warp_rows<kPair, false, CacheT>(lat_row, rope_row, q_rope, q_lat, acc, m, l_own, kRowsPerWarp);
         __syncthreads();  // every warp is done reading the one tile buffer
         // the next tile: tile 1 counted from this one (the memory ablation skips it)
-        cp_async_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 1, cache, row0, row_end);
+        walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 1, row0,
+                                                                          row_end);
     }
     // The last tile, whose rows may run past the slice end: each warp checks its rows.
     cp_async_wait<0>();
@@ -219,7 +229,7 @@ attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head
         dst[64 * c + 2 * lane + 1] = make_float4(a[4] * scale, a[5] * scale, a[6] * scale, a[7] * scale);
     }
     __syncthreads();
-    const size_t partial = slice_part_base(n_head) + blockIdx.x;  // + head, from blockIdx
+    const size_t partial = walk.part_base() + blockIdx.x;  // + head, from blockIdx
     for (int col = threadIdx.x; col < kKvLora; col += kThreads) {
         float sum = 0.f;
 #pragma unroll
@@ -233,6 +243,32 @@ attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head
         part_m[partial] = m_block;
         part_l[partial] = l;
     }
+}
+
+template <typename CacheT, typename QT>
+__global__ void __launch_bounds__(rows::kThreads, rows::kMinBlocks)
+attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
+          int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
+          float* __restrict__ part_l) {
+    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
+    attn_rows_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
+}
+
+// The paged launch (mla_walk.cuh, PagedWalk): grid (n_rows, max_chunks, B). ptxas gives it
+// 90 registers (at the 80 of kMinBlocks it spills: its slice bounds derive from a length in
+// device memory, not from launch arguments it can reread), so it allows 5 blocks per SM.
+enum : int { kPagedMinBlocks = 5 };
+template <typename CacheT, typename QT>
+__global__ void __launch_bounds__(rows::kThreads, kPagedMinBlocks)
+attn_rows_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
+                const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
+                int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
+                int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
+                float* __restrict__ part_m, float* __restrict__ part_l) {
+    PagedWalk<CacheT, rows::kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head,
+                                        s_q, causal, max_pages, page_shift, max_chunks,
+                                        min_chunk};
+    attn_rows_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
 }  // namespace mla

@@ -12,6 +12,10 @@
 // Launch: grid = (ceil(H / HEADS), S), block = 256, dynamic smem = MmaSmem<HM>::bytes.
 // Same slices and same partial (m, l, acc[512]) in the log2 domain as mla_attn.cu, so the
 // same combine merges it.
+// mla::mma_attn_paged<HEADS, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
+// grid = (ceil(n_rows / HEADS), max_chunks, B), same block and shared memory; a block's
+// HEADS "heads" are HEADS query rows r = i * H + h of its request (16 heads x s_q 4 fill two
+// mma32 blocks or four mma16 ones), partials [B][max_chunks][n_rows].
 //
 // Exact to f32 level although the tensor cores take 16-bit operands: q and p are split into
 // hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each product is
@@ -38,7 +42,7 @@
 // on every tile would need 720 ldmatrix.x4 (368 KB) per 64-row tile for mma32's 1,152 MMAs
 // and 432 for mma16's 576; with q in registers the score loop needs 288 and 144, and the 4
 // k-groups' partials cost one float2 store per fragment.
-#include "mla_common.cuh"
+#include "mla_walk.cuh"
 
 namespace mla {
 
@@ -118,11 +122,12 @@ __device__ __forceinline__ unsigned bits16(T x) {
     return u;
 }
 
-template <int HEADS, typename CacheT, typename QT>
-__global__ void __launch_bounds__(kMmaThreads, 1)
-mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
-         int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
-         float* __restrict__ part_l) {
+// The kernel body, on the walk W of its launch (mla_walk.cuh).
+template <int HEADS, typename CacheT, typename QT, typename W>
+__device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk, float scale_log2,
+                                              float* __restrict__ part_acc,
+                                              float* __restrict__ part_m,
+                                              float* __restrict__ part_l) {
     static_assert(HEADS == 16 || HEADS == 32, "mma_attn serves 16 or 32 heads per block");
     constexpr int HM = HEADS / 16;  // m tiles of 16 heads
     using M = MmaType<CacheT>;
@@ -146,17 +151,21 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c4 = lane & 3;  // fragment row group and column pair
     BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
-    if (!begin_slice(kHeads, n_head, n_ctx, splits, kMmaLora, part_acc, part_m, part_l, work)) return;
+    if (!walk.begin(kHeads, kMmaLora, part_acc, part_m, part_l, work)) return;
     const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
     const size_t part_base = work.part_base;
+    const int n_head = walk.rows();  // rows of q (heads; paged: s_q x heads of a request)
 
     auto load_tile = [&](int tile_index, int buf) {  // two stage buffers
-        cp_async_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(tiles, buf, tile_index, cache, row_start, row_end);
+        walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(tiles, buf, tile_index,
+                                                                      row_start, row_end);
     };
+    walk.template fetch<kMmaTile, kMmaThreads>(0, row_start, row_end);
     load_tile(0, 0);
 
     // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
-    stage_q<kHeads, kMmaKey, kMmaThreads>(q, head0, n_head, scale_log2, [&](int j, int k, float x) {
+    const QT* q_rows = walk.q(q);
+    stage_q<kHeads, kMmaKey, kMmaThreads>(q_rows, head0, n_head, scale_log2, [&](int j, int k, float x) {
         CacheT hi, lo;
         split_hi_lo(x, hi, lo);
         const int off = swizzled_chunk(j, k >> 3, kMmaChunks) * 8 + (k & 7);
@@ -265,7 +274,9 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
             static_assert(kRowsPerLane % 4 == 0 && 8 % kRowsPerLane == 0, "float4 loads within one p chunk");
             const int h = warp + (lane / kLanesPerHead) * kMmaWarps;
             const int r0 = (lane % kLanesPerHead) * kRowsPerLane;
-            const int rows_valid = row_end - (row_start + it * kMmaTile + r0);  // >= 1 for lane 0
+            // >= 1 for lane 0 of every head but a paged one that sees nothing yet
+            const int rows_valid =
+                walk.row_end(head0 + h, row_end) - (row_start + it * kMmaTile + r0);
             float sc[kRowsPerLane];
 #pragma unroll
             for (int r = 0; r < kRowsPerLane; ++r) sc[r] = 0.f;
@@ -285,15 +296,17 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
 #pragma unroll
             for (int o = kLanesPerHead / 2; o > 0; o >>= 1) t_max = fmaxf(t_max, __shfl_xor_sync(0xffffffffu, t_max, o));
             // m_new (lazy, kLazyLog2): t_max is finite (the first row is valid), and
-            // m_old = -inf on the first tile always moves
+            // m_old = -inf on the first tile always moves; a paged row that sees nothing yet
+            // keeps m = -inf, and W::exp_offset / W::softmax_step keep it from NaN
             const float m_old = m_s[h];
             moved = t_max > m_old + kLazyLog2;
             const float m_new = moved ? t_max : m_old;
+            const float m_exp = W::exp_offset(m_new);
             float p_sum = 0.f;
             unsigned hi_w[kRowsPerLane / 2], lo_w[kRowsPerLane / 2];  // pairs of 16-bit halves
 #pragma unroll
             for (int r = 0; r < kRowsPerLane; r += 2) {
-                const float p0 = exp2f(sc[r] - m_new), p1 = exp2f(sc[r + 1] - m_new);
+                const float p0 = exp2f(sc[r] - m_exp), p1 = exp2f(sc[r + 1] - m_exp);
                 p_sum += p0 + p1;
                 CacheT hi0, lo0, hi1, lo1;
                 split_hi_lo(p0, hi0, lo0);
@@ -315,7 +328,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
             // shuffles order the two in practice, the barrier makes it formal (racecheck flags
             // it otherwise).
             __syncwarp();
-            if (lane % kLanesPerHead == 0) online_softmax_step(m_s, l_s, alpha_s, h, m_old, m_new, p_sum);
+            if (lane % kLanesPerHead == 0) W::softmax_step(m_s, l_s, alpha_s, h, m_old, m_new, p_sum);
         }
         // p and (m, l, alpha) are visible; rescale only if some head's max moved
         const int rescale = __syncthreads_or(moved);
@@ -376,6 +389,28 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
         part_m[part_base + head0 + tid] = m_s[tid];
         part_l[part_base + head0 + tid] = l_s[tid];
     }
+}
+
+template <int HEADS, typename CacheT, typename QT>
+__global__ void __launch_bounds__(kMmaThreads, 1)
+mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
+         int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
+         float* __restrict__ part_l) {
+    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
+    mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
+}
+
+// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HEADS), max_chunks, B).
+template <int HEADS, typename CacheT, typename QT>
+__global__ void __launch_bounds__(kMmaThreads, 1)
+mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
+               const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
+               int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
+               int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
+               float* __restrict__ part_m, float* __restrict__ part_l) {
+    PagedWalk<CacheT, kMmaTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
+                                     causal, max_pages, page_shift, max_chunks, min_chunk};
+    mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
 }  // namespace mla

@@ -35,7 +35,8 @@ __all__ = [
     "attn_smem_bytes", "CXX_TYPES", "TILED_HEADS", "tiled_instance", "tiled_smem_bytes",
     "ROWS_THREADS", "ROWS_TILE", "rows_instance", "rows_smem_bytes", "variant_for_hpb",
     "Family", "FAMILIES", "KINDS", "compile_defines", "resolve_variant", "check_cuda_dims",
-    "mma_smem_bytes",
+    "mma_smem_bytes", "CHECK_THREADS", "paged_attention_instance", "paged_combine_instance",
+    "paged_check_instance", "PAGED_KINDS",
 ]
 
 # The heads-per-block ladder of the CUDA-core variants: 1 is attn_rows (per_head, split), the
@@ -65,6 +66,7 @@ TILED_STAGES = 3
 COMBINE_THREADS = 256
 COMBINE_COL_BLOCKS = 4  # blocks per head in the combine (kColBlocks in mla_combine.cu)
 Q_ABSORB_THREADS = 128
+CHECK_THREADS = 128  # cuda_src/mla_paged_check.cu, the paged step's index validator
 
 CXX_TYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
 
@@ -228,6 +230,8 @@ class Family:
     (MLA_<macro>_THREADS, ...). `min_arch` is the oldest architecture NVRTC compiles it for
     (sm_75, the oldest NVRTC 13 targets, for plain CUDA; sm_80: cp.async, ldmatrix and
     mma.sync; sm_90: mbarrier.try_wait.parity), found by compiling for each.
+    `paged_function` is the family's paged launch (the same body on the paged walk,
+    cuda_src/mla_walk.cuh), None where the family serves batch 1 only.
     """
 
     kind: str
@@ -240,23 +244,31 @@ class Family:
     heads: tuple[int, ...] = ()
     smem: Callable[[int], int] | None = None  # dynamic shared memory of `heads` heads
     min_arch: str = "sm_80"
+    paged_function: str | None = None
 
 
 FAMILIES: dict[str, Family] = {f.kind: f for f in (
     Family("attn_rows", "mla_attn_rows.cu", "mla::attn_rows", ("cache", "q"), "ROWS",
-           ROWS_THREADS, ROWS_TILE, (1,), rows_smem_bytes),
+           ROWS_THREADS, ROWS_TILE, (1,), rows_smem_bytes,
+           paged_function="mla::attn_rows_paged"),
     Family("attn", "mla_attn.cu", "mla::attn", ("heads", "cache", "q"), "ATTN", ATTN_THREADS,
-           ATTN_TILE, tuple(h for h in HPB_VALUES if h > 1), attn_smem_bytes),
+           ATTN_TILE, tuple(h for h in HPB_VALUES if h > 1), attn_smem_bytes,
+           paged_function="mla::attn_paged"),
     Family("attn_tiled", "mla_attn_tiled.cu", "mla::attn_tiled", ("heads", "cache", "q"),
            "TILED", TILED_THREADS, TILED_TILE, TILED_HEADS, tiled_smem_bytes, "sm_90"),
     Family("mma_attn", "mla_mma.cu", "mla::mma_attn", ("heads", "cache", "q"), "MMA",
-           MMA_THREADS, MMA_TILE, MMA_HEADS, mma_smem_bytes),
+           MMA_THREADS, MMA_TILE, MMA_HEADS, mma_smem_bytes,
+           paged_function="mla::mma_attn_paged"),
     Family("q_absorb", "mla_q_absorb.cu", "mla::q_absorb", ("cache", "q"), "Q_ABSORB",
            Q_ABSORB_THREADS, min_arch="sm_75"),
     Family("combine", "mla_combine.cu", "mla::combine", ("cache", "rescale"), "COMBINE",
-           COMBINE_THREADS, min_arch="sm_75"),
+           COMBINE_THREADS, min_arch="sm_75", paged_function="mla::combine_paged"),
+    # paged only: the index validator of the paged step (no template, no batch-1 launch)
+    Family("check_paged", "mla_paged_check.cu", "mla::check_paged", (), "CHECK",
+           CHECK_THREADS, min_arch="sm_75", paged_function="mla::check_paged"),
 )}
 KINDS = tuple(FAMILIES)
+PAGED_KINDS = tuple(k for k, f in FAMILIES.items() if f.paged_function)
 
 
 def compile_defines() -> tuple[str, ...]:
@@ -284,14 +296,20 @@ class KernelInstance:
     `heads` is the heads served per block (1 for attn_rows; None for q_absorb and combine),
     `cache` the 16-bit element of the cache (q_absorb: of its inputs; combine: of wv_b), `q`
     the query element (None for combine), `rescale` the combine's merge (False is the
-    negative control; None for the other kinds).
+    negative control; None for the other kinds). `paged`: the family's paged launch
+    (Family.paged_function: a batch of requests in a paged cache), not its batch-1 one.
     """
 
     kind: str
-    cache: str
+    cache: str | None
     q: str | None = None
     heads: int | None = None
     rescale: bool | None = None
+    paged: bool = False
+
+    def __post_init__(self):
+        if self.paged and not FAMILIES[self.kind].paged_function:
+            raise ValueError(f"{self.kind} has no paged launch")
 
     @property
     def family(self) -> Family:
@@ -306,15 +324,23 @@ class KernelInstance:
 
     @property
     def name(self) -> str:
-        """Readable, every template value spelled out: attn<heads=12,cache=f16,q=f32>."""
-        return f"{self.kind}<{','.join(f'{k}={v}' for k, v in self.params.items())}>"
+        """Readable, every template value spelled out: attn<heads=12,cache=f16,q=f32>, and
+        paged=true for a paged launch: mma_attn<heads=16,cache=f16,q=f32,paged=true>."""
+        items = [f"{k}={v}" for k, v in self.params.items()]
+        if self.paged and self.family.template_args:
+            items.append("paged=true")
+        return f"{self.kind}<{','.join(items)}>" if items else self.kind
 
     @property
     def expression(self) -> str:
         """The C++ name expression handed to NVRTC."""
+        f = self.family
+        function = f.paged_function if self.paged else f.function
+        if not f.template_args:
+            return function
         cxx = {"heads": str(self.heads), "cache": CXX_TYPES.get(self.cache),
                "q": CXX_TYPES.get(self.q), "rescale": str(self.rescale).lower()}
-        return f"{self.family.function}<{', '.join(cxx[k] for k in self.family.template_args)}>"
+        return f"{function}<{', '.join(cxx[k] for k in f.template_args)}>"
 
     @property
     def source(self) -> str:
@@ -408,6 +434,33 @@ def combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance
     return KernelInstance("combine", cache, rescale=bool(rescale))
 
 
+def paged_attention_instance(var: Variant | str, cache: str = "f16",
+                             q: str = "f32") -> KernelInstance:
+    """The paged launch of the attention kernel a variant runs: split (attn_rows),
+    batched<HPB> (attn<HPB>), mma16 / mma32 (mma_attn). per_head and tiled16 serve batch 1
+    only, and the cuBLAS engine launches no attention kernel."""
+    var = variant(var) if isinstance(var, str) else var
+    if var.family in ("per_head", "tiled") or not var.is_cuda:
+        takes = ", ".join(n for n, v in VARIANTS.items()
+                          if v.is_cuda and v.family not in ("per_head", "tiled"))
+        why = ("launches no attention kernel" if not var.is_cuda
+               else "serves batch 1 (one contiguous cache) only")
+        raise ValueError(f"variant {var.name} {why}; the paged kernels: {takes}")
+    inst = attention_instance(var, cache, q)
+    return KernelInstance(inst.kind, inst.cache, inst.q, heads=inst.heads, paged=True)
+
+
+def paged_combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance:
+    """The paged merge + wv_b kernel (combine_paged); rescale=False is its negative control."""
+    inst = combine_instance(cache, rescale)
+    return KernelInstance(inst.kind, inst.cache, rescale=inst.rescale, paged=True)
+
+
+def paged_check_instance() -> KernelInstance:
+    """The index validator of the paged step (check_paged): table entries and lengths."""
+    return KernelInstance("check_paged", None, paged=True)
+
+
 def q_absorb_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
     _check_dtype("weights", cache, ("f16", "bf16"))
     _check_dtype("q", q, ("f32", cache))
@@ -416,7 +469,8 @@ def q_absorb_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
 
 def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
                   negative_controls: bool = True) -> list[KernelInstance]:
-    """Every instance the registry compiles, for reports (`mlasandbox regs`)."""
+    """Every instance the registry compiles, for reports (`mlasandbox regs`): the batch-1
+    launches, then each dtype's paged ones, and the paged step's index validator."""
     out: list[KernelInstance] = []
     for cache in cache_dtypes:
         for qd in q_dtypes:
@@ -428,8 +482,14 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
             for heads in MMA_HEADS:
                 out.append(mma_instance(heads, cache, q))
             out.append(q_absorb_instance(cache, q))
+            for var in VARIANTS.values():
+                if var.is_cuda and var.family not in ("per_head", "tiled"):
+                    out.append(paged_attention_instance(var, cache, q))
         out.append(combine_instance(cache, True))
+        out.append(paged_combine_instance(cache, True))
         if negative_controls:
             out.append(combine_instance(cache, False))
+            out.append(paged_combine_instance(cache, False))
+    out.append(paged_check_instance())
     # one instance may be reached twice (q=cache listed via both spellings); keep the first
     return list(dict.fromkeys(out))

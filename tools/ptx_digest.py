@@ -12,7 +12,8 @@ attention kernels with the defines the memory ablation and the negative controls
 ceiling_fma.cu. A refactor that must not change machine code dumps before and after and
 runs `compare`, which ignores only NVRTC's header comments and the hashed name NVRTC gives
 the program's internal-linkage namespace (it changes with any edit of the source, comments
-included). No GPU is needed.
+included). `compare` checks every file of BEFORE; files only AFTER has (instances added
+since) are listed, not failed. No GPU is needed.
 """
 from __future__ import annotations
 
@@ -84,9 +85,11 @@ def normalize(ptx: str) -> str:
 def compare(before: Path, after: Path) -> int:
     a = {p.name: normalize(p.read_text()) for p in before.glob("*.ptx")}
     b = {p.name: normalize(p.read_text()) for p in after.glob("*.ptx")}
-    bad = sorted(set(a) ^ set(b)) + sorted(k for k in set(a) & set(b) if a[k] != b[k])
+    bad = sorted(set(a) - set(b)) + sorted(k for k in set(a) & set(b) if a[k] != b[k])
     for k in bad:
         print(f"differs or missing: {k}")
+    for k in sorted(set(b) - set(a)):
+        print(f"new (not compared): {k}")
     if bad:
         return 1
     print(f"PTX identical for {len(a)} instances")

@@ -1,0 +1,198 @@
+"""The paged kernels, launched directly, against the float64 paged reference (GPU).
+
+Kernel level: no API between the test and the launch (sandbox/paged_api.py has its own
+tests). Each case builds inputs with make_paged_inputs (a permuted block table, NaN in unused
+pages and in each last page's tail, INVALID_PAGE in every table entry past a request's pages),
+NaN-fills the partials and the outputs, runs the paged attention launch and the paged combine
+with the argument lists of the kernel contract, and compares with reference_paged.decode_paged
+through compare_paged. A partial the combine reads but no program wrote (a chunk past the
+request's last, a row the walk forgot) is NaN and fails the comparison; a table entry read past
+a request's pages faults (run under compute-sanitizer to see where).
+
+Tolerances: compare.Tolerance's defaults (relL2 1e-4 for out and latent, 1e-4 absolute for
+lse), as for the batch-1 kernels (tests/test_gpu_kernels.py): the inputs are exact in float64,
+so the only error is f32 arithmetic over at most a few thousand positions, 1e-6 relative or
+less; rows that see nothing must be exactly latent 0, out 0, lse -inf (compare_paged).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from gpu_support import fresh_seed, gpu
+from mlasandbox import registry
+from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
+from mlasandbox.compare_paged import compare_paged
+from mlasandbox.dims import Dims
+from mlasandbox.paged import PagedResult
+from mlasandbox.paged_inputs import make_paged_inputs
+from mlasandbox.reference_paged import decode_paged
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Case:
+    variant: str
+    heads: int
+    lengths: tuple
+    s_q: int = 1
+    causal: bool = False
+    page_size: int = 64
+    max_chunks: int = 4
+    cache: str = "f16"
+    q: str = "f32"
+    wv_b: bool = True
+
+    def __str__(self):
+        lens = "-".join(map(str, self.lengths))
+        return (f"{self.variant}-H{self.heads}-sq{self.s_q}{'c' if self.causal else ''}-"
+                f"p{self.page_size}-k{self.max_chunks}-{self.cache}-q{self.q}-L{lens}"
+                f"{'' if self.wv_b else '-nowv'}")
+
+
+# Each variant meets each page size, causal and not, s_q 1, 2 and 4, empty requests, lengths
+# at and across page and tile edges, more chunks than a short request can take, and a grid of
+# one chunk per request; not the full product.
+CASES = [
+    Case("split", 3, (0, 1, 20, 140), s_q=2, causal=True, page_size=16, max_chunks=3),
+    Case("split", 1, (4097, 65), page_size=1, max_chunks=8, cache="bf16", q="bf16"),
+    Case("batched4", 9, (140, 0, 4096), s_q=4, causal=True, page_size=64, max_chunks=5),
+    Case("batched16", 16, (20, 4095), page_size=16, max_chunks=2, cache="bf16", wv_b=False),
+    Case("batched2", 3, (1, 2, 3), s_q=4, causal=True, page_size=1, max_chunks=1),
+    Case("mma16", 16, (4097, 0, 1, 140), page_size=64, max_chunks=6),
+    Case("mma16", 4, (20, 300, 2000), s_q=4, causal=True, page_size=16, max_chunks=4,
+         cache="bf16"),
+    Case("mma16", 16, (4096,), s_q=1, page_size=1, max_chunks=16, q="f16"),
+    Case("mma32", 16, (141, 4000), s_q=2, causal=True, page_size=64, max_chunks=3),
+    Case("mma32", 63, (2, 700), s_q=1, page_size=16, max_chunks=2, cache="bf16", q="bf16",
+         wv_b=False),
+    # A last chunk of 1 or 2 positions (1026 = 4 x 256 + 2 at the mma tile of 64, 514 =
+    # 4 x 128 + 2 at the tile of 32): the early causal rows see nothing of it but see earlier
+    # chunks, so a block mixes rows with a neutral partial and rows with a live one.
+    Case("mma16", 4, (1026, 1025), s_q=4, causal=True, page_size=16, max_chunks=16),
+    Case("mma32", 8, (1026,), s_q=4, causal=True, page_size=64, max_chunks=16, cache="bf16"),
+    Case("batched8", 2, (514,), s_q=4, causal=True, page_size=64, max_chunks=16),
+    Case("split", 2, (514,), s_q=3, causal=True, page_size=16, max_chunks=16),
+]
+
+
+def run_paged(inp, variant: str, max_chunks: int, *, rescale: bool = True):
+    """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l)."""
+    import cupy as cp
+
+    from mlasandbox.kernels import get_kernel
+
+    q, cache, table, seqlens = inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens
+    batch, s_q, n_head, _ = q.shape
+    page_size = cache.shape[1]
+    n_rows, max_pages = s_q * n_head, table.shape[1]
+    cache_dt = "bf16" if cache.dtype == cp.uint16 else "f16"
+    q_dt = "f32" if q.dtype == cp.float32 else cache_dt
+    att = registry.paged_attention_instance(variant, cache_dt, q_dt)
+    comb = registry.paged_combine_instance(cache_dt, rescale)
+    tile = att.tile_rows
+    min_chunk = MIN_TILES_PER_CHUNK * tile
+    latent_dim, v_head = registry.KV_LORA, 128
+
+    i32 = np.int32
+    part_acc = cp.full((batch, max_chunks, n_rows, latent_dim), cp.nan, cp.float32)
+    part_m = cp.full((batch, max_chunks, n_rows), cp.nan, cp.float32)
+    part_l = cp.full((batch, max_chunks, n_rows), cp.nan, cp.float32)
+    grid = (-(-n_rows // att.heads), max_chunks, batch)
+    get_kernel(att)(grid, (att.threads,), (
+        q, cache, table, seqlens, i32(n_rows), i32(n_head), i32(s_q), i32(inp.causal),
+        i32(max_pages), i32(int(math.log2(page_size))), i32(max_chunks), i32(min_chunk),
+        np.float32(inp.scale * LOG2E), part_acc, part_m, part_l), shared_mem=att.smem_bytes)
+
+    latent = cp.full((batch, n_rows, latent_dim), cp.nan, cp.float32)
+    lse = cp.full((batch, n_rows), cp.nan, cp.float32)
+    has_wv = inp.wv_b is not None
+    out = cp.full((batch, n_rows, v_head), cp.nan, cp.float32)
+    out_part = cp.full((batch, n_rows, registry.COMBINE_COL_BLOCKS, v_head), cp.nan,
+                       cp.float32)
+    tickets = cp.zeros((batch, n_rows), cp.uint32)
+    wv_b = inp.wv_b if has_wv else np.uint64(0)  # a null pointer: no out
+    get_kernel(comb)((n_rows, registry.COMBINE_COL_BLOCKS, batch), (comb.threads,), (
+        part_acc, part_m, part_l, seqlens, i32(n_rows), i32(n_head), i32(max_chunks),
+        i32(min_chunk), i32(tile), wv_b, i32(v_head), out, latent, lse, out_part, tickets))
+    cp.cuda.Device().synchronize()
+    assert int(tickets.sum()) == 0, "the combine leaves its tickets at 0 for the next launch"
+    shape = (batch, s_q, n_head)
+    return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape),
+                       out.reshape(*shape, v_head) if has_wv else None), part_l
+
+
+def _inputs(case, seed):
+    import cupy as cp
+
+    return make_paged_inputs(Dims(n_head=case.heads), list(case.lengths), s_q=case.s_q,
+                             page_size=case.page_size, cache_dtype=case.cache,
+                             q_dtype=case.q, causal=case.causal, seed=seed,
+                             with_wv_b=case.wv_b, xp=cp)
+
+
+@gpu
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_paged_kernels_match_the_float64_reference(case):
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, part_l = run_paged(inp, case.variant, case.max_chunks)
+    ref = decode_paged(**inp.decode_args())
+    cmp = compare_paged(res, ref)
+    assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
+    # the programs past a request's last chunk wrote nothing (their l is still NaN), and the
+    # ones before it wrote every row
+    tile = registry.paged_attention_instance(case.variant).tile_rows
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile)
+    written = ~np.isnan(part_l.get())                      # [B, max_chunks, n_rows]
+    want = np.arange(case.max_chunks)[None, :] < n[:, None]  # [B, max_chunks]
+    assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["split", "batched16", "mma16", "mma32"])
+def test_negative_control_the_combine_without_rescale_fails(variant):
+    # several chunks per request with different maxima: dropping the rescale is far off
+    case = Case(variant, 16, (4097, 3000), s_q=2, causal=True, page_size=16, max_chunks=8)
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, _ = run_paged(inp, variant, case.max_chunks, rescale=False)
+    cmp = compare_paged(res, decode_paged(**inp.decode_args()))
+    assert not cmp.ok, f"{variant} seed={seed}: the check passed a combine without rescale"
+
+
+def _check(table, seqlens, page_size, num_pages):
+    import cupy as cp
+
+    from mlasandbox.kernels import get_kernel
+
+    inst = registry.paged_check_instance()
+    error = cp.zeros(4, cp.int32)
+    batch, max_pages = table.shape
+    get_kernel(inst)((batch,), (inst.threads,), (
+        table, seqlens, np.int32(batch), np.int32(max_pages), np.int32(page_size),
+        np.int32(num_pages), error))
+    return error.get().tolist()
+
+
+@gpu
+def test_the_validator_passes_good_tables_and_names_the_first_bad_entry():
+    import cupy as cp
+
+    inp = make_paged_inputs(Dims(n_head=1), [0, 17, 64, 130], page_size=16, xp=cp,
+                            seed=fresh_seed())
+    num_pages = inp.kv_cache.shape[0]
+    # entries past each request's pages hold INVALID_PAGE and are not read
+    assert _check(inp.block_table, inp.cache_seqlens, 16, num_pages) == [0, 0, 0, 0]
+    bad = inp.block_table.copy()
+    bad[3, 8] = num_pages                              # request 3 reads entries 0..8
+    assert _check(bad, inp.cache_seqlens, 16, num_pages) == [2, 3, 8, num_pages]
+    bad[3, 8] = -1
+    assert _check(bad, inp.cache_seqlens, 16, num_pages) == [2, 3, 8, -1]
+    lens = inp.cache_seqlens.copy()
+    lens[1] = bad.shape[1] * 16 + 1                    # longer than the table describes
+    assert _check(inp.block_table, lens, 16, num_pages) == [1, 1, -1, int(lens[1])]
