@@ -4,7 +4,7 @@ Kernel level: no API between the test and the launch (sandbox/paged_api.py has i
 tests). Each case builds inputs with make_paged_inputs (a permuted block table, NaN in unused
 pages and in each last page's tail, INVALID_PAGE in every table entry past a request's pages),
 NaN-fills the partials and the outputs, runs the paged attention launch and the paged combine
-with the argument lists of the kernel contract, and compares with reference_paged.decode_paged
+with the argument lists of the kernel contract, and compares with reference.decode_paged
 through compare_paged. A partial the combine reads but no program wrote (a chunk past the
 request's last, a row the walk forgot) is NaN and fails the comparison; a table entry read past
 a request's pages faults (run under compute-sanitizer to see where).
@@ -29,7 +29,7 @@ from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import PagedResult
 from mlasandbox.paged_inputs import make_paged_inputs
-from mlasandbox.reference_paged import decode_paged
+from mlasandbox.reference import decode_paged
 
 LOG2E = 1.4426950408889634
 
