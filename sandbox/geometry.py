@@ -72,7 +72,8 @@ def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf1
     """One row per kernel instance: ptxas resources, block size, smem, blocks/SM, limiter.
 
     `step` is True on a ladder row (attn_rows, attn) whose blocks/SM is below the previous
-    HPB's for the same dtypes: the occupancy step of the register wall.
+    HPB's for the same dtypes and launch (batch 1 or paged): the occupancy step of the
+    register wall.
     """
     insts = instances_for(hpbs, caches, q_dtypes, controls, kinds)
     occupancy.arch_limits(arch)  # an unknown arch fails before the compile
@@ -82,7 +83,7 @@ def resource_rows(arch: str = DEFAULT_ARCH, hpbs=HPB_VALUES, caches=("f16", "bf1
     for inst in insts:
         row = _resource_row(inst, rep[inst.name], arch)
         if row["kind"] in LADDER_KINDS:
-            key = (row.get("cache"), row.get("q"))
+            key = (row.get("cache"), row.get("q"), inst.paged)
             if key in prev and row["blocks_per_sm"] < prev[key]:
                 row["step"] = True
             prev[key] = row["blocks_per_sm"]

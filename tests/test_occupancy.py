@@ -173,3 +173,26 @@ def test_mma_score_partials_reuse_q_staging_buffer_and_fit_one_block_per_sm():
     for heads in (16, 32):
         o = occupancy("sm_90", 128, 256, mma_smem_bytes(heads))
         assert o.blocks_per_sm == 1, (heads, o)
+
+
+def test_the_paged_ladder_is_judged_against_itself_not_the_batch_one_rows():
+    """resource_rows marks an occupancy step only against the previous heads-per-block row of
+    the same launch: the paged rows open a ladder of their own."""
+    from types import SimpleNamespace
+
+    from mlasandbox import geometry
+
+    insts = geometry.instances_for((1, 2), ("f16",), ("f32",), False, ("attn_rows", "attn"))
+    assert any(i.paged for i in insts) and any(not i.paged for i in insts)
+
+    def fake(inst):  # the batch-1 rows light, the paged ones heavy: fewer blocks per SM
+        return SimpleNamespace(registers=255 if inst.paged else 32, spill_stores=0,
+                               spill_loads=0, stack_bytes=0, smem_bytes=0, cmem0_bytes=0,
+                               barriers=1)
+
+    rows = geometry.resource_rows(hpbs=(1, 2), caches=("f16",), q_dtypes=("f32",),
+                                  controls=False, kinds=("attn_rows", "attn"),
+                                  report={i.name: fake(i) for i in insts})
+    first_paged = next(r for r in rows if r["name"].endswith("paged=true>"))
+    assert first_paged["blocks_per_sm"] < max(r["blocks_per_sm"] for r in rows)
+    assert not first_paged["step"]
