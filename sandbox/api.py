@@ -21,7 +21,8 @@ from .limits import check_problem
 from .reference import DecodeResult
 from .splits import SplitPlan, plan_splits
 
-__all__ = ["DecodeResult", "DecodeStep", "decode", "q_absorb", "scratch_for_device"]
+__all__ = ["DecodeResult", "DecodeStep", "check_device_array", "decode", "q_absorb",
+           "scratch_for_device"]
 
 _LOG2E = 1.4426950408889634
 # variant="batched" without heads_per_block: the fastest of the heads-per-block sweep on the
@@ -53,7 +54,7 @@ def scratch_for_device(device_id: int, name: str, size: int, dtype="float32"):
     return buf[:size]
 
 
-def _check_device_array(name, arr):
+def check_device_array(name, arr):
     import cupy
 
     if not isinstance(arr, cupy.ndarray):
@@ -90,7 +91,7 @@ class DecodeStep:
         self.dims, self.n_ctx, self.scale, dts = check_inputs(q, cache, wv_b, n_ctx, scale)
         check_problem(splits=splits)
         for name, arr in (("q", q), ("cache", cache), ("wv_b", wv_b)):
-            _check_device_array(name, arr)
+            check_device_array(name, arr)
         if var.is_cuda:
             registry.check_cuda_dims(self.dims.kv_lora, self.dims.rope)
         self.variant = var
@@ -192,7 +193,7 @@ class QAbsorb:
         import cupy
 
         for name, arr in (("q_nope", q_nope), ("q_rope", q_rope), ("wk_b", wk_b)):
-            _check_device_array(name, arr)
+            check_device_array(name, arr)
         h = int(q_nope.shape[0])
         dims = dims or Dims(n_head=h)
         want = {"q_nope": (h, dims.nope), "q_rope": (h, dims.rope),

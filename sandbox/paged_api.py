@@ -26,7 +26,7 @@ import math
 import numpy as np
 
 from . import interop, registry
-from .api import DEFAULT_BATCHED_HPB, _check_device_array, scratch_for_device
+from .api import DEFAULT_BATCHED_HPB, check_device_array, scratch_for_device
 from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
 from .cublas_engine import cublas_paged_attention, cublas_projection
 from .guard import Launch, PhaseGuard
@@ -156,7 +156,7 @@ class PagedDecodeStep:
         sh, d = self.shape, self.shape.dims
         for name, arr in arrs.items():
             if arr is not None:
-                _check_device_array(name, arr)
+                check_device_array(name, arr)
         self.q, self.block_table, self.cache_seqlens = (arrs["q"], arrs["block_table"],
                                                         arrs["cache_seqlens"])
         self.kv_cache = arrs["kv_cache"].reshape(sh.num_pages, sh.page_size, d.key_dim)

@@ -475,7 +475,7 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(cupy.cuda, "Stream", lambda **kw: FakeStream("capture"))
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype: np.empty(shape, dtype))
     monkeypatch.setattr(cupy, "zeros", lambda n, dtype: np.zeros(n, dtype).view(HostArray))
-    monkeypatch.setattr(paged_api, "_check_device_array", lambda name, arr: None)
+    monkeypatch.setattr(paged_api, "check_device_array", lambda name, arr: None)
     monkeypatch.setattr(paged_api, "device_info", lambda dev: DeviceInfo(
         0, "Fake H200", "sm_90", 132, 50 << 20, 227 << 10, 228 << 10, 65535))
     monkeypatch.setattr(paged_api, "blocks_per_sm", lambda inst: 2)
