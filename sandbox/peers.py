@@ -2,7 +2,7 @@
 
     peers, skipped = load_peers(("flashmla", "torch"))   # skipped: [{"name", "reason"}]
     run = peers["torch"].prepare(inputs, stream_ptr)       # inputs: PeerInputs on the device
-    latent, lse = run()                                    # torch tensors, [B,s_q,H,512] / [B,s_q,H]
+    latent, lse = run()          # torch tensors: [B, s_q, H, 512], [B, s_q, H]
 
 * `flashmla`: FlashMLA's SM90 dense decode from the `sgl-flash-mla` wheel (SGLang's fork),
   `flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v,
