@@ -382,7 +382,7 @@ NO_ENGINE = '''def run_engine(q, cache, wv_b, n_ctx):
     raise RuntimeError("this script reproduces a CUDA variant; the cuBLAS engine is not embedded")
 '''
 
-ENGINE_WRAPPER = '''# ==== the cuBLAS engine: mlasandbox/cublas_engine.py, verbatim except its imports
+ENGINE_WRAPPER = '''# ==== the cuBLAS engine: cublas_engine.py, verbatim except its imports
 @@ENGINE_SOURCE@@
 
 
