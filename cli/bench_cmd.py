@@ -264,6 +264,9 @@ def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
         except OSError as exc:
             problems.append(f"could not write {csv_out}: {exc.strerror}")
     if not deliver_json(result, json_out, err):
+        if explain:
+            plans = {"plans": list(result["plans"].values())}
+            con.print(lab_render.explain_text([_paged_cost(cfg, plans)]), markup=False)
         con.print(_paged_table(result))
         nf = result["noise_floor"]
         con.print(f"A/A floor: {_fmt(nf['floor'], '.1%')} ({escape(nf['how'])})")

@@ -356,7 +356,8 @@ class PagedBackend(CupyBackend):
                 q = self.cupy.asarray(peer_q(host.q, self.cfg.cache_dtype))
         inp = PeerInputs(q, dev["kv_cache"], dev["block_table"], dev["cache_seqlens"],
                          numpy.asarray(host.cache_seqlens), numpy.asarray(host.block_table),
-                         self.cfg.cache_dtype, host.scale, host.causal)
+                         self.cfg.cache_dtype, host.scale, host.causal,
+                         self.cfg.dims.kv_lora)
         return self._peers[name].prepare(inp, self.stream.ptr)
 
     # ---- correctness ------------------------------------------------------------------

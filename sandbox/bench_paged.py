@@ -30,7 +30,7 @@ import numpy as np
 from . import metrics, registry
 from .bench import SCHEMA as _DEPTH_SCHEMA
 from .bench import ControlPhase, aa_floor
-from .bench_config import q_dtype_of
+from .bench_config import check_dtypes_and_splits, q_dtype_of
 from .chunks import plan_chunks
 from .dims import PRESETS, Dims
 from .noise import control_report, verdict
@@ -196,16 +196,7 @@ def make_paged_config(*, batch=None, lengths=None, s_q=None, causal=None, page_s
     for p in peers:
         if p not in PEER_NAMES:
             raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEER_NAMES)}")
-    if cache_dtype not in ("f16", "bf16"):
-        raise ValueError(f"cache dtype must be f16 or bf16, got {cache_dtype!r}")
-    if q_dtype not in ("f32", "cache"):
-        raise ValueError(f"q dtype must be 'f32' or 'cache', got {q_dtype!r}")
-    if splits not in (None, "auto"):
-        if isinstance(splits, bool) or int(splits) != splits or splits < 1:
-            raise ValueError(f"splits must be 'auto' or an integer >= 1, got {splits!r}")
-        splits = int(splits)
-    else:
-        splits = "auto"
+    splits = check_dtypes_and_splits((cache_dtype,), q_dtype, splits)
     cfg = PagedBenchConfig(dims=dims, batch=int(batch), lengths=tuple(int(n) for n in lens),
                            lengths_spec=spec, s_q=s_q, causal=bool(base.get("causal", False)),
                            page_size=int(page_size), serving=serving, variants=names,

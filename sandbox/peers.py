@@ -67,6 +67,7 @@ class PeerInputs:
     cache_dtype: str
     scale: float
     causal: bool
+    kv_lora: int = 512   # the latent columns of a cache row (the rest is rope)
 
 
 def peer_q(q_host, cache_dtype: str) -> np.ndarray:
@@ -126,7 +127,7 @@ class TorchPeer:
         cache = _tensor(torch, inp.kv_cache, inp.cache_dtype)
         B, s_q, H, K = q.shape
         num_pages, page = cache.shape[0], cache.shape[1]
-        kv_lora = K - 64 if K > 64 else K
+        kv_lora = inp.kv_lora
         max_len = int(inp.lengths.max()) if inp.lengths.size else 0
         n_pages = max(1, -(-max_len // page))
         dev = q.device
@@ -185,7 +186,7 @@ class FlashMLAPeer:
         table = torch.from_dlpack(inp.block_table)
         seqlens = torch.from_dlpack(inp.cache_seqlens)
         sched, _ = self.get_mla_metadata()
-        kv_lora = q.shape[-1] - 64
+        kv_lora = inp.kv_lora
 
         def step():
             out, lse = self.flash_mla_with_kvcache(
@@ -213,7 +214,7 @@ class FlashInferPeer:
         q = _tensor(torch, inp.q, inp.cache_dtype)
         cache = _tensor(torch, inp.kv_cache, inp.cache_dtype)
         B, s_q, H, K = q.shape
-        L = K - 64
+        L = inp.kv_lora
         dev = q.device
         need = [-(-int(n) // cache.shape[1]) for n in inp.lengths]
         indices = np.concatenate([inp.block_table_host[b, :need[b]] for b in range(B)]

@@ -128,6 +128,30 @@ def versions():
             ("CUDA runtime", v(runtime.runtimeGetVersion())), ("NVRTC", nvrtc),
             ("CuPy", cupy.__version__), ("NumPy", np.__version__),
             ("Python", platform.python_version())]
+
+
+def device_versions(say):
+    """Print the GPU and the versions; False (after the NOT RUN line) without a usable GPU."""
+    try:
+        for k, v in versions():
+            say(f"  {k:<13} {v}")
+    except Exception as exc:
+        print(f"NOT RUN: no usable CUDA device ({type(exc).__name__}: {exc}); nothing was "
+              "checked")
+        return False
+    return True
+
+
+def parse_args(argv):
+    """(args, say): --include and --quiet; say prints unless --quiet. Prints the title."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--include", action="append", default=[],
+                    help="directory holding cuda_fp16.h and cuda_bf16.h (repeatable)")
+    ap.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    args = ap.parse_args(argv)
+    say = (lambda *a: None) if args.quiet else print
+    say(__doc__.splitlines()[0])
+    return args, say
 '''
 
 TEMPLATE = r'''#!/usr/bin/env python3
@@ -318,13 +342,7 @@ def compare(got, want):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--include", action="append", default=[],
-                    help="directory holding cuda_fp16.h and cuda_bf16.h (repeatable)")
-    ap.add_argument("--quiet", action="store_true", help="print only the verdict line")
-    args = ap.parse_args(argv)
-    say = (lambda *a: None) if args.quiet else print
-    say(__doc__.splitlines()[0])
+    args, say = parse_args(argv)
     say(f"  variant {VARIANT}: H={N_HEAD}, kv_lora={KV_LORA}, rope={ROPE}, v_head={V_HEAD}, "
         f"cache {CACHE_DTYPE}, q {Q_DTYPE}, seed {SEED}")
     say(f"  contexts and splits: {SPLITS}  ({SPLITS_FROM})")
@@ -333,12 +351,7 @@ def main(argv=None):
             f"{ATTN['smem_bytes']} B), {COMBINE['name']} (block {COMBINE['threads']})")
     if NEGATIVE_CONTROL:
         say("  NEGATIVE CONTROL: the combine drops its exp(m_i - m) rescale; the check must FAIL")
-    try:
-        for k, v in versions():
-            say(f"  {k:<13} {v}")
-    except Exception as exc:
-        print(f"NOT RUN: no usable CUDA device ({type(exc).__name__}: {exc}); nothing was "
-              "checked")
+    if not device_versions(say):
         return 3
     kernels = None
     if ATTN:
@@ -613,24 +626,13 @@ def compare(got, want):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--include", action="append", default=[],
-                    help="directory holding cuda_fp16.h and cuda_bf16.h (repeatable)")
-    ap.add_argument("--quiet", action="store_true", help="print only the verdict line")
-    args = ap.parse_args(argv)
-    say = (lambda *a: None) if args.quiet else print
-    say(__doc__.splitlines()[0])
+    args, say = parse_args(argv)
     say(f"  {VARIANT}: B={len(LENGTHS)}, s_q={S_Q}{' causal' if CAUSAL else ''}, H={N_HEAD}, "
         f"page {PAGE_SIZE}, cache {CACHE_DTYPE}, q {Q_DTYPE}, seed {SEED}")
     say(f"  chunk plan {PLAN} ({PLAN_FROM})")
     if NEGATIVE_CONTROL:
         say("  NEGATIVE CONTROL: the combine drops its exp(m_i - m) rescale; the check must FAIL")
-    try:
-        for k, v in versions():
-            say(f"  {k:<13} {v}")
-    except Exception as exc:
-        print(f"NOT RUN: no usable CUDA device ({type(exc).__name__}: {exc}); nothing was "
-              "checked")
+    if not device_versions(say):
         return 3
     inc = include_dirs(args.include)
     try:
