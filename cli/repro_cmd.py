@@ -72,23 +72,30 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
                          arch=arch, command=command)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    _write_and_say(case, write_script, output, json_out,
+                   {"contexts": list(case.contexts),
+                    "splits": {str(k): v for k, v in case.splits.items()},
+                    "splits_from": case.splits_from},
+                   f"splits {case.splits} ({case.splits_from})")
+
+
+def _write_and_say(case, write, output, json_out, facts: dict, summary: str) -> None:
+    """Write the script, then its facts as JSON or two lines of text."""
     try:
-        path = write_script(case, output)
+        path = write(case, output)
     except OSError as exc:
         raise click.ClickException(f"could not write the script: {exc}") from None
+    expect = "FAIL" if case.negative_control else "PASS"
     info = {"ok": True, "path": path, "variant": case.variant, "n_head": case.dims.n_head,
-            "contexts": list(case.contexts), "splits": {str(k): v for k, v in case.splits.items()},
-            "splits_from": case.splits_from, "cache": case.cache_dtype, "q": case.q_dtype,
-            "seed": case.seed, "negative_control": case.negative_control,
-            "expect": "FAIL" if case.negative_control else "PASS"}
+            **facts, "cache": case.cache_dtype, "q": case.q_dtype, "seed": case.seed,
+            "negative_control": case.negative_control, "expect": expect}
     if deliver_json(info, json_out, stderr_console()):
         return
     con = render.console()
     con.print(escape(f"wrote {path}"))
     con.print(escape(f"  {case.variant}, H={case.dims.n_head}, cache {case.cache_dtype}, q "
-                     f"{case.q_dtype}, seed {case.seed}; splits {case.splits} "
-                     f"({case.splits_from})"))
-    con.print(escape(f"  run it on a GPU: python {path}   (expect {info['expect']}; NOT RUN, "
+                     f"{case.q_dtype}, seed {case.seed}; {summary}"))
+    con.print(escape(f"  run it on a GPU: python {path}   (expect {expect}; NOT RUN, "
                      "exit 3, means there was no GPU to run it on)"))
 
 
@@ -109,23 +116,10 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
                                num_sms=sms, blocks_per_sm=bps, arch=arch, command=command)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    try:
-        path = write_paged_script(case, output)
-    except OSError as exc:
-        raise click.ClickException(f"could not write the script: {exc}") from None
-    info = {"ok": True, "path": path, "variant": case.variant, "batch": len(case.lengths),
-            "lengths": list(case.lengths), "s_q": case.s_q, "causal": case.causal,
-            "page_size": case.page_size, "n_head": case.dims.n_head, "plan": case.plan,
-            "plan_from": case.plan_from, "cache": case.cache_dtype, "q": case.q_dtype,
-            "seed": case.seed, "negative_control": case.negative_control,
-            "expect": "FAIL" if case.negative_control else "PASS"}
-    if deliver_json(info, json_out, stderr_console()):
-        return
-    con = render.console()
-    con.print(escape(f"wrote {path}"))
-    con.print(escape(f"  paged {case.variant}, B={len(case.lengths)}, s_q={case.s_q}"
-                     f"{' causal' if case.causal else ''}, H={case.dims.n_head}, page "
-                     f"{case.page_size}, cache {case.cache_dtype}, q {case.q_dtype}, seed "
-                     f"{case.seed}; chunk plan {case.plan}"))
-    con.print(escape(f"  run it on a GPU: python {path}   (expect {info['expect']}; NOT RUN, "
-                     "exit 3, means there was no GPU to run it on)"))
+    _write_and_say(case, write_paged_script, output, json_out,
+                   {"batch": len(case.lengths), "lengths": list(case.lengths), "s_q": case.s_q,
+                    "causal": case.causal, "page_size": case.page_size, "plan": case.plan,
+                    "plan_from": case.plan_from},
+                   f"paged: B={len(case.lengths)}, s_q={case.s_q}"
+                   f"{' causal' if case.causal else ''}, page {case.page_size}; chunk plan "
+                   f"{case.plan}")
