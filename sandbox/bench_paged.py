@@ -313,7 +313,6 @@ def run_paged_bench(*, backend=None, progress=None, log=None,
     control(cfg.cache_dtype, "start")
 
     checks = []
-    skipped = backend.skipped_peers()
     if cfg.check:
         checks = backend.check_paged(cfg)
         for c in checks:
@@ -321,6 +320,7 @@ def run_paged_bench(*, backend=None, progress=None, log=None,
             if not c["ok"]:
                 warnings.append(f"{c['variant']} FAILED its correctness check: "
                                 f"{c.get('detail', '')}; its timings are not results")
+    skipped = backend.skipped_peers()   # after the check: it may find a shape a peer refuses
     for s in skipped:
         warnings.append(f"peer {s['name']} skipped: {s['reason']}")
 

@@ -8,8 +8,10 @@ import json
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from gpu_support import gpu
 
 from mlasandbox import metrics, toolkit
+from mlasandbox.bench_gpu import PagedBackend
 from mlasandbox.bench_paged import (DEFAULT_PAGED_VARIANTS, PAGED_PHASES, SERVING_PRESETS,
                                     make_paged_config, paged_work, parse_length_spec,
                                     plan_report, run_paged_bench)
@@ -285,3 +287,49 @@ def test_cli_on_a_gpu_renders_the_run(monkeypatch, tmp_path):
     lines = out.read_text().splitlines()
     assert lines[0].startswith("variant,kind,phase") and any("torch,peer" in x for x in lines)
     assert np.isfinite(float(lines[1].split(",")[5]))
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+@gpu
+def test_gpu_paged_bench_checks_times_and_replays_every_variant():
+    cfg = make_paged_config(batch=3, lengths="0,300,5000", heads=16, s_q=2, causal=True,
+                            page_size=16, peers=("torch", "flashmla"), aa_rounds=2,
+                            target_ms=5.0, max_repeats=20, min_repeats=3,
+                            copy_bytes=64 << 20, gemm_n=2048)
+    res = run_paged_bench(backend=PagedBackend(), config=cfg)
+    ours = [c for c in res["checks"] if c["kind"] == "variant"]
+    assert [c["variant"] for c in ours] == list(cfg.variants)
+    assert all(c["ok"] for c in ours), [c["detail"] for c in ours if not c["ok"]]
+    assert res["ok"] and res["noise_floor"]["runs"][0]["same_code"]
+    graph = [r for r in res["rows"] if r["phase"] == "graph"]
+    assert len(graph) == len(cfg.variants) and all(r["tokens_per_s"] > 0 for r in graph)
+    # a peer is checked and timed, or skipped with its reason (flashmla: page size 16)
+    named = {c["variant"] for c in res["checks"] if c["kind"] == "peer"} | \
+        {s["name"] for s in res["skipped_peers"]}
+    assert named == {"torch", "flashmla"}
+    assert all(s["reason"] for s in res["skipped_peers"])
+
+
+@gpu
+def test_gpu_paged_check_has_power_without_the_rescale():
+    cfg = make_paged_config(batch=2, lengths="5000,3000", heads=16, aa_rounds=2)
+    be = PagedBackend()
+    be.prepare_paged(cfg)
+    rows = be.check_paged(cfg, rescale=False)
+    assert rows and not any(r["ok"] for r in rows if r["kind"] == "variant"), rows
+
+
+def test_a_peer_the_check_finds_unfit_is_skipped_not_timed():
+    class Refusing(FakePagedBackend):
+        def check_paged(self, cfg):
+            rows = super().check_paged(cfg)
+            self.skipped.append({"name": "flashmla", "reason": "FlashMLA takes page_size 64"})
+            return [r for r in rows if r["variant"] != "flashmla"]
+
+    cfg = make_paged_config(batch=2, heads=16, aa_rounds=2, page_size=16,
+                            peers=("flashmla", "torch"))
+    be = Refusing()
+    res = run_paged_bench(backend=be, config=cfg)
+    assert res["skipped_peers"] == [{"name": "flashmla", "reason": "FlashMLA takes page_size 64"}]
+    assert ("flashmla", "peer") not in be.calls and ("torch", "peer") in be.calls
