@@ -9,18 +9,31 @@ schedule model's accuracy, and `--json FILE` writes them; `--csv`, `--plot` and 
 timings and exit 1 saying so, before any work. `--explain` prints the byte/FLOP formulas
 either way.
 
+With `--batch B` (or `--serving PRESET`): one serving step instead, B requests of `--lengths`
+in a paged cache (`--page-size`, `--s-q`, `--causal`), per variant (default mma16, mma32,
+split, batched16) and per `--peers` implementation: step µs, tokens/s, GB/s, TFLOP/s against
+the ceilings, the CUDA-graph replay of the whole step, the A/A floor and the control phase.
+Without a GPU: the chunk plan of the batch per variant.
+
 Exit status: 0, or 1 when a variant fails its correctness check (its timings are not
 results) or a requested output could not be written; 2 on bad input.
 """
 from __future__ import annotations
 
+import csv
+
 import click
 from rich.markup import escape
+from rich.table import Table
 
 from mlasandbox import metrics, registry, toolkit
 from mlasandbox.baseline import SchemaError, compare_runs, load_result
 from mlasandbox.bench import run_bench, write_csv
 from mlasandbox.bench_config import DEFAULT_CONTEXTS, make_config, plan_work, q_dtype_of
+from mlasandbox.bench_paged import (SERVING_PRESETS, make_paged_config, paged_work,
+                                    plan_report, run_paged_bench, serving_help)
+from mlasandbox.chunks import request_chunks
+from mlasandbox.peers import PEER_NAMES
 from mlasandbox.geometry import theoretical_blocks_per_sm
 from mlasandbox.plot import PlotUnavailable, plot_depth
 from mlasandbox.registry import HPB_VALUES
@@ -28,9 +41,11 @@ from mlasandbox.splits import default_gate, plan_splits
 
 from . import lab_render, render
 from .check_cmd import cpu_accuracy
-from .options import (arch_option, cache_option, ctx_option, heads_option, int_list, json_option,
-                      output_option, preset_option, progress_bar, q_option, splits_option,
-                      stderr_console, timing_options, variants_option, write_json)
+from .options import (arch_option, cache_option, ctx_option, deliver_json, heads_option,
+                      int_list, json_option,
+                      output_option, paged_options, peers_option, preset_option, progress_bar,
+                      q_option, splits_option, stderr_console, timing_options, variants_option,
+                      write_json)
 from .regs_cmd import regs_rows
 
 __all__ = ["bench"]
@@ -122,6 +137,173 @@ def _render(result, details, cmp):
         con.print(f"[bold yellow]warning:[/bold yellow] {escape(w)}")
 
 
+def _paged_bench(o: dict):
+    """The paged branch of `bench`: options validated here, the run in paged_bench_view."""
+    ctx = click.get_current_context()
+    depth_only = [f"--{n.replace('_', '-')}" for n in ("contexts", "hpbs", "aa_ctx",
+                                                       "graph_max_ctx", "check_ctx", "vs_path",
+                                                       "plot_out", "budget_s")
+                  if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+    if depth_only:
+        raise click.UsageError(f"{', '.join(depth_only).replace('--contexts', '--ctx')} "
+                               "belong to the depth bench, not the paged step (--batch)")
+    if len(o["caches"]) != 1:
+        raise click.UsageError("the paged step takes one --cache dtype")
+    preset = o["preset"] if ctx.get_parameter_source("preset") == \
+        click.core.ParameterSource.COMMANDLINE else "dsv3"
+    try:
+        cfg = make_paged_config(
+            batch=o["batch"], lengths=o["lengths_spec"], s_q=o["s_q"], causal=o["causal"],
+            page_size=o["page_size"], serving=o["serving"], preset=preset, heads=o["heads"],
+            variants=o["variants"], peers=o["peers"], cache_dtype=o["caches"][0],
+            q_dtype="cache" if ctx.get_parameter_source("q_dtype") != \
+            click.core.ParameterSource.COMMANDLINE else o["q_dtype"],
+            splits=o["splits"], seed=o["seed"], max_repeats=o["repeats"],
+            min_repeats=o["min_repeats"], target_ms=o["target_ms"], warmup=o["warmup"],
+            graph=o["graph"] != "never", aa_rounds=o["aa_rounds"], check=o["check"],
+            check_heads=o["check_heads"])
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    run_paged_cli(cfg, json_out=o["json_out"], csv_out=o["csv_out"], explain=o["explain"],
+                  require_gpu=o["require_gpu"], run=_run_paged_bench)
+
+
+def _run_paged_bench(**opts):
+    """Hook (tests replace it): the timed paged bench, mlasandbox.bench_paged.run_paged_bench."""
+    return run_paged_bench(**opts)
+
+
+PAGED_CSV_COLUMNS = ("variant", "kind", "phase", "cache", "q", "median_us", "p10_us", "p90_us",
+                     "mad_us", "n", "mode", "tokens_per_s", "flops", "ideal_bytes",
+                     "issued_bytes", "GBps_ideal", "frac_copy_ideal", "TFLOPs", "roof",
+                     "frac_roof", "max_chunks", "control_label", "check_ok")
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def _paged_plan_table(rep: dict) -> Table:
+    t = Table(title=f"chunk plans: B={rep['batch']}, lengths {rep['lengths']['spec']} "
+                    f"(min {rep['lengths']['min']}, mean {rep['lengths']['mean']:.0f}, max "
+                    f"{rep['lengths']['max']}), H={rep['heads']}, s_q={rep['s_q']}"
+                    f"{' causal' if rep['causal'] else ''}, page {rep['page_size']}, "
+                    f"{rep['num_sms']} SMs")
+    for c in ("variant", "rows/block", "tile", "grid", "chunks/request", "programs run",
+              "FLOPs", "bytes (ideal)", "how"):
+        t.add_column(c)
+    for r in rep["plans"]:
+        t.add_row(r["variant"], str(r["rows_per_block"]), str(r["tile"]), str(tuple(r["grid"])),
+                  f"{r['chunks_min']}..{r['chunks_max']}",
+                  f"{r['programs_run']} of {r['programs']}", f"{r['flops']:.3e}",
+                  f"{r['ideal_bytes'] / 1e6:,.1f} MB", escape(r["blocks_per_sm"]))
+    return t
+
+
+def _paged_table(result: dict) -> Table:
+    cfg = result["config"]
+    t = Table(title=f"paged step: B={cfg['batch']}, lengths {cfg['lengths_spec']}, "
+                    f"H={cfg['dims']['n_head']}, s_q={cfg['s_q']}"
+                    f"{' causal' if cfg['causal'] else ''}, page {cfg['page_size']}, cache "
+                    f"{cfg['cache_dtype']}")
+    for c in ("variant", "phase", "median us", "p10..p90", "tokens/s", "GB/s", "of copy",
+              "TFLOP/s", "of roof", "mode", "check"):
+        t.add_column(c, justify="right" if c not in ("variant", "phase", "mode") else "left")
+    for r in result["rows"]:
+        if r["variant"] == "-":
+            continue
+        t.add_row(r["variant"] + (" (peer)" if r["kind"] == "peer" else ""), r["phase"],
+                  f"{r['median_us']:,.1f}", f"{r['p10_us']:,.1f}..{r['p90_us']:,.1f}",
+                  _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("GBps_ideal"), ",.0f"),
+                  _fmt(r.get("frac_copy_ideal"), ".0%"), _fmt(r.get("TFLOPs"), ",.1f"),
+                  (_fmt(r.get("frac_roof"), ".0%") + f" {r.get('roof')}")
+                  if r.get("frac_roof") is not None else "-", r["mode"],
+                  {True: "ok", False: "[red]FAIL[/red]", None: "-"}[r["check_ok"]])
+    return t
+
+
+def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
+    """The paged bench from the CLI: the run on a GPU, the chunk plans without one."""
+    as_json = json_out == "-"
+    err, con = stderr_console(), render.console()
+    has_gpu, why = toolkit.device_available()
+    if not has_gpu:
+        if csv_out:
+            raise click.ClickException(f"--csv needs timings, and there is no GPU here ({why}); "
+                                       "--json FILE writes what runs without one")
+        rep = plan_report(cfg)
+        data = {"ok": not rep["problems"] and not require_gpu, "device": None,
+                "no_device_reason": why, "timings": None, "how_to_time": HOW_TO_TIME,
+                "config": cfg.as_dict(), "plan": rep, "problems": rep["problems"]}
+        if explain and not as_json:
+            con.print(lab_render.explain_text([_paged_cost(cfg, rep)]), markup=False)
+        if not deliver_json(data, json_out, err):
+            con.print(f"[bold]No GPU here, so no timings of the paged step.[/bold] "
+                      f"{escape(why)}")
+            con.print(_paged_plan_table(rep))
+            if cfg.peers:
+                con.print(f"peers {', '.join(cfg.peers)}: loaded and timed on a GPU only")
+            for p in rep["problems"]:
+                con.print(f"[red]problem:[/red] {escape(p)}")
+            con.print(HOW_TO_TIME)
+        if rep["problems"]:
+            raise SystemExit(1)
+        if require_gpu:
+            raise click.ClickException(f"--require-gpu: {why}")
+        return
+    with progress_bar(err) as bar:
+        task = bar.add_task("bench", total=paged_work(cfg))
+        result = run(config=cfg, progress=lambda label, advance=1: bar.update(
+            task, advance=advance, description=label),
+            log=lambda text: bar.console.print(escape(text)))
+    problems = []
+    if csv_out:
+        try:
+            _write_paged_csv(result, csv_out)
+            err.print(f"wrote {escape(str(csv_out))}")
+        except OSError as exc:
+            problems.append(f"could not write {csv_out}: {exc.strerror}")
+    if not deliver_json(result, json_out, err):
+        if explain:
+            plans = {"plans": list(result["plans"].values())}
+            con.print(lab_render.explain_text([_paged_cost(cfg, plans)]), markup=False)
+        con.print(_paged_table(result))
+        nf = result["noise_floor"]
+        con.print(f"A/A floor: {_fmt(nf['floor'], '.1%')} ({escape(nf['how'])})")
+        if result["fastest"]:
+            f = result["fastest"]
+            con.print(f"fastest step: {f['variant']} ({f['phase']}, {f['median_us']:,.1f} us)"
+                      + (f"; within the floor: {', '.join(f['ties'])}" if f["ties"] else ""))
+        for c in result["checks"]:
+            if not c["ok"]:
+                con.print(f"[red]check {escape(c['variant'])}:[/red] {escape(c['detail'])}")
+        for w in result["warnings"]:
+            con.print(f"[bold yellow]warning:[/bold yellow] {escape(w)}")
+    for p in problems:
+        err.print(f"[red]problem:[/red] {escape(p)}")
+    if not result["ok"] or problems:
+        raise SystemExit(1)
+
+
+def _paged_cost(cfg, rep):
+    """The formulas of the first variant's step at the plan's chunk counts (--explain)."""
+    p = rep["plans"][0] if rep["plans"] else None
+    n_chunks = None
+    if p is not None:
+        n_chunks, _ = request_chunks(cfg.lengths, p["max_chunks"], p["tile"], p["min_chunk"])
+    return metrics.paged_step_cost(cfg.variants[0], cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
+                                   cfg.cache_dtype, q_dtype_of(cfg.q_dtype, cfg.cache_dtype),
+                                   n_chunks, p["grid"][0] if p else 1)
+
+
+def _write_paged_csv(result, path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=PAGED_CSV_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in result["rows"]:
+            w.writerow({k: "" if r.get(k) is None else r[k] for k in PAGED_CSV_COLUMNS})
+
+
 def no_gpu_report(arch: str, why: str) -> dict:
     """What `bench` shows where there is no GPU: the register table and the schedule model's
     accuracy at two contexts, with the problems met producing them."""
@@ -198,16 +380,32 @@ def _print_no_gpu(data, arch, why) -> None:
 @click.option("--details", is_flag=True, help="Phase tables at every context, checks table.")
 @arch_option("Arch of the register table when there is no GPU.")
 @click.option("--require-gpu", is_flag=True, help="Exit 1 when there is no GPU to time on.")
+@paged_options(SERVING_PRESETS, serving_help())
+@peers_option(PEER_NAMES)
 def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repeats,
           min_repeats, target_ms, warmup, seed, graph, graph_max_ctx, aa_ctx, aa_rounds, check,
           check_ctx, check_heads, budget_s, json_out, csv_out, plot_out, vs_path, explain,
-          details, arch, require_gpu):
+          details, arch, require_gpu, batch, lengths_spec, page_size, s_q, causal, serving,
+          peers):
     """Time every variant over a depth curve, with the noise floor and the control phase.
 
     On a GPU: ceilings, a correctness spot check, the A/A noise floor, then q_absorb / attn /
     combine / step per variant and context. Without one: says so and shows what runs there.
+
+    With --batch B or --serving PRESET: one paged serving step per variant and peer instead
+    (--lengths, --page-size, --s-q, --causal; presets: b128-4k-h128, b128-4k-h128-mtp2,
+    b128-4k-h16, b32-8k-var-h16, b8-32k-var-h128; --preset dsv3 heads unless set).
     """
     as_json = json_out == "-"
+    paged = batch is not None or serving is not None
+    if not paged:
+        given = [o for o, v in (("--lengths", lengths_spec), ("--s-q", s_q),
+                                ("--causal", causal), ("--peers", peers)) if v is not None]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
+                                   "--batch B or --serving PRESET (the paged step)")
+    else:
+        return _paged_bench(locals())
     try:
         cfg = make_config(preset=preset, heads=heads, contexts=contexts, variants=variants,
                           hpbs=hpbs, cache_dtypes=caches, q_dtype=q_dtype, splits=splits,

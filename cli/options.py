@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mlasandbox import archs, limits, registry
 from mlasandbox.dims import PRESETS
+from mlasandbox.paged_api import MAX_GRID_Z
 
 from .render import emit_json, jsonable
 
@@ -23,7 +24,8 @@ __all__ = ["int_list", "str_list", "auto_or_int", "OutputFile", "json_option", "
            "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
            "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
            "arch_option", "timing_options", "preset_option", "q_option", "variants_option",
-           "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of"]
+           "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of",
+           "paged_options", "peers_option"]
 
 DEFAULT_PRESET = "h96"
 Q_CHOICES = ("f32", "cache")
@@ -324,3 +326,53 @@ def progress_bar(console: Console) -> Progress:
     return Progress(TextColumn("{task.description}", style="bold"), BarColumn(),
                     MofNCompleteColumn(), TimeElapsedColumn(), console=console,
                     transient=False)
+
+
+# ---- the paged (serving batch) options of bench and repro ------------------------------------
+
+def _batch(ctx, param, value):
+    if value is None:
+        return None
+    if value > MAX_GRID_Z:
+        raise click.BadParameter(f"the batch is the grid's z dimension: at most {MAX_GRID_Z}, "
+                                 f"got {value}")
+    return value
+
+
+def paged_options(serving_choices=None, serving_help: str = ""):
+    """--batch, --lengths, --page-size, --s-q, --causal (and --serving where presets are
+    given): one serving step of B requests in a paged cache."""
+    def deco(f):
+        opts = [
+            click.option("--batch", type=click.IntRange(min=1), default=None, callback=_batch,
+                         help="Requests in the step: runs the paged (serving) step."),
+            click.option("--lengths", "lengths_spec", default=None, metavar="SPEC",
+                         help="Request lengths: N, N,N,... (cycled to the batch), "
+                              "normal:MEAN:STD (drawn from the seed, clipped at 0), or @FILE "
+                              "(one length per line). Default 4096."),
+            click.option("--page-size", type=click.Choice(["1", "16", "64"]), default="64",
+                         show_default=True, callback=lambda c, p, v: int(v),
+                         help="Rows per cache page (64 is FlashMLA's)."),
+            click.option("--s-q", "s_q", type=click.IntRange(min=1), default=None,
+                         help="Query tokens per request (multi-token prediction). Default 1."),
+            click.option("--causal/--no-causal", default=None,
+                         help="Query i sees positions < len - (s_q - 1 - i). Default off."),
+        ]
+        if serving_choices:
+            opts.append(click.option("--serving", type=click.Choice(list(serving_choices)),
+                                     default=None,
+                                     help="A serving shape (sets batch, lengths, heads, s_q, "
+                                          "causal; explicit options override): "
+                                          + serving_help))
+        for opt in reversed(opts):
+            f = opt(f)
+        return f
+    return deco
+
+
+def peers_option(choices):
+    return click.option("--peers", callback=str_list(tuple(choices)), default=None,
+                        help=f"Time these implementations of the same step beside ours, "
+                             f"among {', '.join(choices)} (optional extra: pip install -e "
+                             "'.[peers]'; a peer that cannot load is skipped with the "
+                             "reason).")

@@ -8,12 +8,13 @@ import click
 from rich.markup import escape
 
 from mlasandbox import registry
-from mlasandbox.repro import REPRO_CONTEXTS, make_case, write_script
+from mlasandbox.repro import (REPRO_CONTEXTS, make_case, make_paged_case, write_paged_script,
+                              write_script)
 
 from . import render
 from .options import (OutputFile, arch_option, auto_or_int, cache_option, ctx_option,
-                      deliver_json, heads_option, json_option, preset_option, q_option,
-                      splits_option, stderr_console)
+                      deliver_json, heads_option, json_option, paged_options, preset_option,
+                      q_option, splits_option, stderr_console)
 
 __all__ = ["repro"]
 
@@ -39,16 +40,31 @@ __all__ = ["repro"]
               help="Script path (default: a name built from the case, in the current "
                    "directory).")
 @json_option
+@paged_options()
 def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
-          negative_control, sms, bps, arch, output, json_out):
+          negative_control, sms, bps, arch, output, json_out, batch, lengths_spec, page_size,
+          s_q, causal):
     """Write one self-contained Python script (CuPy + NumPy only) reproducing a case.
 
     The script prints the GPU and versions, runs the kernels under a phase guard, compares
     with an embedded float64 reference and prints one verdict line: PASS (exit 0), FAIL
     (1: wrong numbers), ERROR (2: compile, launch or fault) or NOT RUN (3: no usable GPU).
+
+    With --batch B: a batched paged case (--lengths, --page-size, --s-q, --causal; heads of
+    --preset, dsv3 unless given), its lengths, page size, seed and chunk plan embedded,
+    checked against an embedded float64 paged reference.
     """
     command = "mlasandbox repro " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 1 and sys.argv[1] == "repro" else ""
+    if batch is not None:
+        return _paged_repro(variant_name, batch, lengths_spec, s_q, causal, page_size, preset,
+                            heads, cache, q_dtype, splits, seed, negative_control, sms, bps,
+                            arch, output, json_out, command)
+    given = [o for o, v in (("--lengths", lengths_spec), ("--s-q", s_q), ("--causal", causal))
+             if v is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
+                               "--batch B (the batched paged case)")
     try:
         case = make_case(variant_name, preset=preset, heads=heads, contexts=contexts,
                          cache=cache, q=q_dtype, splits=splits, seed=seed,
@@ -56,21 +72,54 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
                          arch=arch, command=command)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    _write_and_say(case, write_script, output, json_out,
+                   {"contexts": list(case.contexts),
+                    "splits": {str(k): v for k, v in case.splits.items()},
+                    "splits_from": case.splits_from},
+                   f"splits {case.splits} ({case.splits_from})")
+
+
+def _write_and_say(case, write, output, json_out, facts: dict, summary: str) -> None:
+    """Write the script, then its facts as JSON or two lines of text."""
     try:
-        path = write_script(case, output)
+        path = write(case, output)
     except OSError as exc:
         raise click.ClickException(f"could not write the script: {exc}") from None
+    expect = "FAIL" if case.negative_control else "PASS"
     info = {"ok": True, "path": path, "variant": case.variant, "n_head": case.dims.n_head,
-            "contexts": list(case.contexts), "splits": {str(k): v for k, v in case.splits.items()},
-            "splits_from": case.splits_from, "cache": case.cache_dtype, "q": case.q_dtype,
-            "seed": case.seed, "negative_control": case.negative_control,
-            "expect": "FAIL" if case.negative_control else "PASS"}
+            **facts, "cache": case.cache_dtype, "q": case.q_dtype, "seed": case.seed,
+            "negative_control": case.negative_control, "expect": expect}
     if deliver_json(info, json_out, stderr_console()):
         return
     con = render.console()
     con.print(escape(f"wrote {path}"))
     con.print(escape(f"  {case.variant}, H={case.dims.n_head}, cache {case.cache_dtype}, q "
-                     f"{case.q_dtype}, seed {case.seed}; splits {case.splits} "
-                     f"({case.splits_from})"))
-    con.print(escape(f"  run it on a GPU: python {path}   (expect {info['expect']}; NOT RUN, "
+                     f"{case.q_dtype}, seed {case.seed}; {summary}"))
+    con.print(escape(f"  run it on a GPU: python {path}   (expect {expect}; NOT RUN, "
                      "exit 3, means there was no GPU to run it on)"))
+
+
+def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, heads, cache,
+                 q_dtype, splits, seed, negative_control, sms, bps, arch, output, json_out,
+                 command):
+    ctx = click.get_current_context()
+    if ctx.get_parameter_source("contexts") == click.core.ParameterSource.COMMANDLINE:
+        raise click.UsageError("--ctx belongs to the batch-1 case; a batched case takes "
+                               "--lengths")
+    if ctx.get_parameter_source("preset") != click.core.ParameterSource.COMMANDLINE:
+        preset = "dsv3"
+    try:
+        case = make_paged_case(variant, batch=batch, lengths=lengths_spec or "4096",
+                               s_q=s_q or 1, causal=bool(causal), page_size=page_size,
+                               preset=preset, heads=heads, cache=cache, q=q_dtype,
+                               splits=splits, seed=seed, negative_control=negative_control,
+                               num_sms=sms, blocks_per_sm=bps, arch=arch, command=command)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    _write_and_say(case, write_paged_script, output, json_out,
+                   {"batch": len(case.lengths), "lengths": list(case.lengths), "s_q": case.s_q,
+                    "causal": case.causal, "page_size": case.page_size, "plan": case.plan,
+                    "plan_from": case.plan_from},
+                   f"paged: B={len(case.lengths)}, s_q={case.s_q}"
+                   f"{' causal' if case.causal else ''}, page {case.page_size}; chunk plan "
+                   f"{case.plan}")

@@ -38,7 +38,7 @@ from .timing import Timing
 
 __all__ = ["SCHEMA", "DEFAULT_CONTEXTS", "PHASES", "BenchConfig", "make_config", "plan_work",
            "estimate_seconds", "run_bench", "depth_terms", "fastest_per_context",
-           "write_csv", "CSV_COLUMNS", "q_dtype_of"]
+           "write_csv", "CSV_COLUMNS", "q_dtype_of", "aa_floor", "ControlPhase"]
 
 SCHEMA = "mlasandbox.bench/1"
 
@@ -101,15 +101,8 @@ def run_bench(*, backend=None, progress=None, log=None, as_json: bool = False,
     # one allocation serves every context, the A/A's (below the gate) included
     max_ctx = max(max(cfg.contexts), cfg.aa_context)
 
-    def control(cache, label):
-        t = backend.time_control(use_graph(cfg, None, None), timing_kw)
-        control_series.append((f"{label} ({cache})" if len(cfg.cache_dtypes) > 1 else label,
-                               t.median_us))
-        rows.append({"variant": "-", "cache": cache, "q": q_dtype_of(cfg.q_dtype, cache),
-                     "n_ctx": None, "phase": "q_absorb", "control_label": label,
-                     **t.as_dict(), **_control_metrics(cfg, cache, t, ceilings)})
-        progress(f"control q_absorb ({label})", 1)
-        return t
+    control = ControlPhase(backend, cfg, use_graph(cfg, None, None), timing_kw, ceilings, rows,
+                           control_series, progress, len(cfg.cache_dtypes) > 1)
 
     for cache in cfg.cache_dtypes:
         qd = q_dtype_of(cfg.q_dtype, cache)
@@ -138,20 +131,15 @@ def run_bench(*, backend=None, progress=None, log=None, as_json: bool = False,
             warnings.append(f"A/A at n_ctx={cfg.aa_context} is not A/A: per_head runs "
                             f"{pa.get('attn_kernel')} x{pa.get('splits')}, split runs "
                             f"{pb.get('attn_kernel')} x{pb.get('splits')}")
-        arms: dict[str, list[float]] = {"per_head": [], "split": []}
-        modes = set()
         aa_graph = use_graph(cfg, "split", cfg.aa_context)
-        for first, second in interleave_order(cfg.aa_rounds):
-            for arm in (first, second):
-                name = "per_head" if arm == "a" else "split"
-                t = backend.time(name, cfg.aa_context, "attn", "auto", aa_graph, timing_kw)
-                arms[name].append(t.median_us)
-                modes.add(t.mode)
-                progress(f"A/A {name} at {cfg.aa_context}", 1)
-        nf = noise_floor(arms["per_head"], arms["split"])
+        nf, modes = aa_floor(
+            lambda name: backend.time(name, cfg.aa_context, "attn", "auto", aa_graph,
+                                      timing_kw),
+            ("per_head", "split"), cfg.aa_rounds,
+            lambda name: progress(f"A/A {name} at {cfg.aa_context}", 1))
         aa_reports.append({"cache": cache, "n_ctx": cfg.aa_context, "phase": "attn",
                            "same_code": same_code, "kernel": pa.get("attn_kernel"),
-                           "mode": "/".join(sorted(modes)), **nf.as_dict()})
+                           "mode": modes, **nf.as_dict()})
 
         for v in cfg.variants:
             control(cache, f"before {v}")
@@ -192,6 +180,44 @@ def run_bench(*, backend=None, progress=None, log=None, as_json: bool = False,
         "control": ctl.as_dict(), "depth": depth, "fastest": fastest,
         "warnings": warnings, "elapsed_s": time.perf_counter() - t_start,
     }
+
+
+def aa_floor(time_arm, names: tuple, rounds: int, done) -> tuple:
+    """The A/A test: arms names[0] and names[1] (identical code; the caller checks that)
+    timed interleaved for `rounds` rounds; returns (NoiseFloor, the timer modes met).
+    time_arm(name) -> Timing; done(name) after each measurement."""
+    arms: dict[str, list[float]] = {n: [] for n in names}
+    modes = set()
+    for first, second in interleave_order(rounds):
+        for arm in (first, second):
+            name = names[0] if arm == "a" else names[1]
+            t = time_arm(name)
+            arms[name].append(t.median_us)
+            modes.add(t.mode)
+            done(name)
+    return noise_floor(arms[names[0]], arms[names[1]]), "/".join(sorted(modes))
+
+
+class ControlPhase:
+    """The control phase q_absorb, timed when called (`control(cache, label)`): a row in
+    `rows` and a point of `series`, which control_report judges against the floor. `cfg`
+    needs .dims and .q_dtype; `backend` needs time_control."""
+
+    def __init__(self, backend, cfg, graph: bool, timing_kw: dict, ceilings: dict,
+                 rows: list, series: list, progress, label_cache: bool):
+        self.backend, self.cfg, self.graph, self.timing_kw = backend, cfg, graph, timing_kw
+        self.ceilings, self.rows, self.series = ceilings, rows, series
+        self.progress, self.label_cache = progress, label_cache
+
+    def __call__(self, cache: str, label: str) -> Timing:
+        t = self.backend.time_control(self.graph, self.timing_kw)
+        self.series.append((f"{label} ({cache})" if self.label_cache else label, t.median_us))
+        self.rows.append({"variant": "-", "cache": cache,
+                          "q": q_dtype_of(self.cfg.q_dtype, cache), "n_ctx": None,
+                          "phase": "q_absorb", "control_label": label, **t.as_dict(),
+                          **_control_metrics(self.cfg, cache, t, self.ceilings)})
+        self.progress(f"control q_absorb ({label})", 1)
+        return t
 
 
 def _control_metrics(cfg, cache, t: Timing, ceilings):

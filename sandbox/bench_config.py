@@ -14,7 +14,8 @@ from .splits import SPLIT_MIN_CTX, default_gate
 from .timing import choose_repeats
 
 __all__ = ["DEFAULT_CONTEXTS", "PHASES", "BenchConfig", "make_config", "q_dtype_of",
-           "WorkItem", "plan_work", "phases_of", "use_graph", "estimate_seconds"]
+           "WorkItem", "plan_work", "phases_of", "use_graph", "estimate_seconds",
+           "check_dtypes_and_splits"]
 
 DEFAULT_CONTEXTS = (64, 512, 4096, 8192, 32768, 131072)
 PHASES = ("attn", "combine", "step")
@@ -94,17 +95,7 @@ def make_config(*, preset: str | None = "h96", heads: int | None = None,
         registry.variant(n)  # ValueError naming the known variants
     names = list(dict.fromkeys(names))
     cache_dtypes = tuple(cache_dtypes or ("f16",))
-    for c in cache_dtypes:
-        if c not in ("f16", "bf16"):
-            raise ValueError(f"cache dtype must be f16 or bf16, got {c!r}")
-    if q_dtype not in ("f32", "cache"):
-        raise ValueError(f"q dtype must be 'f32' or 'cache', got {q_dtype!r}")
-    if splits not in (None, "auto"):
-        if isinstance(splits, bool) or int(splits) != splits or splits < 1:
-            raise ValueError(f"splits must be 'auto' or an integer >= 1, got {splits!r}")
-        splits = int(splits)
-    else:
-        splits = "auto"
+    splits = check_dtypes_and_splits(cache_dtypes, q_dtype, splits)
     cfg = BenchConfig(dims=dims, preset=preset, contexts=contexts, variants=tuple(names),
                       cache_dtypes=cache_dtypes, q_dtype=q_dtype, splits=splits, **kw)
     if cfg.graph not in ("auto", "always", "never"):
@@ -120,6 +111,21 @@ def make_config(*, preset: str | None = "h96", heads: int | None = None,
     if cfg.target_ms <= 0 or cfg.budget_s <= 0:
         raise ValueError("target_ms and budget_s must be > 0")
     return cfg
+
+
+def check_dtypes_and_splits(cache_dtypes, q_dtype: str, splits):
+    """Validate cache dtypes, the q choice and a split count; return splits as 'auto' or an
+    int (ValueError naming the bad one)."""
+    for c in cache_dtypes:
+        if c not in ("f16", "bf16"):
+            raise ValueError(f"cache dtype must be f16 or bf16, got {c!r}")
+    if q_dtype not in ("f32", "cache"):
+        raise ValueError(f"q dtype must be 'f32' or 'cache', got {q_dtype!r}")
+    if splits in (None, "auto"):
+        return "auto"
+    if isinstance(splits, bool) or int(splits) != splits or splits < 1:
+        raise ValueError(f"splits must be 'auto' or an integer >= 1, got {splits!r}")
+    return int(splits)
 
 
 def phases_of(variant: str) -> tuple:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
+from dataclasses import replace
 import platform
 import subprocess
 from importlib import metadata
@@ -30,13 +31,19 @@ from . import registry, toolkit
 from .api import DecodeStep, QAbsorb
 from .ceilings import measure_ceilings
 from .compare import DEFAULT_TOLERANCE, Tolerance, compare
+from .compare_paged import compare_paged
 from .guard import PhaseGuard
 from .inputs import make_inputs
 from .kernels import blocks_per_sm, device_info
+from .paged import PagedResult
+from .paged_api import PagedDecodeStep
+from .paged_inputs import make_paged_inputs
+from .peers import PeerInputs, PeerUnavailable, load_peers, peer_q, to_result, tolerance_of
 from .reference import decode as reference_decode
+from .reference_paged import decode_paged
 from .timing import L2Flush, Spinner, time_gpu
 
-__all__ = ["CupyBackend", "CUBLAS_TOLERANCE", "tolerance_for", "run_meta"]
+__all__ = ["CupyBackend", "PagedBackend", "CUBLAS_TOLERANCE", "tolerance_for", "run_meta"]
 
 # The cuBLAS engine rounds q, p and latent to the cache dtype for its tensor-core GEMMs: its
 # tolerance is that rounding (as in tests/test_gpu_kernels.py). CUDA variants: compare's
@@ -249,3 +256,177 @@ class CupyBackend:
                 row.update({"ok": False, "detail": f"{type(exc).__name__}: {exc}"})
             out.append(row)
         return out
+
+
+class PagedBackend(CupyBackend):
+    """The paged bench's device side (bench_paged.run_paged_bench): one batch's inputs,
+    PagedDecodeSteps per variant (two per variant for the A/A), the peers, and the control
+    phase q_absorb of CupyBackend on a short batch-1 cache of the same heads."""
+
+    CONTROL_ROWS = 64   # the control phase reads no cache: a short one serves it
+
+    def __init__(self, flush: bool = True, preroll: bool = True):
+        super().__init__(flush, preroll)
+        self.cfg = self.paged = None
+        self._peers: dict = {}
+        self._skipped: list = []
+
+    def prepare_paged(self, cfg) -> None:
+
+        qd = "f32" if cfg.q_dtype == "f32" else cfg.cache_dtype
+        self.prepare(cfg.dims, self.CONTROL_ROWS, cfg.cache_dtype, qd, cfg.seed)
+        self.cfg = cfg
+        host = make_paged_inputs(cfg.dims, cfg.lengths, s_q=cfg.s_q, page_size=cfg.page_size,
+                                 cache_dtype=cfg.cache_dtype, q_dtype=qd, causal=cfg.causal,
+                                 seed=cfg.seed)
+        self.paged_host = host
+        with self.stream:
+            self.paged = self._to_device(host)
+        self.stream.synchronize()
+        self._peers, self._skipped = load_peers(cfg.peers)
+        self._peer_runs: dict = {}
+
+    def _to_device(self, host):
+        cp = self.cupy
+        return {k: (None if v is None else cp.asarray(v)) for k, v in (
+            ("q", host.q), ("kv_cache", host.kv_cache), ("block_table", host.block_table),
+            ("cache_seqlens", host.cache_seqlens), ("wv_b", host.wv_b))}
+
+    def skipped_peers(self) -> list:
+        return list(self._skipped)
+
+    def available_peers(self) -> list:
+        return [p for p in self._peers if p not in {s["name"] for s in self._skipped}]
+
+    def release(self) -> None:
+        super().release()
+        self.paged = None
+        self._peer_runs = {}
+
+    # ---- steps -----------------------------------------------------------------------
+    def _paged_step(self, variant: str, arm: int = 0):
+
+        key = ("paged", variant, arm)
+        step = self._steps.get(key)
+        if step is None:
+            cfg = self.cfg
+            with self.stream:
+                step = PagedDecodeStep(**self.paged, causal=cfg.causal, variant=variant,
+                                       splits=None if cfg.splits == "auto" else cfg.splits,
+                                       scale=self.paged_host.scale)
+                step.check_indices()
+            self._steps[key] = step
+        return step
+
+    def paged_plan(self, variant: str, arm: int = 0) -> dict:
+        step = self._paged_step(variant, arm)
+        p = step.plan
+        n_chunks, chunk_len = p.for_lengths(self.cfg.lengths)
+        return {"variant": step.variant.name, "grid": list(p.grid), "max_chunks": p.max_chunks,
+                "head_blocks": p.head_blocks, "min_chunk": p.min_chunk, "tile": p.tile,
+                "reason": p.reason, "n_chunks": [int(c) for c in n_chunks],
+                "chunk_len_max": int(chunk_len.max()),
+                "launches": [(ln.name, list(ln.grid), list(ln.block)) for ln in step.launches()]}
+
+    def time_paged(self, variant: str, phase: str, timing_kw: dict, arm: int = 0):
+        step = self._paged_step(variant, arm)
+        if phase == "combine":
+            with self.stream:
+                step.run_attn()  # the partials the combine merges
+        fns = {"attn": step.run_attn, "combine": step.run_combine, "step": step.run}
+        if phase == "graph":
+            graph = step.capture()
+            return self._time(lambda: graph.launch(self.stream), False, "step (graph replay)",
+                              variant, timing_kw)
+        return self._time(fns[phase], False, phase, variant, timing_kw)
+
+    def time_peer(self, name: str, timing_kw: dict):
+        run = self._peer_runs.get(name)
+        if run is None:
+            run = self._peer_run(name, self.paged, self.paged_host)
+            self._peer_runs[name] = run
+        return time_gpu(run, stream=self.stream, flush=self.flush, spinner=self.spinner,
+                        **timing_kw)
+
+    def _peer_run(self, name, dev: dict, host):
+
+        q = dev["q"]
+        if str(q.dtype) == "float32":
+            with self.stream:
+                q = self.cupy.asarray(peer_q(host.q, self.cfg.cache_dtype))
+        inp = PeerInputs(q, dev["kv_cache"], dev["block_table"], dev["cache_seqlens"],
+                         numpy.asarray(host.cache_seqlens), numpy.asarray(host.block_table),
+                         self.cfg.cache_dtype, host.scale, host.causal,
+                         self.cfg.dims.kv_lora)
+        return self._peers[name].prepare(inp, self.stream.ptr)
+
+    # ---- correctness ------------------------------------------------------------------
+    def check_paged(self, cfg, rescale: bool = True) -> list[dict]:
+        """Every variant and peer once on a cut of the batch (its first check_batch requests,
+        check_heads heads) against the float64 paged reference, outputs NaN-poisoned first.
+        The peers run on q rounded to the cache dtype, and are checked against the reference
+        of that q. rescale=False runs the negative control's combine."""
+
+        cupy = self.cupy
+        qd = "f32" if cfg.q_dtype == "f32" else cfg.cache_dtype
+        host = make_paged_inputs(cfg.check_dims(), cfg.check_lengths(), s_q=cfg.s_q,
+                                 page_size=cfg.page_size, cache_dtype=cfg.cache_dtype,
+                                 q_dtype=qd, causal=cfg.causal, seed=cfg.seed + 1)
+        ref = decode_paged(**host.decode_args())
+        with self.stream:
+            dev = self._to_device(host)
+        self.stream.synchronize()
+        rows = []
+        for name in cfg.variants:
+            row = {"variant": name, "kind": "variant", "batch": len(cfg.check_lengths()),
+                   "heads": cfg.check_dims().n_head}
+            try:
+                with self.stream:
+                    step = PagedDecodeStep(**dev, causal=cfg.causal, variant=name,
+                                           splits=None if cfg.splits == "auto" else cfg.splits,
+                                           scale=host.scale, sync_check=True, rescale=rescale)
+                    step.check_indices()
+                    for arr in (step.out, step.latent, step.lse):
+                        arr.fill(cupy.nan)
+                    res = step.run()
+                self.stream.synchronize()
+                cmp = compare_paged(res, ref, tolerance_for(name, cfg.cache_dtype))
+                row.update(self._cmp_row(cmp))
+            except Exception as exc:  # a launch or validation failure is a failed check
+                row.update({"ok": False, "detail": f"{type(exc).__name__}: {exc}"})
+            rows.append(row)
+        if not self._peers:
+            return rows
+        peer_host = host
+        if qd == "f32":
+            peer_host = replace(host, q=peer_q(host.q, cfg.cache_dtype))
+        pref = decode_paged(**{**peer_host.decode_args(), "wv_b": None})
+        pref = PagedResult(pref.latent, pref.lse)
+        with self.stream:
+            pdev = self._to_device(peer_host)
+        for name in list(self._peers):
+            row = {"variant": name, "kind": "peer", "batch": len(cfg.check_lengths()),
+                   "heads": cfg.check_dims().n_head}
+            try:
+                latent, lse = self._peer_run(name, pdev, peer_host)()
+                self.stream.synchronize()
+                cmp = compare_paged(to_result(latent, lse), pref,
+                                    tolerance_of(name, cfg.cache_dtype))
+                row.update(self._cmp_row(cmp))
+            except PeerUnavailable as exc:  # a shape the peer does not take
+                self._skipped.append({"name": name, "reason": str(exc)})
+                continue
+            except Exception as exc:
+                row.update({"ok": False, "detail": f"{type(exc).__name__}: {exc}"})
+            rows.append(row)
+        return rows
+
+    @staticmethod
+    def _cmp_row(cmp) -> dict:
+        live = cmp.live
+        return {"ok": cmp.ok, "out_relL2": live.out.value if live else None,
+                "latent_relL2": live.latent.value if live else None,
+                "lse_abs": live.lse.value if live else None,
+                "tolerance": live.tolerance.out if live else None,
+                "empty_rows": cmp.empty_rows, "empty_wrong": cmp.empty_wrong,
+                "detail": "" if cmp.ok else cmp.summary()}

@@ -19,6 +19,8 @@ FLOPs count multiply-adds as 2; exponentials, max and conversions are not counte
     attn       2 H n_ctx (576 + 512)            q.k over the 576-wide key, p.v over 512
     combine    2 S H 512 + 2 H 128 512          the weighted merge, then wv_b
     q_absorb   2 H 128 512                      q_nope[h] @ wk_b[h]
+    paged step sum_b 2 rows_b(visible) (576 + 512) + 2 B s_q H 128 512
+                                                one batch of requests (paged_step_cost)
 
 The cuBLAS engine runs its own combine (wv_b) inside its attn phase (api.DecodeStep.run_attn),
 so its attn cost includes wv_b and it has no separate combine phase.
@@ -32,7 +34,7 @@ from .dims import Dims
 
 __all__ = ["DTYPE_BYTES", "Term", "PhaseCost", "attn_cost", "combine_cost", "q_absorb_cost",
            "step_cost", "phase_cost", "rates", "explain_lines", "head_blocks_of",
-           "CUBLAS_SCORE_BYTES"]
+           "CUBLAS_SCORE_BYTES", "paged_step_cost"]
 
 DTYPE_BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 
@@ -201,6 +203,66 @@ def step_cost(variant: str, dims: Dims, n_ctx: int, cache_dtype: str = "f16",
                   for p in parts for t in p.terms)
     return PhaseCost("step", variant, sum(p.flops for p in parts),
                      " + ".join(f"{p.phase} {p.flops:,}" for p in parts), terms)
+
+
+def paged_step_cost(variant: str, dims: Dims, lengths, s_q: int = 1, causal: bool = False,
+                    cache_dtype: str = "f16", q_dtype: str = "f32", n_chunks=None,
+                    head_blocks: int = 1, with_wv_b: bool = True) -> PhaseCost:
+    """One paged decode step of a batch (attn + combine), request by request.
+
+    lengths [B]: the requests' lengths; n_chunks [B]: the chunks each request runs
+    (chunks.request_chunks), None for a kernel that writes no partials (a peer);
+    head_blocks: the row blocks of a request, each of which streams its rows (as issued).
+    Rows: n_rows = s_q x H per request; row r of query i sees visible(b, i) positions
+    (len_b, or len_b - (s_q - 1 - i) under `causal`, at least 0), and the FLOPs count those.
+
+        cache rows   sum_b len_b x 576 x cb           ideal; x head_blocks as issued
+        q            B x n_rows x 576 x qb            ideal; x n_chunks_b as issued
+        wv_b         H x 128 x 512 x cb               ideal; B x n_rows x 128 x 512 x cb issued
+        partials     sum_b n_chunks_b x n_rows x (512 + 2) x 4 B, written once, read once
+        outputs      B x n_rows x (128 + 512 + 1) x 4 B (out, latent, lse)
+        FLOPs        2 x sum_(b,r) visible x (576 + 512) + 2 x B x n_rows x 128 x 512
+    """
+    lengths = [int(n) for n in lengths]
+    if not lengths or min(lengths) < 0:
+        raise ValueError(f"lengths must be one or more integers >= 0, got {lengths}")
+    if s_q < 1 or head_blocks < 1:
+        raise ValueError(f"s_q and head_blocks must be >= 1, got {s_q}, {head_blocks}")
+    H, K, L, V = dims.n_head, dims.key_dim, dims.kv_lora, dims.v_head
+    cb, qb = _b(cache_dtype), _q_bytes(q_dtype, cache_dtype)
+    B, rows = len(lengths), s_q * H
+    chunks = [0] * B if n_chunks is None else [int(c) for c in n_chunks]
+    if len(chunks) != B:
+        raise ValueError(f"n_chunks must have one entry per request ({B}), got {len(chunks)}")
+    tokens = sum(lengths)
+    seen = sum(H * max(0, n - (s_q - 1 - i) if causal else n)
+               for n in lengths for i in range(s_q))
+    wv_flops = 2 * B * rows * V * L if with_wv_b else 0
+    flops = 2 * seen * (K + L) + wv_flops
+    flops_formula = (f"2 x visible row-positions {seen:,} x ({K} + {L})"
+                     + (f" + 2 x B {B} x n_rows {rows} x {V} x {L}" if with_wv_b else ""))
+    cache_once = tokens * K * cb
+    part = sum(chunks) * rows * (L + 2) * 4
+    out_w = (V + L + 1) if with_wv_b else (L + 1)
+    terms = [
+        Term("cache rows", f"sum of lengths {tokens:,} x {K} x {cb} B, once (ideal); x "
+                           f"head_blocks {head_blocks} (as issued)", cache_once,
+             cache_once * head_blocks),
+        Term("q", f"B {B} x n_rows {rows} x {K} x {qb} B; x each request's chunks as issued",
+             B * rows * K * qb, max(sum(chunks), B) * rows * K * qb),
+    ]
+    if with_wv_b:
+        terms.append(Term("wv_b", f"H {H} x {V} x {L} x {cb} B once (ideal); once per row "
+                                  f"B {B} x n_rows {rows} (as issued)", H * V * L * cb,
+                          B * rows * V * L * cb))
+    if part:
+        terms.append(Term("partials", f"chunks run {sum(chunks)} x n_rows {rows} x ({L} + 2) "
+                                      "x 4 B, written then read", 2 * part, 2 * part))
+    terms.append(Term("outputs", f"B {B} x n_rows {rows} x {out_w} x 4 B"
+                                 + (" (out, latent, lse)" if with_wv_b else " (latent, lse)"),
+                      B * rows * out_w * 4, B * rows * out_w * 4))
+    return PhaseCost("step", variant, flops, flops_formula, tuple(terms),
+                     note="" if with_wv_b else "no wv_b projection")
 
 
 def phase_cost(phase: str, variant: str, dims: Dims, n_ctx: int, cache_dtype: str = "f16",

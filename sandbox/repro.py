@@ -34,12 +34,17 @@ from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .kernels import blocks_per_sm, device_info
 from .limits import check_problem
-from .repro_template import ENGINE_WRAPPER, NO_ENGINE, TEMPLATE
+from .chunks import plan_chunks
+from .paged_api import check_page_size, paged_variant
+from .paged_inputs import parse_lengths
+from .repro_template import ENGINE_WRAPPER, HELPERS, NO_ENGINE, PAGED_TEMPLATE, TEMPLATE
 from .sources import read_source
 from .splits import SPLIT_MIN_CTX, default_gate, plan_splits
 
 __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_filename",
-           "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS"]
+           "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS", "PagedReproCase",
+           "make_paged_case", "render_paged_script", "write_paged_script",
+           "default_paged_filename", "PAGED_ATTN_ARGS", "PAGED_COMBINE_ARGS"]
 
 REPRO_CONTEXTS = (4095, 4096, 20000)
 # The kernel arguments of api.DecodeStep.run_attn / run_combine, in order, by name (the
@@ -49,6 +54,14 @@ ATTN_ARGS = ("q", "cache", "n_head", "n_ctx", "splits", "scale", "part_acc", "pa
              "part_l")
 COMBINE_ARGS = ("part_acc", "part_m", "part_l", "n_head", "splits", "wv_b", "v_head", "out",
                 "latent", "lse", "out_part", "tickets")
+# The paged kernels' arguments (paged_api.PagedDecodeStep.attn_args / combine_args), in order.
+PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n_head", "s_q",
+                   "causal", "max_pages", "page_shift", "max_chunks", "min_chunk",
+                   "scale_log2", "part_acc", "part_m", "part_l")
+PAGED_COMBINE_ARGS = ("part_acc", "part_m", "part_l", "cache_seqlens", "n_rows", "n_head",
+                      "max_chunks", "min_chunk", "tile", "wv_b", "v_head", "out", "latent",
+                      "lse", "out_part", "tickets")
+PAGED_SPARE_PAGES = 2   # as make_paged_inputs' default
 # The registry's launch values go along, so the script's kernels static_assert them too.
 NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",
                  f"-DMLA_ROPE={registry.ROPE}", *registry.compile_defines())
@@ -265,7 +278,11 @@ def render_script(case: ReproCase, filename: str | None = None) -> str:
         "@@OPTIONS@@": repr(NVRTC_OPTIONS), "@@ATTN@@": repr(attn),
         "@@COMBINE@@": repr(combine), "@@ENGINE@@": engine,
     }
-    text = TEMPLATE
+    return _fill(TEMPLATE, values, attn_src, combine_src)
+
+
+def _fill(template: str, values: dict, attn_src: str, combine_src: str) -> str:
+    text = template.replace("@@HELPERS@@", HELPERS)
     for k, v in values.items():
         if k not in text:
             raise RuntimeError(f"the repro template lost its {k} marker")
@@ -279,6 +296,157 @@ def write_script(case: ReproCase, path: str | None = None) -> str:
     """Write the script (executable); return its path."""
     path = path or default_filename(case)
     text = render_script(case, os.path.basename(path))
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.chmod(path, 0o755)
+    return path
+
+
+# ---------------------------------------------------------------------------- batched, paged
+
+@dataclass(frozen=True)
+class PagedReproCase:
+    variant: str
+    dims: Dims
+    lengths: tuple
+    lengths_spec: str
+    s_q: int
+    causal: bool
+    page_size: int
+    cache_dtype: str
+    q_dtype: str
+    plan: dict            # max_chunks, min_chunk, tile, rows_per_block
+    plan_from: str
+    seed: int
+    scale: float
+    negative_control: bool = False
+    command: str = ""
+
+    def instances(self):
+        return _paged_instances(registry.variant(self.variant), self.cache_dtype, self.q_dtype,
+                                not self.negative_control)
+
+
+def _paged_instances(var, cache: str, q: str, rescale: bool):
+    """(paged attention instance, paged combine instance) from the registry, or a ValueError
+    saying this build has no paged kernels."""
+    try:
+        get_attn, get_combine = (registry.paged_attention_instance,
+                                 registry.paged_combine_instance)
+    except AttributeError:
+        raise ValueError("this build has no paged kernels (the registry has no "
+                         "paged_attention_instance): the paged repro needs them") from None
+    return get_attn(var, cache, q), get_combine(cache, rescale)
+
+
+def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
+                    causal: bool = False, page_size: int = 64, preset: str = "dsv3",
+                    heads: int | None = None, cache: str = "f16", q: str = "f32",
+                    splits="auto", seed: int = 0, negative_control: bool = False,
+                    num_sms: int | None = None, blocks_per_sm="auto", arch: str | None = None,
+                    command: str = "") -> PagedReproCase:
+    """Resolve a batched paged case (ValueError naming any bad value). The chunk plan is
+    fixed now (chunks.plan_chunks with the device's, or the given / modelled, SMs and
+    blocks/SM) and pinned in the script: the result does not depend on it, the launch does."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    dims = PRESETS[preset] if heads is None else PRESETS[preset].with_heads(int(heads))
+    if int(s_q) != s_q or s_q < 1:
+        raise ValueError(f"s_q must be an integer >= 1, got {s_q!r}")
+    lens = tuple(int(n) for n in parse_lengths(lengths, batch, seed))
+    check_page_size(page_size)
+    var = paged_variant(variant, s_q, dims.n_head)
+    if not var.is_cuda:
+        raise ValueError("the paged repro reproduces the CUDA kernels; the cublas engine has "
+                         "no paged kernel of its own")
+    if cache not in ("f16", "bf16"):
+        raise ValueError(f"cache dtype must be f16 or bf16, got {cache!r}")
+    q = cache if q == "cache" else q
+    if q not in ("f32", cache):
+        raise ValueError(f"q dtype must be f32 or the cache dtype ({cache}), got {q!r}")
+    chunks = None
+    if splits not in ("auto", None):
+        if isinstance(splits, bool) or int(splits) != splits or splits < 1:
+            raise ValueError(f"splits must be 'auto' or an integer >= 1, got {splits!r}")
+        chunks = int(splits)
+    if arch is not None:
+        check_arch(arch, "arch")
+    attn, _ = _paged_instances(var, cache, q, not negative_control)
+    if blocks_per_sm in (None, "auto"):
+        sms, bps, how = _auto_blocks_per_sm(var, attn, cache, q, arch, num_sms)
+    else:
+        sms, bps = num_sms or 132, int(blocks_per_sm)
+        how = f"plan_chunks with {sms} SMs and {bps} blocks/SM (given)"
+    n_rows = s_q * dims.n_head
+    plan = plan_chunks(len(lens), -(-n_rows // attn.heads), num_sms=sms,
+                       blocks_per_sm=max(1, bps), tile=attn.tile_rows, chunks=chunks)
+    n_chunks, _ = plan.for_lengths(lens)
+    if negative_control and int(max(n_chunks)) < 2:
+        raise ValueError("the negative control needs a request cut into at least 2 chunks, "
+                         f"but every request here runs one (max_chunks {plan.max_chunks}, "
+                         f"min_chunk {plan.min_chunk}): dropping the rescale would change "
+                         "nothing; give a longer length or --splits N >= 2")
+    return PagedReproCase(
+        variant=var.name, dims=dims, lengths=lens, lengths_spec=str(lengths), s_q=int(s_q),
+        causal=bool(causal), page_size=int(page_size), cache_dtype=cache, q_dtype=q,
+        plan={"max_chunks": plan.max_chunks, "min_chunk": plan.min_chunk, "tile": plan.tile,
+              "rows_per_block": attn.heads},
+        plan_from=f"{plan.reason}; {how}", seed=int(seed), scale=dims.default_scale,
+        negative_control=bool(negative_control), command=command)
+
+
+def default_paged_filename(case: PagedReproCase) -> str:
+    neg = "_negctl" if case.negative_control else ""
+    causal = "_causal" if case.causal else ""
+    return (f"repro_paged_{case.variant}_B{len(case.lengths)}_sq{case.s_q}{causal}_H"
+            f"{case.dims.n_head}_p{case.page_size}_{case.cache_dtype}_q{case.q_dtype}{neg}.py")
+
+
+def render_paged_script(case: PagedReproCase, filename: str | None = None) -> str:
+    attn, comb = case.instances()
+    d = case.dims
+    title = (f"mlasandbox repro: paged {case.variant} ({attn.name} + {comb.name}), "
+             f"B={len(case.lengths)}, lengths {case.lengths_spec}, s_q={case.s_q}"
+             f"{' causal' if case.causal else ''}, H={d.n_head}, page {case.page_size}, cache "
+             f"{case.cache_dtype}, q {case.q_dtype}, seed {case.seed}"
+             + (" [NEGATIVE CONTROL: must FAIL]" if case.negative_control else ""))
+    stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    header = (f"Generated on {stamp}" + (f":\n    {case.command}" if case.command else ".")
+              + f"\nChunk plan: {case.plan_from}."
+              + "\nTolerances: relL2 1e-4 (out, latent), 1e-4 absolute (lse): f32 arithmetic "
+                "on inputs exact in float64.")
+    if case.negative_control:
+        header += ("\nThis is the NEGATIVE CONTROL: the combine drops the exp(m_i - m) rescale "
+                   "of the chunk merge, so the comparison must FAIL (exit 1).")
+    values = {
+        "@@TITLE@@": title, "@@HEADER@@": header,
+        "@@FILENAME@@": filename or default_paged_filename(case),
+        "@@VARIANT@@": repr(case.variant),
+        "@@DIMS@@": repr((d.n_head, d.kv_lora, d.rope, d.v_head, d.nope)),
+        "@@CACHE@@": repr(case.cache_dtype), "@@Q@@": repr(case.q_dtype),
+        "@@LENGTHS@@": repr(tuple(case.lengths)), "@@S_Q@@": repr(case.s_q),
+        "@@CAUSAL@@": repr(case.causal), "@@PAGE_SIZE@@": repr(case.page_size),
+        "@@SPARE_PAGES@@": repr(PAGED_SPARE_PAGES), "@@SEED@@": repr(case.seed),
+        "@@SCALE@@": repr(float(case.scale)), "@@PLAN@@": repr(dict(case.plan)),
+        "@@PLAN_FROM@@": repr(case.plan_from), "@@NEGATIVE@@": repr(case.negative_control),
+        "@@TOLERANCE@@": repr({"out": 1e-4, "latent": 1e-4, "lse": 1e-4}),
+        "@@EXPECT@@": repr("FAIL" if case.negative_control else "PASS"),
+        "@@OPTIONS@@": repr(NVRTC_OPTIONS),
+        "@@ATTN@@": repr({"source": attn.source, "expression": attn.expression,
+                          "name": attn.name, "threads": attn.threads,
+                          "smem_bytes": attn.smem_bytes, "args": PAGED_ATTN_ARGS}),
+        "@@COMBINE@@": repr({"source": comb.source, "expression": comb.expression,
+                             "name": comb.name, "threads": comb.threads,
+                             "col_blocks": registry.COMBINE_COL_BLOCKS,
+                             "args": PAGED_COMBINE_ARGS}),
+    }
+    return _fill(PAGED_TEMPLATE, values, _check_embeddable(attn.source, read_source(attn.source)),
+                 _check_embeddable(comb.source, read_source(comb.source)))
+
+
+def write_paged_script(case: PagedReproCase, path: str | None = None) -> str:
+    path = path or default_paged_filename(case)
+    text = render_paged_script(case, os.path.basename(path))
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     os.chmod(path, 0o755)

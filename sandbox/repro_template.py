@@ -5,67 +5,10 @@ values or, for the CUDA sources and the cuBLAS engine, by verbatim text. The gen
 script imports CuPy and NumPy only.
 '''
 
-TEMPLATE = r'''#!/usr/bin/env python3
-"""@@TITLE@@
-
-@@HEADER@@
-
-Self-contained: CuPy and NumPy only (no mlasandbox). Run:
-
-    python @@FILENAME@@            [--include DIR_WITH_cuda_fp16.h] [--quiet]
-
-It prints the GPU, driver, CUDA, NVRTC, CuPy and NumPy versions; draws the inputs from the
-seed (the same arrays as mlasandbox.inputs.make_inputs(..., xp=cupy): rows past n_ctx are
-NaN, so a kernel that reads past the context fails); compiles the embedded CUDA source with
-NVRTC (cupy.RawModule, name_expressions) and launches attn, then combine, with exactly the
-arguments of mlasandbox.api.DecodeStep, each phase synchronized and checked so that an error
-names its phase; compares out, latent and lse with a float64 NumPy reference (two-pass
-softmax); prints the error figures and one PASS / FAIL / ERROR / NOT RUN line.
-
-Exit status: 0 PASS; 1 FAIL (wrong numbers); 2 ERROR (the kernels did not compile, or a launch
-or a fault stopped them); 3 NOT RUN (no usable CUDA device here: nothing was checked, which
-says nothing about the kernels, and a negative control that is NOT RUN has not failed).
-"""
-import argparse
-import contextlib
-import os
-import platform
-import sys
-
-import numpy as np
-
-# ==== the case: every value that decides what runs ============================================
-VARIANT = @@VARIANT@@
-N_HEAD, KV_LORA, ROPE, V_HEAD, NOPE = @@DIMS@@
-KEY_DIM = KV_LORA + ROPE
-CACHE_DTYPE = @@CACHE@@            # bf16 travels as uint16 words holding bf16 bit patterns
-Q_DTYPE = @@Q@@
-CONTEXTS = @@CONTEXTS@@
-SPLITS = @@SPLITS@@                # n_ctx -> split count S, exact (None: the cuBLAS engine)
-SPLITS_FROM = @@SPLITS_FROM@@
-SEED = @@SEED@@
-EXTRA_ROWS = 7                     # NaN-filled cache rows past n_ctx
-SCALE = @@SCALE@@
-NEGATIVE_CONTROL = @@NEGATIVE@@
-TOLERANCE = @@TOLERANCE@@          # relL2 for out and latent, max |error| for lse
-EXPECT = @@EXPECT@@
-REFERENCE_CHUNK = 8192             # cache rows widened to float64 at once
-
-# ==== the kernels ==============================================================================
-NVRTC_OPTIONS = @@OPTIONS@@
-ATTN = @@ATTN@@
-COMBINE = @@COMBINE@@
-LOG2E = 1.4426950408889634
-# (file, source, name expressions): what NVRTC compiles. Empty for the cuBLAS engine.
-ATTN_SOURCE = r"""@@ATTN_SOURCE@@"""
-COMBINE_SOURCE = r"""@@COMBINE_SOURCE@@"""
-CUDA_PROGRAMS = (
-    [(ATTN["source"], ATTN_SOURCE, [ATTN["expression"]]),
-     ("mla_combine.cu", COMBINE_SOURCE, [COMBINE["expression"]])] if ATTN else [])
-
-
-# ==== bf16 as uint16 bit patterns (round to nearest even; NaN -> quiet NaN) ===================
+HELPERS = r'''# ==== bf16 as uint16 bit patterns (round to nearest even; NaN -> quiet NaN) =========
 def _xp(a):
+    if isinstance(a, (np.ndarray, np.generic)):
+        return np  # host arrays never ask CuPy (the reference runs without a GPU)
     import cupy
 
     return cupy.get_array_module(a)
@@ -100,57 +43,6 @@ def as_f64(a):
     if a.dtype == np.uint16:
         return (a.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     return a.astype(np.float64)
-
-
-# ==== inputs ===================================================================================
-def make_inputs(n_ctx):
-    """q [H, 576], cache [n_ctx + EXTRA_ROWS, 576] (NaN past n_ctx), wv_b [H, 128, 512]: the
-    draws of mlasandbox.inputs.make_inputs(dims, n_ctx + 7, n_ctx, CACHE_DTYPE, Q_DTYPE,
-    seed=SEED, nan_fill=True, xp=cupy), in the same order."""
-    import cupy
-
-    rng = cupy.random.RandomState(SEED)
-
-    def normal(shape, std=1.0):
-        out = rng.standard_normal(shape, dtype=cupy.float32)
-        if std != 1.0:
-            out *= np.float32(std)
-        return out
-
-    n_alloc = n_ctx + EXTRA_ROWS
-    q_nope = to_storage(normal((N_HEAD, NOPE)), CACHE_DTYPE)
-    q_rope = to_storage(normal((N_HEAD, ROPE)), CACHE_DTYPE)
-    wk_b = to_storage(normal((N_HEAD, NOPE, KV_LORA), NOPE ** -0.5), CACHE_DTYPE)
-    wv_b = to_storage(normal((N_HEAD, V_HEAD, KV_LORA), KV_LORA ** -0.5), CACHE_DTYPE)
-    cache = to_storage(normal((n_alloc, KEY_DIM)), CACHE_DTYPE)
-    cache[n_ctx:] = 0x7FC0 if CACHE_DTYPE == "bf16" else np.nan
-    # q = q_nope @ wk_b || q_rope, in float64 on the host, rounded once to the q dtype
-    qn, qr, wk = (as_f64(cupy.asnumpy(a)) for a in (q_nope, q_rope, wk_b))
-    q64 = np.concatenate([np.einsum("hn,hnk->hk", qn, wk), qr], axis=1)
-    q = to_storage(cupy.asarray(q64), Q_DTYPE)
-    return q, cache, wv_b
-
-
-# ==== the float64 reference: two passes over the rows t < n_ctx ===============================
-def reference(q, cache, wv_b, n_ctx):
-    import cupy
-
-    q64, wv64 = as_f64(cupy.asnumpy(q)), as_f64(cupy.asnumpy(wv_b))
-    live = cupy.asnumpy(cache[:n_ctx])  # rows past n_ctx are NaN on purpose: never read
-    chunks = [(t0, min(n_ctx, t0 + REFERENCE_CHUNK)) for t0 in range(0, n_ctx, REFERENCE_CHUNK)]
-    scores = np.empty((N_HEAD, n_ctx))
-    for t0, t1 in chunks:
-        scores[:, t0:t1] = q64 @ as_f64(live[t0:t1]).T
-    scores *= SCALE
-    m = scores.max(axis=1)
-    np.exp(scores - m[:, None], out=scores)
-    l = scores.sum(axis=1)
-    acc = np.zeros((N_HEAD, KV_LORA))
-    for t0, t1 in chunks:
-        acc += scores[:, t0:t1] @ as_f64(live[t0:t1])[:, :KV_LORA]
-    latent = acc / l[:, None]
-    return {"out": np.einsum("hvk,hk->hv", wv64, latent), "latent": latent,
-            "lse": m + np.log(l)}
 
 
 # ==== the phase guard ==========================================================================
@@ -215,6 +107,173 @@ def compile_kernels(inc):
     return attn, combine
 
 
+def versions():
+    import cupy
+    from cupy.cuda import runtime
+
+    dev = cupy.cuda.Device()
+    props = runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+
+    def v(x):
+        return f"{x // 1000}.{(x % 1000) // 10}"
+
+    try:
+        nvrtc = "%d.%d" % cupy.cuda.nvrtc.getVersion()
+    except Exception as exc:
+        nvrtc = f"unknown ({exc})"
+    return [("GPU", f"{name} (sm_{props['major']}{props['minor']}, "
+                    f"{props['multiProcessorCount']} SMs)"),
+            ("driver", v(runtime.driverGetVersion())),
+            ("CUDA runtime", v(runtime.runtimeGetVersion())), ("NVRTC", nvrtc),
+            ("CuPy", cupy.__version__), ("NumPy", np.__version__),
+            ("Python", platform.python_version())]
+
+
+def device_versions(say):
+    """Print the GPU and the versions; False (after the NOT RUN line) without a usable GPU."""
+    try:
+        for k, v in versions():
+            say(f"  {k:<13} {v}")
+    except Exception as exc:
+        print(f"NOT RUN: no usable CUDA device ({type(exc).__name__}: {exc}); nothing was "
+              "checked")
+        return False
+    return True
+
+
+def parse_args(argv):
+    """(args, say): --include and --quiet; say prints unless --quiet. Prints the title."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--include", action="append", default=[],
+                    help="directory holding cuda_fp16.h and cuda_bf16.h (repeatable)")
+    ap.add_argument("--quiet", action="store_true", help="print only the verdict line")
+    args = ap.parse_args(argv)
+    say = (lambda *a: None) if args.quiet else print
+    say(__doc__.splitlines()[0])
+    return args, say
+'''
+
+TEMPLATE = r'''#!/usr/bin/env python3
+"""@@TITLE@@
+
+@@HEADER@@
+
+Self-contained: CuPy and NumPy only (no mlasandbox). Run:
+
+    python @@FILENAME@@            [--include DIR_WITH_cuda_fp16.h] [--quiet]
+
+It prints the GPU, driver, CUDA, NVRTC, CuPy and NumPy versions; draws the inputs from the
+seed on the host (the same arrays as mlasandbox.inputs.make_inputs(..., xp=cupy): rows
+past n_ctx are NaN, so a kernel that reads past the context fails); compiles the embedded
+CUDA source with NVRTC (cupy.RawModule, name_expressions) and launches attn, then combine,
+with exactly the arguments of mlasandbox.api.DecodeStep, each phase synchronized and checked
+so that an error names its phase; compares out, latent and lse with a float64 NumPy
+reference (two-pass softmax); prints the error figures and one PASS / FAIL / ERROR / NOT
+RUN line.
+
+Exit status: 0 PASS; 1 FAIL (wrong numbers); 2 ERROR (the kernels did not compile, or a launch
+or a fault stopped them); 3 NOT RUN (no usable CUDA device here: nothing was checked, which
+says nothing about the kernels, and a negative control that is NOT RUN has not failed).
+"""
+import argparse
+import contextlib
+import os
+import platform
+import sys
+
+import numpy as np
+
+# ==== the case: every value that decides what runs ============================================
+VARIANT = @@VARIANT@@
+N_HEAD, KV_LORA, ROPE, V_HEAD, NOPE = @@DIMS@@
+KEY_DIM = KV_LORA + ROPE
+CACHE_DTYPE = @@CACHE@@            # bf16 travels as uint16 words holding bf16 bit patterns
+Q_DTYPE = @@Q@@
+CONTEXTS = @@CONTEXTS@@
+SPLITS = @@SPLITS@@                # n_ctx -> split count S, exact (None: the cuBLAS engine)
+SPLITS_FROM = @@SPLITS_FROM@@
+SEED = @@SEED@@
+EXTRA_ROWS = 7                     # NaN-filled cache rows past n_ctx
+SCALE = @@SCALE@@
+NEGATIVE_CONTROL = @@NEGATIVE@@
+TOLERANCE = @@TOLERANCE@@          # relL2 for out and latent, max |error| for lse
+EXPECT = @@EXPECT@@
+REFERENCE_CHUNK = 8192             # cache rows widened to float64 at once
+
+# ==== the kernels ==============================================================================
+NVRTC_OPTIONS = @@OPTIONS@@
+ATTN = @@ATTN@@
+COMBINE = @@COMBINE@@
+LOG2E = 1.4426950408889634
+# (file, source, name expressions): what NVRTC compiles. Empty for the cuBLAS engine.
+ATTN_SOURCE = r"""@@ATTN_SOURCE@@"""
+COMBINE_SOURCE = r"""@@COMBINE_SOURCE@@"""
+CUDA_PROGRAMS = (
+    [(ATTN["source"], ATTN_SOURCE, [ATTN["expression"]]),
+     ("mla_combine.cu", COMBINE_SOURCE, [COMBINE["expression"]])] if ATTN else [])
+
+
+@@HELPERS@@
+
+
+# ==== inputs ===================================================================================
+def host_inputs(n_ctx):
+    """q [H, 576], cache [n_ctx + EXTRA_ROWS, 576] (NaN past n_ctx), wv_b [H, 128, 512] on the
+    host: the draws of mlasandbox.inputs.make_inputs(dims, n_ctx + 7, n_ctx, CACHE_DTYPE,
+    Q_DTYPE, seed=SEED, nan_fill=True), in the same order (NumPy's default_rng, float32,
+    rounded to the storage dtype on the host; no cuRAND)."""
+    rng = np.random.default_rng(SEED)
+
+    def normal(shape, std=1.0):
+        out = rng.standard_normal(shape, dtype=np.float32)
+        if std != 1.0:
+            out *= np.float32(std)
+        return out
+
+    n_alloc = n_ctx + EXTRA_ROWS
+    q_nope = to_storage(normal((N_HEAD, NOPE)), CACHE_DTYPE)
+    q_rope = to_storage(normal((N_HEAD, ROPE)), CACHE_DTYPE)
+    wk_b = to_storage(normal((N_HEAD, NOPE, KV_LORA), NOPE ** -0.5), CACHE_DTYPE)
+    wv_b = to_storage(normal((N_HEAD, V_HEAD, KV_LORA), KV_LORA ** -0.5), CACHE_DTYPE)
+    cache = to_storage(normal((n_alloc, KEY_DIM)), CACHE_DTYPE)
+    cache[n_ctx:] = 0x7FC0 if CACHE_DTYPE == "bf16" else np.nan
+    # q = q_nope @ wk_b || q_rope, in float64, rounded once to the q dtype
+    qn, qr, wk = (as_f64(a) for a in (q_nope, q_rope, wk_b))
+    q = to_storage(np.concatenate([np.einsum("hn,hnk->hk", qn, wk), qr], axis=1), Q_DTYPE)
+    return q, cache, wv_b
+
+
+def make_inputs(n_ctx):
+    """host_inputs(n_ctx), copied to the device: the arrays of make_inputs(..., xp=cupy)."""
+    import cupy
+
+    return tuple(cupy.asarray(a) for a in host_inputs(n_ctx))
+
+
+# ==== the float64 reference: two passes over the rows t < n_ctx ===============================
+def reference(q, cache, wv_b, n_ctx):
+    import cupy
+
+    q64, wv64 = as_f64(cupy.asnumpy(q)), as_f64(cupy.asnumpy(wv_b))
+    live = cupy.asnumpy(cache[:n_ctx])  # rows past n_ctx are NaN on purpose: never read
+    chunks = [(t0, min(n_ctx, t0 + REFERENCE_CHUNK)) for t0 in range(0, n_ctx, REFERENCE_CHUNK)]
+    scores = np.empty((N_HEAD, n_ctx))
+    for t0, t1 in chunks:
+        scores[:, t0:t1] = q64 @ as_f64(live[t0:t1]).T
+    scores *= SCALE
+    m = scores.max(axis=1)
+    np.exp(scores - m[:, None], out=scores)
+    l = scores.sum(axis=1)
+    acc = np.zeros((N_HEAD, KV_LORA))
+    for t0, t1 in chunks:
+        acc += scores[:, t0:t1] @ as_f64(live[t0:t1])[:, :KV_LORA]
+    latent = acc / l[:, None]
+    return {"out": np.einsum("hvk,hk->hv", wv64, latent), "latent": latent,
+            "lse": m + np.log(l)}
+
+
+# ==== launch (the CUDA variants) =============================================================
 def run_cuda(kernels, q, cache, wv_b, n_ctx, splits):
     """attn over grid (head blocks, S), then combine over grid (H, col blocks): the launches
     of mlasandbox.api.DecodeStep, arguments in the order ATTN["args"] / COMBINE["args"].
@@ -282,37 +341,8 @@ def compare(got, want):
     return ok, lines
 
 
-def versions():
-    import cupy
-    from cupy.cuda import runtime
-
-    dev = cupy.cuda.Device()
-    props = runtime.getDeviceProperties(dev.id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
-
-    def v(x):
-        return f"{x // 1000}.{(x % 1000) // 10}"
-
-    try:
-        nvrtc = "%d.%d" % cupy.cuda.nvrtc.getVersion()
-    except Exception as exc:
-        nvrtc = f"unknown ({exc})"
-    return [("GPU", f"{name} (sm_{props['major']}{props['minor']}, "
-                    f"{props['multiProcessorCount']} SMs)"),
-            ("driver", v(runtime.driverGetVersion())),
-            ("CUDA runtime", v(runtime.runtimeGetVersion())), ("NVRTC", nvrtc),
-            ("CuPy", cupy.__version__), ("NumPy", np.__version__),
-            ("Python", platform.python_version())]
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--include", action="append", default=[],
-                    help="directory holding cuda_fp16.h and cuda_bf16.h (repeatable)")
-    ap.add_argument("--quiet", action="store_true", help="print only the verdict line")
-    args = ap.parse_args(argv)
-    say = (lambda *a: None) if args.quiet else print
-    say(__doc__.splitlines()[0])
+    args, say = parse_args(argv)
     say(f"  variant {VARIANT}: H={N_HEAD}, kv_lora={KV_LORA}, rope={ROPE}, v_head={V_HEAD}, "
         f"cache {CACHE_DTYPE}, q {Q_DTYPE}, seed {SEED}")
     say(f"  contexts and splits: {SPLITS}  ({SPLITS_FROM})")
@@ -321,12 +351,7 @@ def main(argv=None):
             f"{ATTN['smem_bytes']} B), {COMBINE['name']} (block {COMBINE['threads']})")
     if NEGATIVE_CONTROL:
         say("  NEGATIVE CONTROL: the combine drops its exp(m_i - m) rescale; the check must FAIL")
-    try:
-        for k, v in versions():
-            say(f"  {k:<13} {v}")
-    except Exception as exc:
-        print(f"NOT RUN: no usable CUDA device ({type(exc).__name__}: {exc}); nothing was "
-              "checked")
+    if not device_versions(say):
         return 3
     kernels = None
     if ATTN:
@@ -370,7 +395,7 @@ NO_ENGINE = '''def run_engine(q, cache, wv_b, n_ctx):
     raise RuntimeError("this script reproduces a CUDA variant; the cuBLAS engine is not embedded")
 '''
 
-ENGINE_WRAPPER = '''# ==== the cuBLAS reference engine: mlasandbox/cublas_engine.py, verbatim except its imports ====
+ENGINE_WRAPPER = '''# ==== the cuBLAS engine: cublas_engine.py, verbatim except its imports
 @@ENGINE_SOURCE@@
 
 
@@ -387,4 +412,254 @@ def run_engine(q, cache, wv_b, n_ctx):
     with guard.phase("combine"):
         cublas_projection(wv_b, latent, CACHE_DTYPE, out)
     return {"out": cupy.asnumpy(out), "latent": cupy.asnumpy(latent), "lse": cupy.asnumpy(lse)}
+'''
+
+PAGED_TEMPLATE = r'''#!/usr/bin/env python3
+"""@@TITLE@@
+
+@@HEADER@@
+
+Self-contained: CuPy and NumPy only (no mlasandbox). Run:
+
+    python @@FILENAME@@            [--include DIR_WITH_cuda_fp16.h] [--quiet]
+
+It prints the GPU and versions; draws the batch's inputs from the seed on the host (the arrays
+of mlasandbox.paged_inputs.make_paged_inputs: a permuted block table, NaN in every unused page
+and past each request's length, INVALID_PAGE in every table entry past a request's pages);
+compiles the embedded CUDA source with NVRTC and launches the paged attention over grid
+(row blocks, MAX_CHUNKS, B), then the paged combine over (n_rows, col blocks, B), each phase
+synchronized so that an error names it; compares latent, lse and out with an embedded float64
+paged reference (rows that see no position must be exactly latent 0, lse -inf, out 0); prints
+one PASS / FAIL / ERROR / NOT RUN line.
+
+Importing this file runs nothing: host_inputs() and reference() need NumPy alone.
+
+Exit status: 0 PASS; 1 FAIL (wrong numbers); 2 ERROR (the kernels did not compile, or a launch
+or a fault stopped them); 3 NOT RUN (no usable CUDA device here: nothing was checked).
+"""
+import argparse
+import contextlib
+import os
+import platform
+import sys
+
+import numpy as np
+
+# ==== the case: every value that decides what runs ============================================
+VARIANT = @@VARIANT@@
+N_HEAD, KV_LORA, ROPE, V_HEAD, NOPE = @@DIMS@@
+KEY_DIM = KV_LORA + ROPE
+CACHE_DTYPE = @@CACHE@@            # bf16 travels as uint16 words holding bf16 bit patterns
+Q_DTYPE = @@Q@@
+LENGTHS = @@LENGTHS@@              # one per request
+S_Q = @@S_Q@@
+CAUSAL = @@CAUSAL@@
+PAGE_SIZE = @@PAGE_SIZE@@
+SPARE_PAGES = @@SPARE_PAGES@@      # unused (NaN) pages besides the requests' own
+SEED = @@SEED@@                    # draws q, wv_b, the cache and the table permutation
+SCALE = @@SCALE@@
+PLAN = @@PLAN@@                    # the chunk plan: max_chunks, min_chunk, tile, rows per block
+PLAN_FROM = @@PLAN_FROM@@
+NEGATIVE_CONTROL = @@NEGATIVE@@
+TOLERANCE = @@TOLERANCE@@          # relL2 for out and latent, max |error| for lse (live rows)
+EXPECT = @@EXPECT@@
+INVALID_PAGE = 2 ** 31 - 1         # table entries past a request's pages
+
+# ==== the kernels ==============================================================================
+NVRTC_OPTIONS = @@OPTIONS@@
+ATTN = @@ATTN@@
+COMBINE = @@COMBINE@@
+LOG2E = 1.4426950408889634
+ATTN_SOURCE = r"""@@ATTN_SOURCE@@"""
+COMBINE_SOURCE = r"""@@COMBINE_SOURCE@@"""
+
+
+@@HELPERS@@
+
+
+# ==== inputs ===================================================================================
+def host_inputs():
+    """(q, kv_cache, block_table, cache_seqlens, wv_b) as NumPy arrays: the draws of
+    make_paged_inputs(dims, LENGTHS, s_q=S_Q, page_size=PAGE_SIZE, cache_dtype=CACHE_DTYPE,
+    q_dtype=Q_DTYPE, seed=SEED, spare_pages=SPARE_PAGES), in the same order."""
+    lengths = np.asarray(LENGTHS, dtype=np.int64)
+    batch = lengths.size
+    need = -(-lengths // PAGE_SIZE)
+    max_pages = max(1, int(need.max()))
+    num_pages = int(need.sum()) + SPARE_PAGES + 1
+    rng = np.random.default_rng(SEED)
+
+    def normal(shape, std=1.0):
+        return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+
+    nan = 0x7FC0 if CACHE_DTYPE == "bf16" else np.nan
+    q = to_storage(normal((batch, S_Q, N_HEAD, KEY_DIM)), Q_DTYPE)
+    wv_b = to_storage(normal((N_HEAD, V_HEAD, KV_LORA), KV_LORA ** -0.5), CACHE_DTYPE)
+    cache = to_storage(normal((num_pages, PAGE_SIZE, KEY_DIM)), CACHE_DTYPE)
+    order = rng.permutation(num_pages)
+    table = np.full((batch, max_pages), INVALID_PAGE, dtype=np.int32)
+    used = np.zeros(num_pages, dtype=bool)
+    first = 0
+    for b in range(batch):
+        ids = order[first:first + need[b]]
+        first += need[b]
+        table[b, :need[b]] = ids
+        used[ids] = True
+        tail = int(lengths[b]) - (int(need[b]) - 1) * PAGE_SIZE
+        if need[b] and tail < PAGE_SIZE:
+            cache[ids[-1], tail:] = nan
+    cache[~used] = nan
+    return q, cache, table, lengths.astype(np.int32), wv_b
+
+
+def visible(lengths):
+    """[B, S_Q]: the leading positions query i of request b sees."""
+    lengths = np.asarray(lengths, dtype=np.int64)[:, None]
+    behind = (S_Q - 1 - np.arange(S_Q))[None, :] if CAUSAL else np.zeros((1, S_Q), np.int64)
+    return np.maximum(lengths - behind, 0)
+
+
+# ==== the float64 paged reference ==============================================================
+def reference(q, cache, table, lengths, wv_b):
+    """latent [B, S_Q, H, 512], lse [B, S_Q, H], out [B, S_Q, H, 128] in float64: per request
+    its first ceil(len / PAGE_SIZE) pages gathered through the table, cut at its length (the
+    tail is NaN on purpose), then softmax(scale q.k) over the positions each query sees."""
+    q64, wv64 = as_f64(q), as_f64(wv_b)
+    vis = visible(lengths)
+    batch = q64.shape[0]
+    latent = np.zeros((batch, S_Q, N_HEAD, KV_LORA))
+    lse = np.full((batch, S_Q, N_HEAD), -np.inf)
+    for b in range(batch):
+        n = int(lengths[b])
+        if n == 0:
+            continue
+        ids = np.asarray(table[b, :-(-n // PAGE_SIZE)], dtype=np.int64)
+        rows = as_f64(cache[ids].reshape(-1, KEY_DIM)[:n])
+        s = np.einsum("ihk,tk->iht", q64[b], rows) * SCALE
+        seen = np.arange(n)[None, :] < vis[b][:, None]
+        s = np.where(seen[:, None, :], s, -np.inf)
+        live = vis[b] > 0
+        m = np.where(live[:, None], s.max(axis=2, initial=-np.inf), 0.0)
+        w = np.exp(s - m[:, :, None])
+        l = w.sum(axis=2)
+        acc = np.einsum("iht,tk->ihk", w, rows[:, :KV_LORA])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            latent[b] = np.where(live[:, None, None], acc / l[:, :, None], 0.0)
+            lse[b] = np.where(live[:, None], m + np.log(l), -np.inf)
+    out = np.einsum("hvk,bihk->bihv", wv64, latent)
+    return {"out": out, "latent": latent, "lse": lse}
+
+
+# ==== launch (the CUDA kernels) ================================================================
+def run_cuda(kernels, q, cache, table, lengths, wv_b):
+    """attn over (row blocks, MAX_CHUNKS, B), then the combine over (n_rows, col blocks, B),
+    the launches of mlasandbox.PagedDecodeStep. Outputs and partials start as NaN (an
+    element a kernel fails to write shows up); the combine's tickets start at 0."""
+    import cupy
+
+    attn, combine = kernels
+    batch, n_rows = len(LENGTHS), S_Q * N_HEAD
+    mc = PLAN["max_chunks"]
+    nan = np.float32(np.nan)
+    page_shift = PAGE_SIZE.bit_length() - 1
+    n_part = batch * mc * n_rows
+    values = {
+        "q": q, "kv_cache": cache, "block_table": table, "cache_seqlens": lengths,
+        "wv_b": wv_b, "n_rows": np.int32(n_rows), "n_head": np.int32(N_HEAD),
+        "s_q": np.int32(S_Q), "causal": np.int32(CAUSAL),
+        "max_pages": np.int32(table.shape[1]), "page_shift": np.int32(page_shift),
+        "max_chunks": np.int32(mc), "min_chunk": np.int32(PLAN["min_chunk"]),
+        "tile": np.int32(PLAN["tile"]), "scale_log2": np.float32(SCALE * LOG2E),
+        "v_head": np.int32(V_HEAD),
+        "part_acc": cupy.full(n_part * KV_LORA, nan, cupy.float32),
+        "part_m": cupy.full(n_part, nan, cupy.float32),
+        "part_l": cupy.full(n_part, nan, cupy.float32),
+        "out": cupy.full((batch, S_Q, N_HEAD, V_HEAD), nan, cupy.float32),
+        "latent": cupy.full((batch, S_Q, N_HEAD, KV_LORA), nan, cupy.float32),
+        "lse": cupy.full((batch, S_Q, N_HEAD), nan, cupy.float32),
+        "out_part": cupy.full(batch * n_rows * COMBINE["col_blocks"] * V_HEAD, nan,
+                              cupy.float32),
+        "tickets": cupy.zeros(batch * n_rows, cupy.uint32),
+    }
+    grid = (-(-n_rows // PLAN["rows_per_block"]), mc, batch)
+    block, smem = (ATTN["threads"], 1, 1), ATTN["smem_bytes"]
+    with phase("attn", f"kernel {ATTN['name']}, grid {grid}, block {block}, dynamic shared "
+                       f"memory {smem} B"):
+        attn(grid, block, tuple(values[a] for a in ATTN["args"]), shared_mem=smem)
+    grid, block = (n_rows, COMBINE["col_blocks"], batch), (COMBINE["threads"], 1, 1)
+    with phase("combine", f"kernel {COMBINE['name']}, grid {grid}, block {block}"):
+        combine(grid, block, tuple(values[a] for a in COMBINE["args"]), shared_mem=0)
+    return {k: cupy.asnumpy(values[k]) for k in ("out", "latent", "lse")}
+
+
+# ==== comparison ===============================================================================
+def compare(got, want):
+    """(ok, lines): on rows that see a position, relL2 of out and latent and max |error| of
+    lse; rows that see nothing must be exactly latent 0, out 0, lse -inf. NaN never passes."""
+    empty = np.isneginf(want["lse"])
+    live = ~empty
+    ok, lines = True, []
+    for name, metric in (("out", "relL2"), ("latent", "relL2"), ("lse", "max abs")):
+        g = np.asarray(got[name], np.float64)[live]
+        w = np.asarray(want[name], np.float64)[live]
+        if not live.any():
+            continue
+        nonfinite = int(np.count_nonzero(~np.isfinite(g)))
+        if metric == "relL2":
+            value = float(np.linalg.norm((g - w).ravel()) / np.linalg.norm(w.ravel()))
+        else:
+            value = float(np.abs(g - w).max())
+        if nonfinite:
+            value = float("nan")
+        good = nonfinite == 0 and value <= TOLERANCE[name]
+        ok &= good
+        lines.append(f"  {'ok  ' if good else 'FAIL'} {name:<6} {metric} {value:.3e} (limit "
+                     f"{TOLERANCE[name]:.1e}, {int(live.sum())} live rows)"
+                     + (f", {nonfinite} NaN/inf" if nonfinite else ""))
+    lat, out, lse = (np.asarray(got[k], np.float64) for k in ("latent", "out", "lse"))
+    wrong = empty & ~(np.isneginf(lse) & np.all(lat == 0, axis=-1) & np.all(out == 0, axis=-1))
+    n_wrong = int(wrong.sum())
+    ok &= n_wrong == 0
+    lines.append(f"  {'ok  ' if n_wrong == 0 else 'FAIL'} empty  {n_wrong} of "
+                 f"{int(empty.sum())} rows that see nothing are not latent 0 / out 0 / lse -inf")
+    return ok, lines
+
+
+def main(argv=None):
+    args, say = parse_args(argv)
+    say(f"  {VARIANT}: B={len(LENGTHS)}, s_q={S_Q}{' causal' if CAUSAL else ''}, H={N_HEAD}, "
+        f"page {PAGE_SIZE}, cache {CACHE_DTYPE}, q {Q_DTYPE}, seed {SEED}")
+    say(f"  chunk plan {PLAN} ({PLAN_FROM})")
+    if NEGATIVE_CONTROL:
+        say("  NEGATIVE CONTROL: the combine drops its exp(m_i - m) rescale; the check must FAIL")
+    if not device_versions(say):
+        return 3
+    inc = include_dirs(args.include)
+    try:
+        kernels = compile_kernels(inc)
+    except Exception as exc:
+        print(f"ERROR: compile error ({type(exc).__name__}): {exc}")
+        return 2
+    import cupy
+
+    host = host_inputs()
+    try:
+        got = run_cuda(kernels, *(cupy.asarray(a) for a in host))
+    except PhaseError as exc:
+        print(f"  error: {exc}")
+        print(f"ERROR: {VARIANT} raised a CUDA error (see above)")
+        return 2
+    ok, lines = compare(got, reference(*host))
+    for line in lines:
+        say(line)
+    what = (f"{VARIANT} B={len(LENGTHS)} s_q={S_Q} causal={CAUSAL} H={N_HEAD} page={PAGE_SIZE} "
+            f"cache={CACHE_DTYPE} q={Q_DTYPE}")
+    note = ("  (negative control: FAIL is the expected outcome; a PASS would mean the check "
+            "has no power)") if NEGATIVE_CONTROL else ""
+    print(("PASS: " if ok else "FAIL: ") + what + " against the float64 paged reference" + note)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
 '''

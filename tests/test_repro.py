@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import json
 import os
 import re
 import runpy
@@ -12,10 +13,14 @@ import textwrap
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
-from mlasandbox import api, bf16, cublas_engine, reference, registry, repro, toolkit
+from mlasandbox import api, bf16, cublas_engine, paged_api, reference, registry, repro, toolkit
+from mlasandbox.cli.main import main
 from mlasandbox.dims import Dims
 from mlasandbox.inputs import make_inputs
+from mlasandbox.paged_inputs import make_paged_inputs
+from mlasandbox.reference_paged import decode_paged
 from mlasandbox.sources import read_source
 from tolerances import assert_within, f64_bounds
 
@@ -215,3 +220,153 @@ def test_without_a_gpu_the_script_says_not_run_and_exits_3(tmp_path, capsys, con
     out = capsys.readouterr().out
     assert "NOT RUN: no usable CUDA device" in out and "variant split" in out
     assert "FAIL:" not in out and "PASS:" not in out
+
+
+# ---------------------------------------------------------------------------- host draws
+
+@pytest.mark.parametrize("cache,q", [("f16", "f32"), ("bf16", "f32"), ("bf16", "cache")])
+def test_the_scripts_inputs_are_make_inputs_drawn_on_the_host(tmp_path, cache, q, seeds):
+    """No cupy.random (it needs libcurand): the script draws with NumPy's default_rng in
+    make_inputs' order, so its arrays equal make_inputs(..., xp=cupy)'s bit for bit."""
+    seed = seeds.one()
+    case = repro.make_case("split", heads=3, contexts=(50,), cache=cache, q=q, seed=seed,
+                           blocks_per_sm=2)
+    ns, text, _ = script_ns(tmp_path, case)
+    assert "cupy.random" not in text
+    want = make_inputs(Dims(n_head=3), 57, 50, cache, case.q_dtype, seed=seed, nan_fill=True)
+    for got, ref in zip(ns["host_inputs"](50), (want.q, want.cache, want.wv_b)):
+        assert got.dtype == ref.dtype
+        np.testing.assert_array_equal(got, ref)
+    other = ns["host_inputs"].__globals__
+    other["SEED"] = seed + 1   # a different seed draws different values: the check has power
+    assert not np.array_equal(ns["host_inputs"](50)[0], want.q)
+
+
+# ---------------------------------------------------------------------------- paged
+
+@pytest.fixture
+def paged_registry(monkeypatch):
+    """The paged instances stand in as the batch-1 ones (same sources, heads and tiles): the
+    script's text and its CPU half do not depend on the kernels' template flag."""
+    monkeypatch.setattr(registry, "paged_attention_instance", raising=False,
+                        value=lambda v, c, q: registry.attention_instance(v, c, q))
+    monkeypatch.setattr(registry, "paged_combine_instance", raising=False,
+                        value=lambda c, rescale: registry.combine_instance(c, rescale))
+
+
+def paged_ns(tmp_path, case, name="p.py"):
+    path = repro.write_paged_script(case, str(tmp_path / name))
+    text = open(path).read()
+    compile(text, path, "exec")
+    return runpy.run_path(path, run_name="not_main"), text
+
+
+PAGED = dict(batch=6, lengths="0,1,20,140,63,300", s_q=2, causal=True, page_size=16, heads=3,
+             blocks_per_sm=2, num_sms=132)
+
+
+@pytest.mark.parametrize("cache,q", [("f16", "f32"), ("bf16", "cache")])
+def test_the_paged_scripts_inputs_and_reference_are_the_librarys(tmp_path, paged_registry,
+                                                                  cache, q, seeds):
+    seed = seeds.one()
+    case = repro.make_paged_case("mma16", cache=cache, q=q, seed=seed, **PAGED)
+    ns, text = paged_ns(tmp_path, case)
+    assert "cupy.random" not in text and repr(case.lengths) in text
+    host = ns["host_inputs"]()
+    inp = make_paged_inputs(case.dims, case.lengths, s_q=2, page_size=16, cache_dtype=cache,
+                            q_dtype=case.q_dtype, causal=True, seed=seed)
+    want = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, inp.wv_b)
+    for got, ref in zip(host, want):
+        np.testing.assert_array_equal(got, ref)
+    got = ns["reference"](*host)
+    ref = decode_paged(**inp.decode_args())
+    # one formula, two float64 evaluations in the same order: equal, -inf rows included
+    for f in ("out", "latent", "lse"):
+        np.testing.assert_array_equal(got[f], getattr(ref, f), err_msg=f)
+    assert np.isneginf(got["lse"][0]).all()             # the empty request
+    ok, lines = ns["compare"](got, got)
+    assert ok and all(ln.strip().startswith("ok") for ln in lines)
+    # negative controls: a wrong live row, and an empty row that is not exactly empty
+    bad = dict(got, latent=got["latent"] * 1.001)
+    assert not ns["compare"](bad, got)[0]
+    bad = dict(got, out=got["out"].copy())
+    bad["out"][0, 0, 0, 0] = 1e-30
+    ok, lines = ns["compare"](bad, got)
+    assert not ok and lines[-1].strip().startswith("FAIL empty")
+
+
+def test_the_paged_script_pins_the_plan_and_the_launch(tmp_path, paged_registry):
+    case = repro.make_paged_case("batched16", splits=3, **PAGED)
+    ns, _ = paged_ns(tmp_path, case)
+    assert ns["PLAN"] == {"max_chunks": 3, "min_chunk": case.plan["min_chunk"],
+                          "tile": registry.attention_instance(
+                              registry.variant("batched16")).tile_rows, "rows_per_block": 16}
+    assert ns["ATTN"]["args"] == repro.PAGED_ATTN_ARGS
+    assert ns["COMBINE"]["args"] == repro.PAGED_COMBINE_ARGS
+    assert (ns["S_Q"], ns["CAUSAL"], ns["PAGE_SIZE"]) == (2, True, 16)
+
+
+def test_the_paged_args_are_the_steps():
+    """The names match PagedDecodeStep.attn_args / combine_args one to one (by their count
+    and by the tail names the step passes as attributes)."""
+    src = inspect.getsource(paged_api.PagedDecodeStep.attn_args)
+    tail = re.findall(r"self\.(\w+)", src.split("scale * _LOG2E")[1])
+    assert list(repro.PAGED_ATTN_ARGS[-3:]) == tail
+    assert src.count("np.int32(") + 1 + 4 + 3 == len(repro.PAGED_ATTN_ARGS)
+    src = inspect.getsource(paged_api.PagedDecodeStep.combine_args)
+    body = src[src.index("return ("):]
+    assert body.count(",") + 1 == len(repro.PAGED_COMBINE_ARGS)
+
+
+def test_the_paged_negative_control_needs_a_split_request(paged_registry):
+    # min_chunk is 4 tiles of 64 = 256 positions: no request of these runs two chunks
+    with pytest.raises(ValueError, match="at least 2 chunks"):
+        repro.make_paged_case("mma16", negative_control=True,
+                              **{**PAGED, "lengths": "0,1,20,140,63,256"})
+    case = repro.make_paged_case("mma16", negative_control=True, splits=4,
+                                 **{**PAGED, "lengths": "5000"})
+    assert case.negative_control and case.plan["max_chunks"] == 4
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({"variant": "per_head"}, "batch 1"), ({"page_size": 32}, "page_size"),
+    ({"lengths": "-3"}, ">= 0"), ({"variant": "cublas"}, "cublas"), ({"s_q": 0}, "s_q"),
+    ({"q": "bf16"}, "q dtype")])
+def test_bad_paged_cases(paged_registry, kw, words):
+    args = {**PAGED, "variant": "mma16", **kw}
+    with pytest.raises(ValueError, match=words):
+        repro.make_paged_case(args.pop("variant"), **args)
+
+
+def test_without_paged_kernels_the_case_says_so():
+    if hasattr(registry, "paged_attention_instance"):
+        pytest.skip("this build has paged kernels")
+    with pytest.raises(ValueError, match="no paged kernels"):
+        repro.make_paged_case("mma16", **PAGED)
+
+
+@pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
+def test_the_paged_script_without_a_gpu_is_not_run(tmp_path, paged_registry, capsys):
+    ns, _ = paged_ns(tmp_path, repro.make_paged_case("mma32", **PAGED))
+    assert ns["main"]([]) == 3
+    assert "NOT RUN: no usable CUDA device" in capsys.readouterr().out
+
+
+def test_repro_cli_batch(tmp_path, paged_registry):
+    out = tmp_path / "x.py"
+    r = CliRunner().invoke(main, ["repro", "--variant", "mma16", "--batch", "3", "--lengths",
+                                  "7,0,300", "--page-size", "16", "--s-q", "2", "--causal",
+                                  "--heads", "4", "--blocks-per-sm", "2", "-o", str(out),
+                                  "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert info["lengths"] == [7, 0, 300] and info["causal"] and info["page_size"] == 16
+    assert out.exists()
+    for args, words in ((["--lengths", "5"], "--batch"),
+                        (["--batch", "2", "--ctx", "64"], "--ctx belongs"),
+                        (["--batch", "2", "--variant", "per_head"], "batch 1")):
+        argv = ["repro", "--variant", "mma16", *args]
+        if "--variant" in args:
+            argv = ["repro", *args]
+        r = CliRunner().invoke(main, argv)
+        assert r.exit_code == 2 and words in r.output, r.output

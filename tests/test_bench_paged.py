@@ -1,0 +1,335 @@
+"""The paged bench on the CPU: options, serving presets, length specs, the byte and FLOP
+formulas against hand-computed values, the chunk plans without a GPU, a whole run driven by
+a fake backend (A/A, control phase, checks, peers skipped), and the CLI's paged branch."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gpu_support import gpu
+
+from mlasandbox import metrics, toolkit
+from mlasandbox.bench_gpu import PagedBackend
+from mlasandbox.bench_paged import (DEFAULT_PAGED_VARIANTS, PAGED_PHASES, SERVING_PRESETS,
+                                    make_paged_config, paged_work, parse_length_spec,
+                                    plan_report, run_paged_bench)
+from mlasandbox.cli import bench_cmd
+from mlasandbox.cli.main import main as cli
+from mlasandbox.dims import PRESETS
+from mlasandbox.timing import Timing, summarize
+
+DSV3 = PRESETS["dsv3"]
+
+
+# ---------------------------------------------------------------------------- options
+
+def test_the_serving_presets_are_the_table_of_shapes():
+    want = {"b128-4k-h128": (128, "4096", 128, 1, False),
+            "b128-4k-h128-mtp2": (128, "4096", 128, 2, True),
+            "b128-4k-h16": (128, "4096", 16, 1, False),
+            "b32-8k-var-h16": (32, "normal:8192:4096", 16, 1, False),
+            "b8-32k-var-h128": (8, "normal:32768:16384", 128, 1, False)}
+    for name, (b, spec, h, s_q, causal) in want.items():
+        cfg = make_paged_config(serving=name)
+        assert (cfg.batch, cfg.lengths_spec, cfg.dims.n_head, cfg.s_q, cfg.causal) == \
+            (b, spec, h, s_q, causal), name
+        assert len(cfg.lengths) == b and cfg.page_size == 64
+    assert set(want) == set(SERVING_PRESETS)
+
+
+def test_explicit_options_override_a_preset_and_defaults_hold():
+    cfg = make_paged_config(serving="b128-4k-h16", batch=4, s_q=3, causal=True)
+    assert (cfg.batch, cfg.s_q, cfg.causal, cfg.dims.n_head) == (4, 3, True, 16)
+    assert cfg.lengths == (4096,) * 4 and cfg.tokens == 12
+    assert cfg.variants == DEFAULT_PAGED_VARIANTS == ("mma16", "mma32", "split", "batched16")
+    assert cfg.q_dtype == "cache" and cfg.peers == ()
+
+
+def test_normal_lengths_are_drawn_from_the_seed_and_clipped():
+    a = make_paged_config(batch=64, lengths="normal:100:200", seed=3).lengths
+    assert a == make_paged_config(batch=64, lengths="normal:100:200", seed=3).lengths
+    assert a != make_paged_config(batch=64, lengths="normal:100:200", seed=4).lengths
+    assert min(a) == 0 and max(a) > 100
+
+
+def test_a_lengths_file_is_read_one_per_line(tmp_path):
+    f = tmp_path / "lens.txt"
+    f.write_text("# lengths\n5\n\n0\n70000\n")
+    assert parse_length_spec(f"@{f}", 5).tolist() == [5, 0, 70000, 5, 0]
+    bad = tmp_path / "bad.txt"
+    bad.write_text("5\nseven\n")
+    with pytest.raises(ValueError, match="line 2: 'seven'"):
+        parse_length_spec(f"@{bad}", 2)
+    with pytest.raises(ValueError, match="No such file"):
+        parse_length_spec(f"@{tmp_path / 'none'}", 2)
+    (tmp_path / "empty").write_text("# nothing\n")
+    with pytest.raises(ValueError, match="holds no lengths"):
+        parse_length_spec(f"@{tmp_path / 'empty'}", 2)
+
+
+@pytest.mark.parametrize("kw,words", [
+    ({}, "needs --batch"), ({"batch": 0}, "batch must be"), ({"batch": 2, "page_size": 32},
+                                                             "page size"),
+    ({"batch": 2, "lengths": "4,-1"}, ">= 0"), ({"batch": 2, "lengths": "normal:1"}, "normal"),
+    ({"batch": 2, "variants": ("per_head",)}, "batch 1"),
+    ({"batch": 2, "variants": ("tiled16",)}, "batch 1"),
+    ({"batch": 2, "variants": ("cublas",)}, "cannot be captured"),
+    ({"batch": 2, "peers": ("vllm",)}, "unknown peer"), ({"serving": "huge"}, "serving preset"),
+    ({"batch": 2, "s_q": 0}, "s_q"), ({"batch": 2, "aa_rounds": 1}, "2 rounds"),
+    ({"batch": 2, "cache_dtype": "f32"}, "cache dtype")])
+def test_bad_options_are_named(kw, words):
+    with pytest.raises(ValueError, match=words):
+        make_paged_config(**kw)
+
+
+# ---------------------------------------------------------------------------- formulas
+
+def test_paged_step_bytes_and_flops_by_hand():
+    # 2 requests of 100 and 0 tokens, s_q 2 causal, 4 heads, f16 cache, f32 q, chunks (3, 0)
+    d = DSV3.with_heads(4)
+    c = metrics.paged_step_cost("mma16", d, [100, 0], s_q=2, causal=True, cache_dtype="f16",
+                                q_dtype="f32", n_chunks=[3, 0], head_blocks=2)
+    rows = 8   # s_q 2 x 4 heads
+    # query 0 sees 99 positions, query 1 sees 100; the empty request none
+    assert c.flops == 2 * 4 * (99 + 100) * (576 + 512) + 2 * 2 * rows * 128 * 512
+    terms = {t.name: t for t in c.terms}
+    assert terms["cache rows"].ideal == 100 * 576 * 2
+    assert terms["cache rows"].issued == 100 * 576 * 2 * 2
+    assert terms["q"].ideal == 2 * rows * 576 * 4 and terms["q"].issued == 3 * rows * 576 * 4
+    assert terms["wv_b"].ideal == 4 * 128 * 512 * 2
+    assert terms["wv_b"].issued == 2 * rows * 128 * 512 * 2
+    assert terms["partials"].ideal == 2 * 3 * rows * 514 * 4
+    assert terms["outputs"].ideal == 2 * rows * (128 + 512 + 1) * 4
+    assert c.ideal_bytes == sum(t.ideal for t in c.terms)
+
+
+def test_a_peer_step_has_no_partials_and_no_wv_b():
+    c = metrics.paged_step_cost("flashmla", DSV3, [4096] * 128, with_wv_b=False)
+    assert {t.name for t in c.terms} == {"cache rows", "q", "outputs"}
+    assert c.flops == 2 * 128 * 128 * 4096 * (576 + 512)
+    # FlashMLA's 240 us at this shape is the 608 TFLOP/s of its own figures
+    assert c.flops / 240e-6 / 1e12 == pytest.approx(608, abs=1)
+
+
+def test_non_causal_flops_are_rows_times_length():
+    c = metrics.paged_step_cost("split", DSV3.with_heads(16), [7, 9], s_q=3)
+    assert c.flops == 2 * 3 * 16 * 16 * 1088 + 2 * 2 * 48 * 128 * 512
+
+
+def test_formula_bad_input():
+    with pytest.raises(ValueError, match="lengths"):
+        metrics.paged_step_cost("split", DSV3, [-1])
+    with pytest.raises(ValueError, match="one entry per request"):
+        metrics.paged_step_cost("split", DSV3, [1, 2], n_chunks=[1])
+
+
+# ---------------------------------------------------------------------------- no GPU
+
+def test_plan_report_runs_the_chunk_rule_per_variant():
+    cfg = make_paged_config(batch=3, lengths="0,300,5000", heads=16)
+    rep = plan_report(cfg, num_sms=132, blocks_per_sm=2)
+    assert not rep["problems"] and [r["variant"] for r in rep["plans"]] == list(cfg.variants)
+    mma16 = rep["plans"][0]
+    assert mma16["grid"] == [1, 264 // 3, 3] and mma16["tile"] == 64
+    assert mma16["chunks_min"] == 0            # the empty request runs nothing
+    # 5000 tokens at min_chunk 256: ceil(5000/256) = 20 chunks; 300 -> 2
+    assert mma16["chunks_max"] == 20 and mma16["programs_run"] == 22
+
+
+# ---------------------------------------------------------------------------- a fake run
+
+class FakePagedBackend:
+    def __init__(self, fail=(), skipped=(), aa_differs=False):
+        self.fail, self.skipped, self.aa_differs = set(fail), list(skipped), aa_differs
+        self.calls = []
+
+    def meta(self):
+        return {"device": "Fake H200"}
+
+    def ceilings(self, copy_bytes, gemm_n, kw):
+        return {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0, "fma_TFLOPs": 65.0}
+
+    def prepare_paged(self, cfg):
+        self.cfg = cfg
+        self.calls.append("prepare")
+
+    def time_control(self, graph, kw):
+        self.calls.append("control")
+        return _t(10.0)
+
+    def skipped_peers(self):
+        return list(self.skipped)
+
+    def available_peers(self):
+        return [p for p in self.cfg.peers if p not in {s["name"] for s in self.skipped}]
+
+    def check_paged(self, cfg):
+        names = list(cfg.variants) + self.available_peers()
+        return [{"variant": n, "ok": n not in self.fail, "detail": "relL2 1"} for n in names]
+
+    def paged_plan(self, v, arm=0):
+        return {"grid": [1, 2 + (arm if self.aa_differs else 0), self.cfg.batch],
+                "max_chunks": 2, "head_blocks": 1, "n_chunks": [1] * self.cfg.batch}
+
+    def time_paged(self, v, phase, kw, arm=0):
+        self.calls.append((v, phase))
+        return _t({"attn": 90.0, "combine": 10.0, "step": 100.0, "graph": 95.0}[phase]
+                  * (1.2 if v == "split" else 1.0))
+
+    def time_peer(self, name, kw):
+        self.calls.append((name, "peer"))
+        return _t(80.0)
+
+    def release_steps(self):
+        pass
+
+    def release(self):
+        pass
+
+
+def _t(us):
+    xs = [us * (1 + 0.001 * i) for i in range(10)]
+    return Timing(summarize(xs), "events", "", xs, 0.0, True)
+
+
+def test_a_run_times_every_phase_and_peer_with_the_instruments():
+    cfg = make_paged_config(batch=4, lengths="4096", heads=16, peers=("torch", "flashmla"),
+                            aa_rounds=4)
+    be = FakePagedBackend(skipped=[{"name": "flashmla", "reason": "ImportError: no flash_mla"}])
+    res = run_paged_bench(backend=be, config=cfg)
+    assert res["ok"] and res["noise_floor"]["floor"] is not None
+    phases = [(r["variant"], r["phase"]) for r in res["rows"] if r["variant"] != "-"]
+    assert phases == [(v, p) for v in cfg.variants for p in PAGED_PHASES] + [("torch", "step")]
+    # the control phase at the start, before every variant and peer, and at the end
+    labels = [r["control_label"] for r in res["rows"] if r["variant"] == "-"]
+    assert labels == ["start"] + [f"before {v}" for v in cfg.variants] + ["before torch", "end"]
+    step = next(r for r in res["rows"] if r["variant"] == "mma16" and r["phase"] == "graph")
+    assert step["tokens_per_s"] == pytest.approx(4 / 95e-6, rel=0.01)
+    cost = metrics.paged_step_cost("mma16", cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
+                                   "f16", "f16", [1] * 4, 1)
+    assert step["GBps_ideal"] == pytest.approx(cost.ideal_bytes / step["median_us"] / 1e3)
+    assert step["TFLOPs"] == pytest.approx(cost.flops / step["median_us"] / 1e6)
+    peer = next(r for r in res["rows"] if r["variant"] == "torch")
+    assert peer["kind"] == "peer" and peer["roof"] == "GEMM"
+    assert res["skipped_peers"] == [{"name": "flashmla", "reason": "ImportError: no flash_mla"}]
+    assert any("flashmla skipped: ImportError" in w for w in res["warnings"])
+    assert res["fastest"]["variant"] == "torch"
+    assert paged_work(cfg) >= len([c for c in be.calls if c != "prepare"])
+
+
+def test_a_failed_check_fails_the_run_and_loses_the_fastest_title():
+    cfg = make_paged_config(batch=2, heads=16, aa_rounds=2, variants=("mma16", "split"))
+    res = run_paged_bench(backend=FakePagedBackend(fail={"mma16"}), config=cfg)
+    assert not res["ok"] and res["fastest"]["variant"] == "split"
+    assert any("mma16 FAILED" in w for w in res["warnings"])
+
+
+def test_a_failing_peer_is_a_warning_not_a_failed_run():
+    cfg = make_paged_config(batch=2, heads=16, aa_rounds=2, peers=("torch",))
+    res = run_paged_bench(backend=FakePagedBackend(fail={"torch"}), config=cfg)
+    assert res["ok"] and any("torch FAILED" in w for w in res["warnings"])
+
+
+def test_an_aa_that_is_not_identical_code_gives_no_floor():
+    cfg = make_paged_config(batch=2, heads=16, aa_rounds=2)
+    res = run_paged_bench(backend=FakePagedBackend(aa_differs=True), config=cfg)
+    assert res["noise_floor"]["floor"] is None
+    assert any("not A/A" in w for w in res["warnings"])
+
+
+# ---------------------------------------------------------------------------- CLI
+
+def _no_gpu(monkeypatch):
+    monkeypatch.setattr(toolkit, "device_available", lambda: (False, "no CUDA device (test)"))
+
+
+def test_cli_without_gpu_prints_the_chunk_plans(monkeypatch):
+    _no_gpu(monkeypatch)
+    r = CliRunner().invoke(cli, ["bench", "--batch", "4", "--lengths", "100,5000",
+                                 "--heads", "16", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["timings"] is None and data["plan"]["batch"] == 4
+    assert data["config"]["lengths"] == [100, 5000, 100, 5000]
+    r = CliRunner().invoke(cli, ["bench", "--serving", "b128-4k-h16"])
+    assert r.exit_code == 0 and "No GPU here" in r.output and "chunk plans" in r.output
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--lengths", "5"], "needs --batch"), (["--batch", "2", "--ctx", "64"], "depth bench"),
+    (["--batch", "2", "--page-size", "32"], "page-size"),
+    (["--batch", "70000"], "at most 65535"), (["--batch", "2", "--peers", "vllm"], "vllm"),
+    (["--batch", "2", "--variants", "per_head"], "batch 1"),
+    (["--batch", "2", "--lengths", "@/nonexistent/x"], "No such file"),
+    (["--batch", "2", "--cache", "f16,bf16"], "one --cache")])
+def test_cli_bad_paged_options_exit_2(monkeypatch, args, words):
+    _no_gpu(monkeypatch)
+    r = CliRunner().invoke(cli, ["bench", *args])
+    assert r.exit_code == 2 and words in r.output, r.output
+
+
+def test_cli_on_a_gpu_renders_the_run(monkeypatch, tmp_path):
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, ""))
+    seen = {}
+
+    def fake_run(config, progress, log):
+        seen["cfg"] = config
+        return run_paged_bench(backend=FakePagedBackend(), config=config, progress=progress)
+    monkeypatch.setattr(bench_cmd, "_run_paged_bench", fake_run)
+    out = tmp_path / "p.csv"
+    r = CliRunner().invoke(cli, ["bench", "--serving", "b32-8k-var-h16", "--aa-rounds", "2",
+                                 "--peers", "torch", "--csv", str(out)])
+    assert r.exit_code == 0, r.output
+    assert seen["cfg"].batch == 32 and seen["cfg"].peers == ("torch",)
+    assert "paged step" in r.output and "A/A floor" in r.output
+    lines = out.read_text().splitlines()
+    assert lines[0].startswith("variant,kind,phase") and any("torch,peer" in x for x in lines)
+    assert np.isfinite(float(lines[1].split(",")[5]))
+
+
+# ---------------------------------------------------------------------------- on a GPU
+
+@gpu
+def test_gpu_paged_bench_checks_times_and_replays_every_variant():
+    cfg = make_paged_config(batch=3, lengths="0,300,5000", heads=16, s_q=2, causal=True,
+                            page_size=16, peers=("torch", "flashmla"), aa_rounds=2,
+                            target_ms=5.0, max_repeats=20, min_repeats=3,
+                            copy_bytes=64 << 20, gemm_n=2048)
+    res = run_paged_bench(backend=PagedBackend(), config=cfg)
+    ours = [c for c in res["checks"] if c["kind"] == "variant"]
+    assert [c["variant"] for c in ours] == list(cfg.variants)
+    assert all(c["ok"] for c in ours), [c["detail"] for c in ours if not c["ok"]]
+    assert res["ok"] and res["noise_floor"]["runs"][0]["same_code"]
+    graph = [r for r in res["rows"] if r["phase"] == "graph"]
+    assert len(graph) == len(cfg.variants) and all(r["tokens_per_s"] > 0 for r in graph)
+    # a peer is checked and timed, or skipped with its reason (flashmla: page size 16)
+    named = {c["variant"] for c in res["checks"] if c["kind"] == "peer"} | \
+        {s["name"] for s in res["skipped_peers"]}
+    assert named == {"torch", "flashmla"}
+    assert all(s["reason"] for s in res["skipped_peers"])
+
+
+@gpu
+def test_gpu_paged_check_has_power_without_the_rescale():
+    cfg = make_paged_config(batch=2, lengths="5000,3000", heads=16, aa_rounds=2)
+    be = PagedBackend()
+    be.prepare_paged(cfg)
+    rows = be.check_paged(cfg, rescale=False)
+    assert rows and not any(r["ok"] for r in rows if r["kind"] == "variant"), rows
+
+
+def test_a_peer_the_check_finds_unfit_is_skipped_not_timed():
+    class Refusing(FakePagedBackend):
+        def check_paged(self, cfg):
+            rows = super().check_paged(cfg)
+            self.skipped.append({"name": "flashmla", "reason": "FlashMLA takes page_size 64"})
+            return [r for r in rows if r["variant"] != "flashmla"]
+
+    cfg = make_paged_config(batch=2, heads=16, aa_rounds=2, page_size=16,
+                            peers=("flashmla", "torch"))
+    be = Refusing()
+    res = run_paged_bench(backend=be, config=cfg)
+    assert res["skipped_peers"] == [{"name": "flashmla", "reason": "FlashMLA takes page_size 64"}]
+    assert ("flashmla", "peer") not in be.calls and ("torch", "peer") in be.calls
