@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from dataclasses import replace
 import platform
 import subprocess
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
@@ -39,8 +39,7 @@ from .paged import PagedResult
 from .paged_api import PagedDecodeStep
 from .paged_inputs import make_paged_inputs
 from .peers import PeerInputs, PeerUnavailable, load_peers, peer_q, to_result, tolerance_of
-from .reference import decode as reference_decode
-from .reference_paged import decode_paged
+from .reference import decode as reference_decode, decode_paged
 from .timing import L2Flush, Spinner, time_gpu
 
 __all__ = ["CupyBackend", "PagedBackend", "CUBLAS_TOLERANCE", "tolerance_for", "run_meta"]

@@ -15,7 +15,7 @@ from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import PRESETS
 from mlasandbox.paged import PagedResult
 from mlasandbox.paged_inputs import make_paged_inputs
-from mlasandbox.reference_paged import decode_paged
+from mlasandbox.reference import decode_paged
 
 
 def _fake_torch(cuda=True):

@@ -20,7 +20,7 @@ from mlasandbox.cli.main import main
 from mlasandbox.dims import Dims
 from mlasandbox.inputs import make_inputs
 from mlasandbox.paged_inputs import make_paged_inputs
-from mlasandbox.reference_paged import decode_paged
+from mlasandbox.reference import decode_paged
 from mlasandbox.sources import read_source
 from tolerances import assert_within, f64_bounds
 
