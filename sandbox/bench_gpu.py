@@ -325,7 +325,7 @@ class PagedBackend(CupyBackend):
                 "head_blocks": p.head_blocks, "min_chunk": p.min_chunk, "tile": p.tile,
                 "reason": p.reason, "n_chunks": [int(c) for c in n_chunks],
                 "chunk_len_max": int(chunk_len.max()),
-                "launches": [(ln.name, list(ln.grid), list(ln.block)) for ln in step.launches()]}
+                "launches": [(ln.kernel, list(ln.grid), list(ln.block)) for ln in step.launches()]}
 
     def time_paged(self, variant: str, phase: str, timing_kw: dict, arm: int = 0):
         step = self._paged_step(variant, arm)
