@@ -169,3 +169,12 @@ def test_manifest_keeps_facts_appends_commands_and_renders(tmp_path):
     assert wm.run_name(man) == "h200-2026-01-02-abc1234"
     assert wm.run_name(dict.fromkeys(wm.FIELDS)) == "unknown-unknown-unknown"
     assert "NVIDIA H200 (unknown, unknown SMs), driver unknown" in rr.render([run], tmp_path)
+
+
+def test_manifest_commit_is_the_callers_where_the_tree_was_copied(monkeypatch):
+    """On a GPU machine the copied tree's .git is stale: $MLASANDBOX_COMMIT names the commit."""
+    wm = _load_tool("write_manifest")
+    monkeypatch.setenv("MLASANDBOX_COMMIT", "99e592a")
+    assert wm._commit() == "99e592a"
+    monkeypatch.delenv("MLASANDBOX_COMMIT")
+    assert wm._commit() != "99e592a"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import os
 import platform
 import re
 import subprocess
@@ -38,6 +39,10 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def _commit() -> str | None:
+    # A tree copied to a GPU machine carries a stale .git (or none): the caller names the
+    # commit in $MLASANDBOX_COMMIT, as the bench's own metadata reads it.
+    if os.environ.get("MLASANDBOX_COMMIT"):
+        return os.environ["MLASANDBOX_COMMIT"]
     head = _run(["git", "rev-parse", "--short=7", "HEAD"])
     if head is None:
         return None
