@@ -56,7 +56,8 @@ def test_kinds_follow_content():
     kinds = {p.name: rr.kind_of(json.loads(p.read_text())) for p in FIXTURE.glob("*.json")}
     assert kinds == {"bench_h16.json": "phases", "bench_h96.json": "phases",
                      "depth_h16.json": "depth", "sweep.json": "sweep", "ablate.json": "ablate",
-                     "other.json": None, "manifest.json": None}
+                     "other.json": None, "manifest.json": None,
+                     "serving.json": "serving"}
 
 
 def test_phase_table_cells(run):
@@ -89,6 +90,9 @@ ROWS = [
     ("16", "### Heads per block", "| 16 | attn<hpb=16,cache=f16,q=f32> | 818.8 | 128 |"),
     ("mma16", "### What the cache loads cost",
      "| mma16 | 16 | 4,096 | 45.9 | 38.1 | 17% | 1.09% |"),
+    ("32 x normal:8192:4096 x 16 heads, page 64", "### Serving steps",
+     "| 32 x normal:8192:4096 x 16 heads, page 64 | mma16 | 128.9 | 31.1 | 158.4 | 156.4 | "
+     "1,848 |"),
 ]
 
 
