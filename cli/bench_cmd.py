@@ -24,7 +24,6 @@ import csv
 
 import click
 from rich.markup import escape
-from rich.table import Table
 
 from mlasandbox import metrics, registry, toolkit
 from mlasandbox.baseline import SchemaError, compare_runs, load_result
@@ -33,8 +32,8 @@ from mlasandbox.bench_config import DEFAULT_CONTEXTS, make_config, plan_work, q_
 from mlasandbox.bench_paged import (SERVING_PRESETS, make_paged_config, paged_work,
                                     plan_report, run_paged_bench, serving_help)
 from mlasandbox.chunks import request_chunks
-from mlasandbox.peers import PEER_NAMES
 from mlasandbox.geometry import theoretical_blocks_per_sm
+from mlasandbox.peers import PEER_NAMES
 from mlasandbox.plot import PlotUnavailable, plot_depth
 from mlasandbox.registry import HPB_VALUES
 from mlasandbox.splits import default_gate, plan_splits
@@ -47,6 +46,7 @@ from .options import (arch_option, cache_option, ctx_option, deliver_json, heads
                       q_option, splits_option, stderr_console, timing_options, variants_option,
                       write_json)
 from .regs_cmd import regs_rows
+from .render import Column, FitTable
 
 __all__ = ["bench"]
 
@@ -183,43 +183,49 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
-def _paged_plan_table(rep: dict) -> Table:
-    t = Table(title=f"chunk plans: B={rep['batch']}, lengths {rep['lengths']['spec']} "
-                    f"(min {rep['lengths']['min']}, mean {rep['lengths']['mean']:.0f}, max "
-                    f"{rep['lengths']['max']}), H={rep['heads']}, s_q={rep['s_q']}"
-                    f"{' causal' if rep['causal'] else ''}, page {rep['page_size']}, "
-                    f"{rep['num_sms']} SMs")
-    for c in ("variant", "rows/block", "tile", "grid", "chunks/request", "programs run",
-              "FLOPs", "bytes (ideal)", "how"):
-        t.add_column(c)
-    for r in rep["plans"]:
-        t.add_row(r["variant"], str(r["rows_per_block"]), str(r["tile"]), str(tuple(r["grid"])),
-                  f"{r['chunks_min']}..{r['chunks_max']}",
-                  f"{r['programs_run']} of {r['programs']}", f"{r['flops']:.3e}",
-                  f"{r['ideal_bytes'] / 1e6:,.1f} MB", escape(r["blocks_per_sm"]))
-    return t
+def _paged_plan_table(rep: dict) -> FitTable:
+    """The chunk plan of each variant; at a narrow console the derived columns go first."""
+    columns = (Column("variant"), Column("rows/block", "right", drop=3),
+               Column("tile", "right", drop=2), Column("grid"), Column("chunks/request", "right"),
+               Column("programs run", "right"), Column("FLOPs", "right", drop=4),
+               Column("bytes (ideal)", "right", drop=5), Column("how", drop=1, fold=True))
+    cells = [(r["variant"], str(r["rows_per_block"]), str(r["tile"]), str(tuple(r["grid"])),
+              f"{r['chunks_min']}..{r['chunks_max']}", f"{r['programs_run']} of {r['programs']}",
+              f"{r['flops']:.3e}", f"{r['ideal_bytes'] / 1e6:,.1f} MB",
+              escape(r["blocks_per_sm"])) for r in rep["plans"]]
+    return FitTable(columns, cells,
+                    title=f"chunk plans: B={rep['batch']}, lengths {rep['lengths']['spec']} "
+                          f"(min {rep['lengths']['min']}, mean {rep['lengths']['mean']:.0f}, max "
+                          f"{rep['lengths']['max']}), H={rep['heads']}, s_q={rep['s_q']}"
+                          f"{' causal' if rep['causal'] else ''}, page {rep['page_size']}, "
+                          f"{rep['num_sms']} SMs")
 
 
-def _paged_table(result: dict) -> Table:
+def _paged_table(result: dict) -> FitTable:
+    """Per variant and phase; at a narrow console the spread, fractions and mode go first,
+    never the time."""
     cfg = result["config"]
-    t = Table(title=f"paged step: B={cfg['batch']}, lengths {cfg['lengths_spec']}, "
-                    f"H={cfg['dims']['n_head']}, s_q={cfg['s_q']}"
-                    f"{' causal' if cfg['causal'] else ''}, page {cfg['page_size']}, cache "
-                    f"{cfg['cache_dtype']}")
-    for c in ("variant", "phase", "median us", "p10..p90", "tokens/s", "GB/s", "of copy",
-              "TFLOP/s", "of roof", "mode", "check"):
-        t.add_column(c, justify="right" if c not in ("variant", "phase", "mode") else "left")
+    columns = (Column("variant"), Column("phase"), Column("median us", "right"),
+               Column("p10..p90", "right", drop=2), Column("tokens/s", "right", drop=6),
+               Column("GB/s", "right"), Column("of copy", "right", drop=4),
+               Column("TFLOP/s", "right", drop=5), Column("of roof", "right", drop=3),
+               Column("mode", drop=1), Column("check"))
+    cells = []
     for r in result["rows"]:
         if r["variant"] == "-":
             continue
-        t.add_row(r["variant"] + (" (peer)" if r["kind"] == "peer" else ""), r["phase"],
-                  f"{r['median_us']:,.1f}", f"{r['p10_us']:,.1f}..{r['p90_us']:,.1f}",
-                  _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("GBps_ideal"), ",.0f"),
-                  _fmt(r.get("frac_copy_ideal"), ".0%"), _fmt(r.get("TFLOPs"), ",.1f"),
-                  (_fmt(r.get("frac_roof"), ".0%") + f" {r.get('roof')}")
-                  if r.get("frac_roof") is not None else "-", r["mode"],
-                  {True: "ok", False: "[red]FAIL[/red]", None: "-"}[r["check_ok"]])
-    return t
+        cells.append((r["variant"] + (" (peer)" if r["kind"] == "peer" else ""), r["phase"],
+                      f"{r['median_us']:,.1f}", f"{r['p10_us']:,.1f}..{r['p90_us']:,.1f}",
+                      _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("GBps_ideal"), ",.0f"),
+                      _fmt(r.get("frac_copy_ideal"), ".0%"), _fmt(r.get("TFLOPs"), ",.1f"),
+                      (_fmt(r.get("frac_roof"), ".0%") + f" {r.get('roof')}")
+                      if r.get("frac_roof") is not None else "-", r["mode"],
+                      {True: "ok", False: "[red]FAIL[/red]", None: "-"}[r["check_ok"]]))
+    return FitTable(columns, cells,
+                    title=f"paged step: B={cfg['batch']}, lengths {cfg['lengths_spec']}, "
+                          f"H={cfg['dims']['n_head']}, s_q={cfg['s_q']}"
+                          f"{' causal' if cfg['causal'] else ''}, page {cfg['page_size']}, cache "
+                          f"{cfg['cache_dtype']}")
 
 
 def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:

@@ -333,3 +333,34 @@ def test_a_peer_the_check_finds_unfit_is_skipped_not_timed():
     res = run_paged_bench(backend=be, config=cfg)
     assert res["skipped_peers"] == [{"name": "flashmla", "reason": "FlashMLA takes page_size 64"}]
     assert ("flashmla", "peer") not in be.calls and ("torch", "peer") in be.calls
+
+
+def test_the_paged_tables_fit_100_columns_and_keep_the_times():
+    import io
+
+    from rich.console import Console
+
+    from mlasandbox.cli import bench_cmd
+
+    row = {"variant": "mma16", "kind": "variant", "phase": "step", "median_us": 158.4,
+           "p10_us": 157.2, "p90_us": 159.9, "tokens_per_s": 201959.0, "GBps_ideal": 1848.0,
+           "frac_copy_ideal": 0.43, "TFLOPs": 53.9, "frac_roof": 0.08, "roof": "GEMM",
+           "mode": "events", "check_ok": True}
+    peer = dict(row, variant="flashmla", kind="peer", median_us=85.9, check_ok=None)
+    result = {"config": {"batch": 32, "lengths_spec": "normal:8192:4096", "dims": {"n_head": 16},
+                         "s_q": 1, "causal": False, "page_size": 64, "cache_dtype": "f16"},
+              "rows": [row, peer]}
+    rep = {"batch": 32, "lengths": {"spec": "normal:8192:4096", "min": 0, "mean": 7611.0,
+                                    "max": 13789}, "heads": 16, "s_q": 1, "causal": False,
+           "page_size": 64, "num_sms": 132,
+           "plans": [{"variant": "mma16", "rows_per_block": 16, "tile": 64, "grid": [1, 4, 32],
+                      "chunks_min": 0, "chunks_max": 4, "programs_run": 124, "programs": 128,
+                      "flops": 8.547e9, "ideal_bytes": 292.7e6,
+                      "blocks_per_sm": "1 blocks/SM from the occupancy model"}]}
+    for table, must in ((bench_cmd._paged_table(result), ("158.4", "85.9", "1,848")),
+                        (bench_cmd._paged_plan_table(rep), ("0..4", "124 of 128"))):
+        out = io.StringIO()
+        Console(file=out, width=100, color_system=None).print(table)
+        text = out.getvalue()
+        assert max(len(line) for line in text.splitlines()) <= 100, text
+        assert all(m in text for m in must), text
