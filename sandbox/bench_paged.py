@@ -33,6 +33,7 @@ from .bench import ControlPhase, aa_floor
 from .bench_config import check_dtypes_and_splits, q_dtype_of
 from .chunks import plan_chunks
 from .dims import PRESETS, Dims
+from .geometry import theoretical_blocks_per_sm
 from .noise import control_report, verdict
 from .paged_api import PAGE_SIZES, paged_variant
 from .paged_inputs import parse_lengths
@@ -236,8 +237,6 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
             bps = blocks_per_sm
             how = f"{bps} blocks/SM (given)"
             if bps is None:
-                from .geometry import theoretical_blocks_per_sm  # runs ptxas: only here
-
                 bps = theoretical_blocks_per_sm(v, cfg.cache_dtype, qd)["blocks_per_sm"]
                 how = f"{bps} blocks/SM from the occupancy model of the batch-1 instance"
             plan = plan_chunks(cfg.batch, -(-n_rows // inst.heads), num_sms=num_sms,

@@ -42,7 +42,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from .bf16 import as_f32
+from .compare import DEFAULT_TOLERANCE, rel_l2
 from .dims import Dims, check_inputs, preset
+from .inputs import make_inputs
 from .reference import DecodeResult, decode, to_host
 from .registry import ATTN_TILE
 from .splits import plan_splits, slice_bounds
@@ -210,9 +212,6 @@ def accuracy_study(n_ctxs, seeds, splits="auto", dims: Dims = DEFAULT_STUDY_DIMS
     `splits` is an int, or "auto" for the plan `mlasandbox` would launch (split gate, budget on
     head blocks x splits against num_sms x blocks_per_sm slots; HPB = 1).
     """
-    from .compare import rel_l2
-    from .inputs import make_inputs
-
     rows = []
     for n_ctx in n_ctxs:
         s = plan_splits(n_ctx, dims.n_head, 1, num_sms=num_sms, blocks_per_sm=blocks_per_sm,
@@ -241,8 +240,6 @@ def judge_study(rows, tol: float | None = None, min_median_gain: float = 1.0) ->
     correct split more accurate, so a split that degrades accuracy has a wrong combine).
     """
     if tol is None:
-        from .compare import DEFAULT_TOLERANCE
-
         tol = DEFAULT_TOLERANCE.latent
     problems = []
     for r in rows:

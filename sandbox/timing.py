@@ -36,6 +36,8 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 __all__ = ["TimingStats", "Timing", "summarize", "percentile", "choose_repeats",
            "preroll_us", "L2Flush", "Spinner", "capture_graph", "time_gpu",
            "EVENT_RESOLUTION_US"]
@@ -185,8 +187,6 @@ class Spinner:
         self.kernel = cupy.RawKernel(_SPIN_SOURCE, "mlasandbox_spin")
 
     def __call__(self, us: float) -> None:
-        import numpy as np
-
         if us > 0:
             self.kernel((1,), (1,), (np.uint64(int(us * 1000)),))
 
