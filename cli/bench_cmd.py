@@ -47,6 +47,7 @@ from .options import (arch_option, cache_option, ctx_option, deliver_json, heads
                       write_json)
 from .regs_cmd import regs_rows
 from .render import Column, FitTable
+from .tp_cmd import run_tp_cli, tp_engine_option, tp_option
 
 __all__ = ["bench"]
 
@@ -155,7 +156,8 @@ def _paged_bench(o: dict):
         cfg = make_paged_config(
             batch=o["batch"], lengths=o["lengths_spec"], s_q=o["s_q"], causal=o["causal"],
             page_size=o["page_size"], serving=o["serving"], preset=preset, heads=o["heads"],
-            variants=o["variants"], peers=o["peers"], cache_dtype=o["caches"][0],
+            variants=o["variants"] or (("auto",) if o["tp"] else None), peers=o["peers"],
+            cache_dtype=o["caches"][0],
             q_dtype="cache" if ctx.get_parameter_source("q_dtype") != \
             click.core.ParameterSource.COMMANDLINE else o["q_dtype"],
             splits=o["splits"], seed=o["seed"], max_repeats=o["repeats"],
@@ -164,6 +166,11 @@ def _paged_bench(o: dict):
             check_heads=o["check_heads"])
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
+    if o["tp"] is not None:
+        repeats = o["repeats"] if ctx.get_parameter_source("repeats") == \
+            click.core.ParameterSource.COMMANDLINE else 20
+        return run_tp_cli(cfg, o["tp"], engine=o["tp_engine"], repeats=repeats,
+                          json_out=o["json_out"], require_gpu=o["require_gpu"])
     run_paged_cli(cfg, json_out=o["json_out"], csv_out=o["csv_out"], explain=o["explain"],
                   require_gpu=o["require_gpu"], run=_run_paged_bench)
 
@@ -388,11 +395,14 @@ def _print_no_gpu(data, arch, why) -> None:
 @click.option("--require-gpu", is_flag=True, help="Exit 1 when there is no GPU to time on.")
 @paged_options(SERVING_PRESETS, serving_help())
 @peers_option(PEER_NAMES)
+@tp_option("Shard the paged step's heads over N GPUs, one rank each (uneven bands when N "
+           "does not divide the heads); times every rank against TP 1. Needs --batch.")
+@tp_engine_option()
 def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repeats,
           min_repeats, target_ms, warmup, seed, graph, graph_max_ctx, aa_ctx, aa_rounds, check,
           check_ctx, check_heads, budget_s, json_out, csv_out, plot_out, vs_path, explain,
           details, arch, require_gpu, batch, lengths_spec, page_size, s_q, causal, serving,
-          peers):
+          peers, tp, tp_engine):
     """Time every variant over a depth curve, with the noise floor and the control phase.
 
     On a GPU: ceilings, a correctness spot check, the A/A noise floor, then q_absorb / attn /
@@ -406,7 +416,8 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
     paged = batch is not None or serving is not None
     if not paged:
         given = [o for o, v in (("--lengths", lengths_spec), ("--s-q", s_q),
-                                ("--causal", causal), ("--peers", peers)) if v is not None]
+                                ("--causal", causal), ("--peers", peers), ("--tp", tp))
+                 if v is not None]
         if given:
             raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
                                    "--batch B or --serving PRESET (the paged step)")

@@ -7,11 +7,13 @@ from mlasandbox import archs, geometry, registry
 from mlasandbox.ptxas import NvrtcCompileError, PtxasParseError
 from mlasandbox.registry import HPB_VALUES
 from mlasandbox.toolkit import ToolkitError
+from mlasandbox.tp import check_tp, rank_grids
 
 from . import render
 from .options import (arch_option, auto_or_int, cache_option, ctx_option, heads_option,
                       deliver_json, hpb_list, json_option, q_of, q_option, splits_option,
                       stderr_console)
+from .tp_cmd import grid_tp_table, tp_option
 
 __all__ = ["regs", "grid", "regs_rows", "COMPILE_ERRORS"]
 
@@ -93,8 +95,11 @@ def _families() -> str:
 @arch_option("Arch of the 'auto' occupancy.")
 @cache_option()
 @q_option()
+@tp_option("Each of N ranks' grid, its band of the heads, against the SMs (uneven bands "
+           "when N does not divide the heads).")
 @json_option
-def grid(variant_name, heads, ctx, splits, hpb, sms, bps, arch, cache, q_dtype, json_out):
+def grid(variant_name, heads, ctx, splits, hpb, sms, bps, arch, cache, q_dtype, tp,
+         json_out):
     """Launch geometry of a variant: grid, blocks vs SMs, waves, idle SMs, work per block."""
     if heads is None:
         raise click.UsageError("Missing option '--heads'.")
@@ -111,9 +116,15 @@ def grid(variant_name, heads, ctx, splits, hpb, sms, bps, arch, cache, q_dtype, 
             raise ValueError(f"{var.name} needs {need}: its 'auto' occupancy cannot be "
                              f"compiled for --arch {arch} (give --arch {need} or "
                              "--blocks-per-sm k)")
-        g = geometry.grid_report(variant_name, heads, ctx, splits=splits, hpb=hpb, sms=sms,
-                                 blocks_per_sm=bps, arch=arch, cache=cache,
-                                 q=q_of(q_dtype, cache))
+        kw = dict(splits=splits, hpb=hpb, sms=sms, blocks_per_sm=bps, arch=arch,
+                  cache=cache, q=q_of(q_dtype, cache))
+        if tp is not None:
+            rows = rank_grids(variant_name, heads, ctx, check_tp(tp, heads), **kw)
+            if not deliver_json({"ok": True, "tp": tp, "ranks": rows}, json_out,
+                                stderr_console()):
+                render.console().print(grid_tp_table(rows, tp))
+            return
+        g = geometry.grid_report(variant_name, heads, ctx, **kw)
     except COMPILE_ERRORS as exc:
         raise click.ClickException(f"{exc}\n(pass --blocks-per-sm k to skip the compile)") \
             from None

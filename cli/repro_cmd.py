@@ -8,10 +8,12 @@ import click
 from rich.markup import escape
 
 from mlasandbox import registry
+from mlasandbox.dims import PRESETS
 from mlasandbox.repro import (REPRO_CONTEXTS, make_case, make_paged_case, write_paged_script,
                               write_script)
 
 from . import render
+from .tp_cmd import band_heads, tp_option
 from .options import (OutputFile, arch_option, auto_or_int, cache_option, ctx_option,
                       deliver_json, heads_option, json_option, paged_options, preset_option,
                       q_option, splits_option, stderr_console)
@@ -41,9 +43,13 @@ __all__ = ["repro"]
                    "directory).")
 @json_option
 @paged_options()
+@tp_option("The case of one rank's band of the heads over N ranks (--rank), its split or "
+           "chunk budget derived for the band.")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="The rank whose band --tp reproduces (default 0).")
 def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
           negative_control, sms, bps, arch, output, json_out, batch, lengths_spec, page_size,
-          s_q, causal):
+          s_q, causal, tp, rank):
     """Write one self-contained Python script (CuPy + NumPy only) reproducing a case.
 
     The script prints the GPU and versions, runs the kernels under a phase guard, compares
@@ -56,6 +62,13 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
     """
     command = "mlasandbox repro " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 1 and sys.argv[1] == "repro" else ""
+    if rank is not None and tp is None:
+        raise click.UsageError("--rank needs --tp N")
+    if tp is not None:
+        full = heads or PRESETS["dsv3" if batch is not None and click.get_current_context(
+        ).get_parameter_source("preset") != click.core.ParameterSource.COMMANDLINE
+            else preset].n_head
+        heads = band_heads(tp, full, rank)
     if batch is not None:
         return _paged_repro(variant_name, batch, lengths_spec, s_q, causal, page_size, preset,
                             heads, cache, q_dtype, splits, seed, negative_control, sms, bps,

@@ -5,6 +5,7 @@
     ref = mla.reference.decode(q_np, cache_np, wv_b_np)          # NumPy float64
     res = mla.decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b)  # a serving batch
     ref = mla.reference.decode_paged(q_np, kv_np, table_np, lengths_np, wv_b_np)
+    res = mla.tp_decode(q_np, kv_np, table_np, lengths_np, wv_b_np, w_o_np, tp=8)  # 8 GPUs
 
 Importing the package needs neither a GPU nor CuPy; the CUDA paths import CuPy lazily.
 """
@@ -21,7 +22,7 @@ def __getattr__(name):
     if name in ("reference", "schedule", "occupancy", "compare", "inputs", "bf16", "ptxas",
                 "toolkit", "kernels", "guard", "api", "bench", "sweep", "repro", "timing",
                 "paged", "paged_api", "interop", "chunks", "paged_inputs",
-                "compare_paged"):
+                "compare_paged", "tp", "tp_comm", "tp_rank", "tp_launch", "tp_bench"):
         return importlib.import_module(f".{name}", __name__)
     if name in ("decode", "DecodeStep", "DecodeResult", "q_absorb"):
         from . import api
@@ -31,4 +32,8 @@ def __getattr__(name):
         from . import paged_api
 
         return getattr(paged_api, name)
+    if name in ("tp_decode", "TensorParallelStep"):
+        from . import tp_launch, tp_rank
+
+        return getattr(tp_launch if name == "tp_decode" else tp_rank, name)
     raise AttributeError(f"module 'mlasandbox' has no attribute {name!r}")

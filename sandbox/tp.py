@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from .chunks import ChunkPlan, plan_chunks
 
 __all__ = ["BUDGETS", "Band", "RankPlan", "check_tp", "head_bands", "band_of", "rank_plans",
-           "unsharded_chunks", "rank_grids"]
+           "fixed_facts", "unsharded_chunks", "rank_grids"]
 
 BUDGETS = ("band", "unsharded")
 
@@ -109,28 +109,35 @@ def _head_blocks(s_q: int, heads: int, rows_per_block: int) -> int:
     return -(-(s_q * heads) // rows_per_block)
 
 
-def unsharded_chunks(batch: int, s_q: int, n_head: int, *, rows_per_block: int, tile: int,
-                     num_sms: int, blocks_per_sm: int) -> int:
-    """The chunks a request may take when all H heads run on one GPU: the budget a band
-    inherits under budget="unsharded"."""
-    return plan_chunks(batch, _head_blocks(s_q, n_head, rows_per_block), num_sms=num_sms,
-                       blocks_per_sm=blocks_per_sm, tile=tile).max_chunks
+def fixed_facts(rows_per_block: int, tile: int, blocks_per_sm: int):
+    """A `facts` of rank_plans for one kernel instance whatever the heads."""
+    return lambda heads: (rows_per_block, tile, blocks_per_sm)
 
 
-def rank_plans(batch: int, s_q: int, n_head: int, tp: int, *, rows_per_block: int,
-               tile: int, num_sms: int, blocks_per_sm: int, budget: str = "band",
-               splits: int | None = None) -> list[RankPlan]:
-    """Every rank's chunk plan. `splits` overrides both budgets (every rank, every request
-    up to that many chunks), as on one GPU."""
+def unsharded_chunks(batch: int, s_q: int, n_head: int, facts, *, num_sms: int) -> int:
+    """The chunks a request may take when all H heads run on one GPU (with the instance
+    `facts(n_head)` names): the budget a band inherits under budget="unsharded"."""
+    rows, tile, bps = facts(n_head)
+    return plan_chunks(batch, _head_blocks(s_q, n_head, rows), num_sms=num_sms,
+                       blocks_per_sm=max(1, bps), tile=tile).max_chunks
+
+
+def rank_plans(batch: int, s_q: int, n_head: int, tp: int, facts, *, num_sms: int,
+               budget: str = "band", splits: int | None = None) -> list[RankPlan]:
+    """Every rank's chunk plan. `facts(heads)` -> (rows per block, tile, blocks/SM) of the
+    attention instance a step of that many heads runs ("auto" picks by the rows, so a band
+    may run another instance than all heads would). `splits` overrides both budgets (every
+    rank, every request up to that many chunks), as on one GPU."""
     if budget not in BUDGETS:
         raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
-    kw = dict(num_sms=num_sms, blocks_per_sm=blocks_per_sm, tile=tile)
     inherited = None
     if splits is None and budget == "unsharded":
-        inherited = unsharded_chunks(batch, s_q, n_head, rows_per_block=rows_per_block, **kw)
+        inherited = unsharded_chunks(batch, s_q, n_head, facts, num_sms=num_sms)
     out = []
     for band in head_bands(n_head, tp):
-        hb = _head_blocks(s_q, band.heads, rows_per_block)
+        rows, tile, bps = facts(band.heads)
+        hb = _head_blocks(s_q, band.heads, rows)
+        kw = dict(num_sms=num_sms, blocks_per_sm=max(1, bps), tile=tile)
         if inherited is not None:
             plan = plan_chunks(batch, hb, chunks=inherited, **kw)
             plan = replace(plan, reason=f"as if not sharded: the {inherited} chunks a request "

@@ -29,12 +29,33 @@ from contextlib import nullcontext
 import numpy as np
 
 __all__ = ["ENGINES", "NO_MULTICAST_ENV", "FakeCommunicator", "make_communicator",
-           "engine_available", "resolve_engine"]
+           "engine_available", "resolve_engine", "visible_gpus"]
 
 ENGINES = ("auto", "cupy", "torch", "fake")
 # Set in every rank before NCCL loads: NVLink multicast can take a shared host's GPUs down.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process sees (0 where there is no driver or no CuPy)."""
+    try:
+        from cupy.cuda import runtime
+
+        return int(runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def _host(arr) -> np.ndarray:
+    return arr.get() if hasattr(arr, "get") else np.asarray(arr)
+
+
+def _assign(dst, src: np.ndarray) -> None:
+    if hasattr(dst, "set"):   # a CuPy array: one host-to-device copy
+        dst.set(np.ascontiguousarray(src, dtype=dst.dtype))
+    else:
+        dst[...] = src
 
 
 def engine_available(engine: str) -> tuple[bool, str]:
@@ -128,8 +149,8 @@ class _TorchNccl:
 
 
 class FakeCommunicator:
-    """The collectives' semantics for the CPU suite: every rank writes its array to
-    `directory`, waits for the others at `barrier`, reads all of them in rank order (so the
+    """The collectives' semantics for the CPU suite (NumPy arrays, or CuPy ones through
+    host copies): every rank writes its array to `directory`, waits for the others at `barrier`, reads all of them in rank order (so the
     sum is the same on every rank), and waits again before the files are reused."""
 
     name = "fake"
@@ -141,7 +162,7 @@ class FakeCommunicator:
     def _exchange(self, arr) -> list:
         self.calls += 1
         path = os.path.join(self.directory, f"{self.calls}.{self.rank}.npy")
-        np.save(path, np.asarray(arr))
+        np.save(path, _host(arr))
         self.barrier.wait()
         got = [np.load(os.path.join(self.directory, f"{self.calls}.{r}.npy"))
                for r in range(self.world)]
@@ -155,14 +176,14 @@ class FakeCommunicator:
         if recv.shape != (self.world, *send.shape):
             raise ValueError(f"all_gather: recv must be {(self.world, *send.shape)}, got "
                              f"{recv.shape}")
-        recv[...] = np.stack(self._exchange(send))
+        _assign(recv, np.stack(self._exchange(send)))
 
     def all_reduce(self, buf) -> None:
         parts = self._exchange(buf)
         total = parts[0].copy()
         for p in parts[1:]:
             total += p
-        buf[...] = total
+        _assign(buf, total)
 
     def close(self) -> None:
         pass

@@ -33,10 +33,11 @@ import numpy as np
 from .dims import Dims
 from .guard import PhaseError
 from .tp import check_tp, head_bands
-from .tp_comm import NO_MULTICAST_ENV, make_communicator, resolve_engine
+from .tp_comm import NO_MULTICAST_ENV, make_communicator, resolve_engine, visible_gpus
 from .tp_rank import D_MODEL, PeerFailed, TensorParallelStep, band_view, make_w_o
 
-__all__ = ["TPJob", "TPRun", "TPError", "launch", "run_rank", "FORMS", "TIMED_PHASES"]
+__all__ = ["TPJob", "TPRun", "TPError", "TPResult", "launch", "run_rank", "tp_decode", "FORMS",
+           "TIMED_PHASES"]
 
 FORMS = ("all_gather", "all_reduce")
 TIMED_PHASES = ("attn", "combine", "o_proj", "all_gather", "all_reduce", "step")
@@ -59,6 +60,7 @@ class TPJob:
     q_dtype: str = "f32"
     seed: int = 0
     d_model: int = D_MODEL
+    scale: float | None = None
     variant: str = "auto"
     budgets: tuple = ("band",)
     splits: object = None
@@ -218,7 +220,8 @@ def run_rank(job: TPJob, rank: int, world: int, port: int, status, barrier,
         for i, budget in enumerate(job.budgets):
             step = TensorParallelStep(comm, q, *shared, wv_b, w_o, n_head=job.dims.n_head,
                                       variant=job.variant, budget=budget, splits=job.splits,
-                                      causal=job.causal, executor=job.executor,
+                                      causal=job.causal, scale=job.scale,
+                                      executor=job.executor,
                                       checkpoint=check, num_sms=job.num_sms,
                                       blocks_per_sm=job.blocks_per_sm)
             report["plans"][budget] = {"grid": list(step.plan.grid),
@@ -278,10 +281,13 @@ def launch(job: TPJob, world: int, *, mode: str = "process", timeout_s: float = 
         raise ValueError(f"mode must be process or thread, got {mode!r}")
     if job.fault_rank is not None and not 0 <= job.fault_rank < world:
         raise ValueError(f"fault_rank must be in 0..{world - 1}, got {job.fault_rank}")
-    if mode == "thread" and job.executor == "gpu":
-        raise ValueError("mode thread runs the schedule executor only (one CUDA context "
-                         "per rank needs a process per rank)")
     engine = resolve_engine(job.engine)
+    if mode == "thread" and engine != "fake":
+        raise ValueError("mode thread takes the fake communicator only (an NCCL rank is a "
+                         "process of its own)")
+    if job.executor == "schedule" and engine != "fake":
+        raise ValueError("the schedule executor computes on the host: it takes the fake "
+                         f"communicator, not {engine}")
     job = replace(job, engine=engine)
     t0 = time.perf_counter()
     fake_dir = tempfile.mkdtemp(prefix="mlasandbox-tp-") if engine == "fake" else None
@@ -356,3 +362,48 @@ def _run_processes(job, world, port, fake_dir, timeout_s):
                    (None, -15) else f"exited with code {p.exitcode} before reporting")
             reports[r] = {"rank": r, "ok": False, "error": why}
     return [reports[r] for r in range(world)]
+
+
+@dataclass
+class TPResult:
+    """out [B, s_q, H, v_head] all-gathered; y [B, s_q, d_model] all-reduced (None without
+    w_o); run: every rank's report."""
+
+    out: np.ndarray
+    y: np.ndarray | None
+    run: TPRun
+
+
+def tp_decode(q, kv_cache, block_table, cache_seqlens, wv_b, w_o=None, *, tp: int,
+              variant: str = "auto", budget: str = "band", engine: str = "auto",
+              causal: bool = False, scale=None, executor: str = "gpu",
+              timeout_s: float = 600.0) -> TPResult:
+    """One paged decode step on `tp` GPUs, heads banded over them (host NumPy inputs, the
+    paged contract of sandbox/paged.py; w_o [H, v_head, d_model] for the projection's
+    all-reduce). Raises TPError naming the rank and the phase of a failure."""
+    from .paged import check_paged_inputs
+
+    arrays = {"q": q, "kv_cache": kv_cache, "block_table": block_table,
+              "cache_seqlens": cache_seqlens, "wv_b": wv_b, "w_o": w_o}
+    for name, a in arrays.items():
+        if a is not None and not isinstance(a, np.ndarray):
+            raise TypeError(f"tp_decode takes host NumPy arrays (each rank copies its band "
+                            f"to its GPU); {name} is {type(a).__name__}")
+    shape, _ = check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b,
+                                  scale=scale, causal=causal)
+    if wv_b is None:
+        raise ValueError("tp_decode combines out: it needs wv_b")
+    if w_o is not None and (w_o.ndim != 3 or w_o.shape[:2] != (shape.n_head,
+                                                               shape.dims.v_head)):
+        raise ValueError(f"w_o must be [n_head={shape.n_head}, v_head={shape.dims.v_head}, "
+                         f"d_model], got {tuple(w_o.shape)}")
+    gpus = None
+    if executor == "gpu":
+        gpus = visible_gpus()
+    job = TPJob(dims=shape.dims, seed=0, variant=variant, budgets=(budget,), scale=scale,
+                causal=causal, forms=FORMS if w_o is not None else ("all_gather",),
+                engine=engine, executor=executor, arrays=arrays)
+    run = launch(job, tp, timeout_s=timeout_s, gpus=gpus,
+                 mode="process" if executor == "gpu" else "thread")
+    run.raise_for_failure()
+    return TPResult(run.reports[0]["out"], run.reports[0].get("y"), run)

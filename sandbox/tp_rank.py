@@ -26,6 +26,7 @@ float32 NumPy model of the same chunk plan, sandbox/schedule_paged.py, for the C
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 
@@ -129,35 +130,51 @@ class TensorParallelStep:
         self._fault = False
 
     # ---- setup ---------------------------------------------------------------------------
-    def _chunks(self, inst, splits, num_sms, blocks_per_sm):
+    def _chunks(self, variant, splits, facts, num_sms):
         """The `splits` the band's step takes: the override, None (the band's own budget)
-        or the chunks all heads would get (budget unsharded)."""
+        or the chunks all heads would get on one GPU (budget unsharded), with the instance
+        `variant` resolves to at all heads."""
         if splits not in (None, "auto") or self.budget == "band":
             return None if splits == "auto" else splits
-        return unsharded_chunks(self.batch, self.s_q, self.n_head, rows_per_block=inst.heads,
-                                tile=inst.tile_rows, num_sms=num_sms,
-                                blocks_per_sm=max(1, blocks_per_sm))
+        return unsharded_chunks(self.batch, self.s_q, self.n_head, facts, num_sms=num_sms)
+
+    def _say_budget(self, plan, chunks, splits):
+        """The plan, its reason naming the unsharded budget where that set the chunks."""
+        if chunks is None or splits not in (None, "auto"):
+            return plan
+        return replace(plan, reason=f"as if not sharded: the {chunks} chunks a request takes "
+                                    f"with all {self.n_head} heads on one GPU, on "
+                                    f"{self.batch} requests x {plan.head_blocks} head blocks")
+
+    def _facts(self, variant, cache_dt, q_dt, blocks_per_sm):
+        from . import registry
+        from .paged_api import paged_variant
+
+        def facts(heads):
+            inst = registry.paged_attention_instance(paged_variant(variant, self.s_q, heads),
+                                                     cache_dt, q_dt)
+            return inst.heads, inst.tile_rows, blocks_per_sm(inst)
+        return facts
 
     def _setup_gpu(self, q, kv_cache, block_table, cache_seqlens, wv_b, w_o, variant, splits,
                    causal, scale, sync_check):
         import cupy
 
-        from . import registry
         from .kernels import blocks_per_sm, device_info
-        from .paged_api import PagedDecodeStep, paged_variant
+        from .paged import check_paged_inputs
+        from .paged_api import PagedDecodeStep
 
         self.xp = cupy
-        sh = q.shape
-        var = paged_variant(variant, sh[1], sh[2])
-        cache_dt = "bf16" if "bfloat16" in str(kv_cache.dtype) else "f16"
-        q_dt = "f32" if str(q.dtype).endswith("float32") else cache_dt
-        inst = registry.paged_attention_instance(var, cache_dt, q_dt)
+        shape, _ = check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b,
+                                      scale=scale, causal=causal)
         dev = cupy.cuda.Device().id
-        chunks = self._chunks(inst, splits, device_info(dev).num_sms, blocks_per_sm(inst))
+        facts = self._facts(variant, shape.cache_dtype, shape.q_dtype, blocks_per_sm)
+        chunks = self._chunks(variant, splits, facts, device_info(dev).num_sms)
         self.step = PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b,
                                     causal=causal, variant=variant, splits=chunks,
                                     scale=scale, sync_check=sync_check)
-        self.guard, self.plan, self.device_id = self.step.guard, self.step.plan, dev
+        self.guard, self.device_id = self.step.guard, dev
+        self.plan = self._say_budget(self.step.plan, chunks, splits)
         self.attn_launch = self.step.launches()[0]
         self._alloc(cupy, w_o)
 
@@ -174,8 +191,12 @@ class TensorParallelStep:
                                       scale=scale, causal=causal)
         var = paged_variant(variant, self.s_q, self.band.heads)
         inst = registry.paged_attention_instance(var, shape.cache_dtype, shape.q_dtype)
-        self.plan = plan_for(shape, inst, num_sms=num_sms, blocks_per_sm=blocks_per_sm,
-                             splits=self._chunks(inst, splits, num_sms, blocks_per_sm))
+        facts = self._facts(variant, shape.cache_dtype, shape.q_dtype,
+                            lambda inst: blocks_per_sm)
+        chunks = self._chunks(variant, splits, facts, num_sms)
+        self.plan = self._say_budget(plan_for(shape, inst, num_sms=num_sms,
+                                              blocks_per_sm=blocks_per_sm, splits=chunks),
+                                     chunks, splits)
         self.guard, self.device_id = HostGuard(var.name, sync_check=True), None
         self.attn_launch = Launch(inst.name, self.plan.grid, (inst.threads, 1, 1),
                                   inst.smem_bytes)
