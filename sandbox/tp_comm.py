@@ -113,6 +113,11 @@ class _CupyNccl:
     def close(self) -> None:
         self._comm.stop()
 
+    def abort(self) -> None:
+        """After a failure: stop rank 0's store process, make no NCCL call."""
+        if self.rank == 0:
+            self._comm._store.stop()
+
 
 class _TorchNccl:
     name = "torch"
@@ -146,6 +151,9 @@ class _TorchNccl:
 
     def close(self) -> None:
         self._dist.destroy_process_group()
+
+    def abort(self) -> None:
+        """After a failure: nothing that could wait on a faulted device (the process exits)."""
 
 
 class FakeCommunicator:
@@ -187,6 +195,8 @@ class FakeCommunicator:
 
     def close(self) -> None:
         pass
+
+    abort = close
 
 
 def make_communicator(engine: str, rank: int, world: int, device: int, port: int, *,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -255,9 +256,9 @@ def run_rank(job: TPJob, rank: int, world: int, port: int, status, barrier,
         report.update(error=f"{type(exc).__name__}: {exc}",
                       traceback=traceback.format_exc(limit=8))
     finally:
-        if comm is not None and report["ok"]:
+        if comm is not None:
             try:
-                comm.close()
+                comm.close() if report["ok"] else comm.abort()
             except Exception as exc:
                 report["close_error"] = f"{type(exc).__name__}: {exc}"
     return report
@@ -270,6 +271,13 @@ def _child(job, rank, world, port, status, barrier, fake_dir, queue):
     except BaseException as exc:   # even a KeyboardInterrupt is reported
         report = {"rank": rank, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
     queue.put(report)
+    queue.close()
+    queue.join_thread()   # the report is in the pipe
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # No interpreter teardown: after a device fault, destructors (an NCCL communicator's)
+    # and the join of child processes at exit could wait forever.
+    os._exit(0 if report.get("ok") else 1)
 
 
 def launch(job: TPJob, world: int, *, mode: str = "process", timeout_s: float = 600.0,
