@@ -88,6 +88,14 @@ def _pct(x) -> str:
     return "-" if x is None else f"{x:.0%}"
 
 
+def _exit_without_gpu(problems: bool, require_gpu: bool, why: str) -> None:
+    """Exit 1 when the plans met a problem or --require-gpu was given; else return."""
+    if problems:
+        raise SystemExit(1)
+    if require_gpu:
+        raise click.ClickException(f"--require-gpu: {why}")
+
+
 def run_tp_cli(cfg, tp: int, *, engine: str, repeats: int, json_out, require_gpu) -> None:
     """`bench --batch B --tp N`: the run on N GPUs, the plans without a GPU."""
     try:
@@ -107,10 +115,7 @@ def run_tp_cli(cfg, tp: int, *, engine: str, repeats: int, json_out, require_gpu
             for p in rep["problems"]:
                 con.print(f"[red]problem:[/red] {escape(p)}")
             con.print(HOW_TO_RUN)
-        if rep["problems"]:
-            raise SystemExit(1)
-        if require_gpu:
-            raise click.ClickException(f"--require-gpu: {why}")
+        _exit_without_gpu(bool(rep["problems"]), require_gpu, why)
         return
     gpus = visible_gpus()
     try:

@@ -7,13 +7,15 @@
 
 Engines, all on the caller's current CuPy stream, CuPy arrays in place:
 
-* ``cupy``: cupyx.distributed's NCCL backend (its TCP store on `port` for the rendezvous).
+* ``cupy``: cupyx.distributed's NCCL backend (its TCP store on `port` for the rendezvous,
+  served by a process rank 0 forks: its target holds a lock, so it cannot be spawned).
   Needs CuPy to find NCCL (the nvidia-nccl-cu13 wheel; torch brings one).
 * ``torch``: torch.distributed with the nccl backend (tcp:// rendezvous on `port`), the
   CuPy arrays viewed as torch tensors through DLPack (no copy), CuPy's stream made torch's
   current stream for the call.
-* ``auto``: ``cupy`` where CuPy finds NCCL, else ``torch`` where torch has NCCL, else a
-  RuntimeError saying what is missing.
+* ``auto``: ``torch`` where torch has NCCL, else ``cupy`` where CuPy finds NCCL, else a
+  RuntimeError saying what is missing. torch first: it is the engine whose world-size-1
+  run on an H200 passed (docs/tensor-parallel.md says what ran).
 * ``fake``: FakeCommunicator, for the CPU suite: NumPy arrays through files in a directory,
   ranks in step by a barrier (threads or processes). Not a transport anyone should use.
 
@@ -24,14 +26,15 @@ here calls cuMulticastCreate.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
 __all__ = ["ENGINES", "NO_MULTICAST_ENV", "FakeCommunicator", "make_communicator",
-           "engine_available", "resolve_engine", "visible_gpus"]
+           "engine_available", "resolve_engine", "visible_gpus", "start_method"]
 
 ENGINES = ("auto", "cupy", "torch", "fake")
+AUTO_ORDER = ("torch", "cupy")
 # Set in every rank before NCCL loads: NVLink multicast can take a shared host's GPUs down.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
                     "NVSHMEM_DISABLE_NVLS": "1"}
@@ -86,12 +89,26 @@ def resolve_engine(engine: str) -> str:
     if engine != "auto":
         return engine
     reasons = []
-    for name in ("cupy", "torch"):
+    for name in AUTO_ORDER:
         ok, why = engine_available(name)
         if ok:
             return name
         reasons.append(f"{name}: {why}")
     raise RuntimeError("no NCCL engine: " + "; ".join(reasons))
+
+
+@contextmanager
+def start_method(method: str):
+    """multiprocessing's default start method set to `method` inside, restored after (a
+    spawned process inherits its parent's default, which may be spawn)."""
+    import multiprocessing as mp
+
+    before = mp.get_start_method(allow_none=True)
+    mp.set_start_method(method, force=True)
+    try:
+        yield
+    finally:
+        mp.set_start_method(before, force=True)
 
 
 class _CupyNccl:
@@ -101,8 +118,9 @@ class _CupyNccl:
         import cupyx.distributed
 
         self.rank, self.world = rank, world
-        self._comm = cupyx.distributed.init_process_group(world, rank, backend="nccl",
-                                                          host="127.0.0.1", port=port)
+        with start_method("fork"):   # rank 0's store process (see the module docstring)
+            self._comm = cupyx.distributed.init_process_group(world, rank, backend="nccl",
+                                                              host="127.0.0.1", port=port)
 
     def all_gather(self, send, recv) -> None:
         self._comm.all_gather(send, recv, send.size)
@@ -158,8 +176,9 @@ class _TorchNccl:
 
 class FakeCommunicator:
     """The collectives' semantics for the CPU suite (NumPy arrays, or CuPy ones through
-    host copies): every rank writes its array to `directory`, waits for the others at `barrier`, reads all of them in rank order (so the
-    sum is the same on every rank), and waits again before the files are reused."""
+    host copies): every rank writes its array to `directory`, waits for the others at
+    `barrier`, reads all of them in rank order (so the sum is the same on every rank), and
+    waits again before the files are reused."""
 
     name = "fake"
 

@@ -12,7 +12,7 @@ from mlasandbox.compare import DEFAULT_TOLERANCE, rel_l2
 from mlasandbox.dims import Dims
 from mlasandbox.reference import decode_paged
 from mlasandbox.tp_bench import check_y
-from mlasandbox.tp_comm import NO_MULTICAST_ENV, engine_available, visible_gpus
+from mlasandbox.tp_comm import NO_MULTICAST_ENV, engine_available, resolve_engine, visible_gpus
 from mlasandbox.tp_launch import TPJob, launch
 from mlasandbox.tp_rank import make_w_o
 
@@ -55,10 +55,10 @@ def test_world_size_1_through_the_real_nccl_engine(engine):
 
 
 def test_a_fault_in_the_attention_kernel_is_located_on_the_device():
-    engine = next((e for e in ("cupy", "torch") if engine_available(e)[0]), None)
-    if engine is None:
-        pytest.skip("no NCCL engine: " + "; ".join(engine_available(e)[1]
-                                                   for e in ("cupy", "torch")))
+    try:
+        engine = resolve_engine("auto")
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
     run = launch(job(engine, fault_rank=0, lengths=(700,)), 1, gpus=visible_gpus(),
                  timeout_s=240)
     (r,) = run.failures()

@@ -13,7 +13,7 @@ from mlasandbox.tp import (check_tp, fixed_facts, head_bands, rank_grids, rank_p
                            unsharded_chunks)
 from mlasandbox.tp_bench import check_y, summarize_tp
 from mlasandbox.tp_comm import (NO_MULTICAST_ENV, FakeCommunicator, make_communicator,
-                                resolve_engine)
+                                resolve_engine, start_method)
 from mlasandbox.tp_rank import assemble_gathered, make_w_o
 
 # The paged instances' facts (registry: mma16 serves 16 rows a block, mma32 32, both with a
@@ -232,6 +232,16 @@ def test_an_nccl_engine_refuses_to_start_with_multicast_on(monkeypatch):
     monkeypatch.setenv("TORCH_SYMM_MEM_DISABLE_MULTICAST", "0")
     with pytest.raises(RuntimeError, match="TORCH_SYMM_MEM_DISABLE_MULTICAST must be 1"):
         make_communicator("cupy", 0, 1, 0, 12345)
+
+
+def test_start_method_is_set_inside_and_restored_after():
+    import multiprocessing as mp
+
+    before = mp.get_start_method(allow_none=True)
+    for method in ("fork", "spawn"):
+        with start_method(method):
+            assert mp.get_start_method() == method
+        assert mp.get_start_method(allow_none=True) == before
 
 
 def test_the_fake_engine_needs_its_barrier_and_directory():
