@@ -244,6 +244,30 @@ def test_start_method_is_set_inside_and_restored_after():
         assert mp.get_start_method(allow_none=True) == before
 
 
+def test_cupyx_store_starts_from_a_rank_whose_start_method_is_spawn():
+    """What failed on the H200, reproduced without a GPU: rank 0 of cupyx.distributed serves
+    its TCP store from a child process whose target holds a lock, which spawn (the default a
+    spawned rank may inherit) cannot pickle; _CupyNccl starts it under fork."""
+    from cupyx.distributed import _store
+
+    from mlasandbox.tp_launch import _free_port
+
+    with pytest.raises(TypeError, match="cannot pickle"):   # the failure, as on the device
+        with start_method("spawn"):
+            _store.TCPStore(1).run("127.0.0.1", _free_port())
+    port = _free_port()
+    with start_method("fork"):
+        store = _store.TCPStore(1)
+        store.run("127.0.0.1", port)
+    try:
+        proxy = _store.TCPStoreProxy("127.0.0.1", port)
+        proxy["nccl_id"] = 7
+        assert proxy["nccl_id"] == 7
+    finally:
+        store.stop()
+    assert not store._process.is_alive()
+
+
 def test_the_fake_engine_needs_its_barrier_and_directory():
     with pytest.raises(ValueError, match="needs a barrier and a directory"):
         make_communicator("fake", 0, 1, 0, 0)
