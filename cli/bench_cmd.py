@@ -349,7 +349,8 @@ def _print_no_gpu(data, arch, why) -> None:
 @preset_option()
 @heads_option()
 @ctx_option(DEFAULT_CONTEXTS, dest="contexts")
-@variants_option(help="Variants, comma-separated (default: all, the cuBLAS engine included).")
+@variants_option(help="Variants, comma-separated (default: all, the cuBLAS engine included); "
+                 "with --batch also user kernels, FILE.cu (docs/byok.md).", user_kernels=True)
 @click.option("--hpb", "hpbs", callback=int_list, default=None,
               help="Heads-per-block values of the batched family to run (1 is split).")
 @cache_option(multiple=True)
