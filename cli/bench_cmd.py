@@ -408,6 +408,7 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
     if not paged:
         given = [o for o, v in (("--lengths", lengths_spec), ("--s-q", s_q),
                                 ("--causal", causal), ("--peers", peers)) if v is not None]
+        given += [v for v in variants or () if v.split(":", 1)[0].endswith(".cu")]
         if given:
             raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
                                    "--batch B or --serving PRESET (the paged step)")

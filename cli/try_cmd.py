@@ -105,7 +105,7 @@ def _timing(kernel, sets, opts, say):
     names = [kernel.with_params(p).name for p in sets] + [builtin]
     res = run_paged_bench(batch=opts["batch"] or 32, lengths=opts["lengths_spec"] or "4096",
                           heads=heads, variants=names, peers=("flashmla",),
-                          repeats=opts["repeats"], check=False,
+                          max_repeats=opts["repeats"], min_repeats=min(10, opts["repeats"]),
                           progress=lambda label, advance=1: None)
     for w in res["warnings"]:
         say(f"  warning: {w}")
@@ -209,12 +209,12 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
     if watch:
         return _watch(file, opts, say)
     data = _run(file, opts, say)
+    if json_out and json_out != "-":
+        write_json(data, json_out)
+    if not data["ok"]:   # under --json the group prints data with the error
+        raise JsonAwareException("FAILED: " + " | ".join(data["failed"]), data)
     if json_out == "-":
         render.emit_json(data)
-    elif json_out:
-        write_json(data, json_out)
-    if not data["ok"]:
-        raise JsonAwareException("FAILED: " + " | ".join(data["failed"]), data)
     say("compiled; nothing checked on a GPU" if data.get("skipped") else "PASS")
 
 

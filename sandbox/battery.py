@@ -150,8 +150,8 @@ def run_case(variant, case: Case, seed: int) -> CaseResult:
     try:
         step = PagedDecodeStep(**dev, variant=variant, splits=case.splits, sync_check=True)
         step.check_indices()
-        for buf in (step.latent, step.lse, step.out, getattr(step, "part_acc", None),
-                    getattr(step, "part_m", None), getattr(step, "part_l", None)):
+        for buf in (step.latent, step.lse, step.out, *(getattr(step, n, None) for n in (
+                "part_acc", "part_m", "part_l", "out_part"))):
             if buf is not None:
                 buf.fill(cp.nan)
         res = step.run()
@@ -232,12 +232,16 @@ def sanitize(kernel, tool: str = "racecheck", timeout_s: float = 300.0) -> dict:
         return {"ok": False, "summary": f"timed out after {timeout_s:.0f} s", "errors": None,
                 "output": ""}
     text = proc.stdout + proc.stderr
-    m = re.search(r"(?:ERROR|RACECHECK) SUMMARY: (\d+) (?:errors|hazards)", text)
+    # memcheck: "ERROR SUMMARY: 0 errors"; racecheck: "RACECHECK SUMMARY: 2 hazards
+    # displayed (2 errors, 0 warnings)": every hazard counts, warnings included
+    m = (re.search(r"RACECHECK SUMMARY: (\d+) hazards? displayed", text)
+         or re.search(r"ERROR SUMMARY: (\d+) errors?", text))
     errors = int(m.group(1)) if m else None
     first = next((ln.strip() for ln in text.splitlines()
                   if re.search(r"Error|Race reported|hazard", ln) and "SUMMARY" not in ln), "")
-    ok = proc.returncode == 0 and (errors in (0, None))
-    summary = (f"{errors} error(s)" if errors is not None else f"exit {proc.returncode}")
+    ok = proc.returncode == 0 and errors == 0
+    summary = (f"{errors} {'hazard' if tool == 'racecheck' else 'error'}(s)"
+               if errors is not None else f"no summary in its output (exit {proc.returncode})")
     if not ok and first:
         summary += f"; first: {first[:200]}"
     return {"ok": ok, "summary": summary, "errors": errors, "output": text[-4000:]}

@@ -20,7 +20,7 @@ what the sandbox needs to plan, launch and check the kernel; docs/byok.md is the
   substituted in `entry`); the sweep runs their product, the first value of each is the
   default.
 
-The arguments are those of PagedDecodeStep.attn_args() (contract_args() reads them from it),
+The arguments are those of PagedDecodeStep.attn_args() (contract_args() reads its source),
 checked against the entry's signature by a static_assert appended to the source. The
 sandbox passes every header value as a -D option (MLA_THREADS, MLA_TILE_ROWS,
 MLA_HEADS_PER_BLOCK, MLA_SMEM_BYTES, MLA_CACHE_T, MLA_Q_T, MLA_PARAM_<NAME>); a kernel that uses
@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-
-import numpy as np
 
 from . import registry, toolkit
 from .occupancy import arch_limits, occupancy
@@ -258,57 +256,42 @@ _STEP_ARGS = (Arg("latent", "float*"), Arg("lse", "float*"))
 _SCALAR_NAMES = {"scale": "scale_log2"}   # attn_args passes scale * log2(e)
 
 
-class _Field:
-    """A stand-in for a PagedDecodeStep attribute: records the name attn_args() reads."""
-
-    def __init__(self, name: str, ids: dict):
-        self._name, self._ids = name, ids
-
-    def __getattr__(self, attr):
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        return _Field(attr, self._ids)
-
-    def _id(self) -> int:
-        return self._ids.setdefault(self._name, 1_000_003 + 17 * len(self._ids))
-
-    def __index__(self):
-        return self._id()
-
-    __int__ = __index__
-
-    def __float__(self):
-        return float(self._id())
-
-    def __mul__(self, other):
-        return self
-
-    __rmul__ = __mul__
+def _leaf(node) -> str | None:
+    """The attribute a contract argument is read from: `self.q` -> q, `sh.n_head` -> n_head,
+    `self.scale * _LOG2E` -> scale."""
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name):
+            return sub.attr
+    return None
 
 
 @lru_cache(maxsize=None)
 def contract_args(kind: str = "attn") -> tuple:
-    """The entry's arguments, (name, C type) in order: PagedDecodeStep.attn_args() read with
-    stand-ins for the step's attributes, plus latent and lse for a whole-step kernel."""
-    from .paged_api import PagedDecodeStep
-
-    ids: dict = {}
+    """The entry's arguments, (name, C type) in order: the tuple PagedDecodeStep.attn_args()
+    returns, read from paged_api.py's source (parsed, not imported: paged_api loads user
+    kernels), plus latent and lse for a whole-step kernel."""
+    tree = ast.parse(Path(__file__).with_name("paged_api.py").read_text(encoding="utf-8"))
+    fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
+               and n.name == "attn_args"), None)
+    ret = next((n.value for n in ast.walk(fn) if isinstance(n, ast.Return)), None) if fn else None
+    if not isinstance(ret, ast.Tuple):
+        raise RuntimeError("paged_api.PagedDecodeStep.attn_args no longer returns a tuple "
+                           "literal: update user_kernel.contract_args")
     out = []
-    for a in PagedDecodeStep.attn_args(_Field("step", ids)):
-        if isinstance(a, _Field):
-            if a._name not in _POINTER_TYPES:
-                raise RuntimeError(f"PagedDecodeStep.attn_args() passes {a._name}, whose C type "
-                                   "sandbox/user_kernel.py does not know: add it to "
-                                   "_POINTER_TYPES")
-            out.append(Arg(a._name, _POINTER_TYPES[a._name]))
-            continue
-        names = {v: k for k, v in ids.items()}
-        value = float(a)
-        name = names.get(int(value)) if value == int(value) else None
-        if name is None:
-            raise RuntimeError(f"cannot tell which field attn_args() passes as {a!r}")
-        ctype = "float" if isinstance(a, np.floating) else "int"
-        out.append(Arg(_SCALAR_NAMES.get(name, name), ctype))
+    for elt in ret.elts:
+        if (isinstance(elt, ast.Call) and isinstance(elt.func, ast.Attribute)
+                and elt.func.attr in ("int32", "float32")):
+            name = _leaf(elt.args[0]) if elt.args else None
+            ctype = "float" if elt.func.attr == "float32" else "int"
+            out.append(Arg(_SCALAR_NAMES.get(name, name), ctype))
+        elif isinstance(elt, ast.Attribute) and elt.attr in _POINTER_TYPES:
+            out.append(Arg(elt.attr, _POINTER_TYPES[elt.attr]))
+        else:
+            raise RuntimeError(f"PagedDecodeStep.attn_args() passes {ast.unparse(elt)}, whose "
+                               "C type sandbox/user_kernel.py does not know: add it to "
+                               "_POINTER_TYPES")
+        if out[-1].name is None:
+            raise RuntimeError(f"cannot name the argument {ast.unparse(elt)} of attn_args()")
     if kind == "step":
         out.extend(_STEP_ARGS)
     return tuple(out)
@@ -568,6 +551,7 @@ class UserKernel:
     def kernel(self, inst: UserInstance):
         """The cupy.RawKernel of `inst` on the current device, compiled once."""
         import cupy
+        from cupy.cuda.compiler import CompileException
 
         from .kernels import device_info
 
@@ -587,7 +571,7 @@ class UserKernel:
             module = cupy.RawModule(code=inst.source_text(), options=opts,
                                     name_expressions=[inst.expression])
             k = module.get_function(inst.expression)
-        except cupy.cuda.compiler.CompileException as exc:
+        except CompileException as exc:
             raise _compile_error(NvrtcCompileError(str(exc)), self, dict(inst.params)) from None
         if inst.smem_bytes > 48 * 1024:
             k.max_dynamic_shared_size_bytes = inst.smem_bytes

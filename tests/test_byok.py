@@ -176,7 +176,7 @@ def test_signature_off_the_contract_fails_at_compile(tmp_path):
     assert res.exit_code == 1 and "argument 5 of the entry must be int n_rows" in data["error"]
 
 
-@pytest.mark.parametrize("path", [CORRECT, *PLANTED], ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [CORRECT, DATA / "byok_step.cu", *PLANTED], ids=lambda p: p.stem)
 def test_test_kernels_compile(path):
     rows = uk.compile_report(uk.load_kernel(str(path)))
     assert rows and all(r.spill_stores == 0 for r in rows)
@@ -200,5 +200,5 @@ def test_repro_embeds_the_source(tmp_path):
 def test_includes_resolve_and_keep_line_numbers(tmp_path):
     shutil.copy(CORRECT, tmp_path / CORRECT.name)
     src = uk.expanded_source((DATA / "byok_bad_race.cu").read_text(), "bad.cu", tmp_path)
-    assert f'#line 1 "{tmp_path / CORRECT.name}"' in src and '#line 6 "bad.cu"' in src
+    assert f'#line 1 "{tmp_path / CORRECT.name}"' in src and '#line 7 "bad.cu"' in src
     assert '#line 1 "mla_walk.cuh"' in src and os.sep not in "mla_walk.cuh"

@@ -4,7 +4,8 @@
 // built-in one: one warp per query row, straight from global memory (no shared memory, no
 // cp.async), one cache position at a time, an exact (not lazy) online softmax in the log2
 // domain. Lane l owns latent columns 16l..16l+15 and rope columns 2l, 2l+1.
-// The planted wrong kernels of tests/data/byok_bad_*.cu include this file with one BYOK_BUG_*.
+// The planted wrong kernels of tests/data/byok_bad_*.cu include this file with one BYOK_BUG_*;
+// byok_step.cu with BYOK_WHOLE_STEP, as a whole-step kernel (kind=step).
 #include "mla_walk.cuh"
 
 namespace {
@@ -24,7 +25,11 @@ __global__ void __launch_bounds__(MLA_THREADS)
 warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
           const int* cache_seqlens, int n_rows, int n_head, int s_q, int causal, int max_pages,
           int page_shift, int max_chunks, int min_chunk, float scale_log2, float* part_acc,
-          float* part_m, float* part_l) {
+          float* part_m, float* part_l
+#ifdef BYOK_WHOLE_STEP
+          , float* latent, float* lse
+#endif
+          ) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int b = blockIdx.z, c = blockIdx.y;
     const int row = blockIdx.x * MLA_HEADS_PER_BLOCK + warp;
@@ -43,8 +48,12 @@ warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
 #endif
     if (row >= n_rows) return;
     const int len = cache_seqlens[b];
+#ifdef BYOK_WHOLE_STEP
+    const mla::ChunkSpan span{1, len};              // one chunk: the whole request
+#else
     const mla::ChunkSpan span = mla::request_chunks(len, max_chunks, MLA_TILE_ROWS, min_chunk);
     if (c >= span.n) return;                       // the combine merges chunks 0..n-1 only
+#endif
     const int visible = causal ? len - (s_q - 1 - row / n_head) : len;
     const int start = c * span.len;
 #ifdef BYOK_BUG_PAST_LENGTH
@@ -99,6 +108,15 @@ warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
         }
         m = m_new;
     }
+#ifdef BYOK_WHOLE_STEP
+    // latent = acc / l and lse in the natural log; a row that sees nothing: 0 and -inf
+    const size_t out_row = static_cast<size_t>(b) * n_rows + row;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) latent[out_row * kLatent + 16 * lane + e] = acc[e] * inv;
+    if (lane == 0) lse[out_row] = l > 0.f ? (m + log2f(l)) * 0.6931471805599453f : -INFINITY;
+    return;
+#endif
     // a row that sees nothing of its chunk writes the neutral partial (m -inf, l 0, acc 0)
     const size_t partial = (static_cast<size_t>(b) * max_chunks + c) * n_rows + row;
 #pragma unroll
