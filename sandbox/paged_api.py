@@ -274,7 +274,12 @@ class PagedDecodeStep:
 
     def run_combine(self) -> None:
         with self.caller.on(self._stream):
-            if not self.variant.is_cuda or self.whole_step:
+            if self.whole_step:
+                if self.out is not None:
+                    with self.guard.phase("combine"):
+                        self.variant.project(self.wv_b, self.latent, self.out)
+                return
+            if not self.variant.is_cuda:
                 if self.out is not None:
                     with self.guard.phase("combine"):
                         cublas_projection(self.wv_b, self.latent, self.shape.cache_dtype,

@@ -587,6 +587,17 @@ class UserKernel:
         return int(driver.occupancyMaxActiveBlocksPerMultiprocessor(
             k.kernel.ptr, inst.threads, inst.smem_bytes))
 
+    @staticmethod
+    def project(wv_b, latent, out) -> None:
+        """out = wv_b @ latent for a whole-step kernel, in f32 (wv_b widened; bf16 as uint16
+        words): the f32 latent is not rounded, so out is held to the combine's tolerance."""
+        import cupy
+
+        from .bf16 import bf16_bits_to_f32
+
+        w = bf16_bits_to_f32(wv_b) if wv_b.dtype == cupy.uint16 else wv_b.astype(cupy.float32)
+        out[...] = cupy.matmul(w, latent[..., None])[..., 0]
+
     def __repr__(self) -> str:
         return f"UserKernel({self.name!r})"
 
