@@ -11,7 +11,7 @@ what the sandbox needs to plan, launch and check the kernel; docs/byok.md is the
   are replaced by their values.
 * `kind`: `attn` (default): the attention phase of the paged step, writing the partials
   (m, l, acc) the built-in combine merges; `step`: the whole step, writing latent and lse
-  itself (two more arguments; one chunk per request; wv_b through cuBLAS).
+  itself (two more arguments; one chunk per request; wv_b in an f32 matmul).
 * `threads`, `tile_rows` (the chunk rule's unit: chunks are whole tiles), `heads_per_block`
   (query rows per block) and `smem` (dynamic shared memory, bytes): integer expressions of
   the parameters and KV_LORA, ROPE, KEY_DIM (and, for smem, THREADS, TILE_ROWS,
