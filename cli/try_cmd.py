@@ -18,6 +18,7 @@ import time
 import click
 
 from mlasandbox import toolkit
+from mlasandbox.occupancy import arch_limits
 from mlasandbox.user_kernel import (HeaderError, UserCompileError, compile_report,
                                     load_kernel)
 
@@ -109,13 +110,53 @@ def _timing(kernel, sets, opts, say):
                           progress=lambda label, advance=1: None)
     for w in res["warnings"]:
         say(f"  warning: {w}")
-    floor = res["noise_floor"]["floor"]
-    for r in res["rows"]:
-        if r["phase"] in ("graph", "step") and r["variant"] != "-":
-            say(f"  {r['variant']:<48} {r['phase']:<6} {r['median_us']:9.2f} us")
-    say(f"  A/A floor {floor if floor is None else f'{floor:.1%}'}; fastest: "
-        f"{(res.get('fastest') or {}).get('variant')}")
     return res
+
+
+def _step_us(res) -> dict:
+    """variant or peer -> its whole step's median: graph replay where timed, else events."""
+    out: dict = {}
+    for r in res["rows"]:
+        if r["variant"] != "-" and (r["phase"] == "graph" or (
+                r["phase"] == "step" and r["variant"] not in out)):
+            out[r["variant"]] = r
+    return out
+
+
+def _sweep_table(kernel, rows, res):
+    """Per parameter set: registers, blocks/SM (model and driver), the step's time and
+    GB/s, against the built-in variant, with the noise floor's verdict."""
+    from mlasandbox.noise import verdict
+
+    steps = _step_us(res)
+    floor = res["noise_floor"]["floor"]
+    names = [kernel.with_params(r.params).name for r in rows]
+    builtin = res["config"]["variants"][-1]     # _timing lists the user's sets, then it
+    base = steps[builtin]["median_us"]
+    cols = [render.Column("variant", fold=True), render.Column("registers", "right"),
+            render.Column("blocks/SM", "right"), render.Column("step us", "right"),
+            render.Column("GB/s", "right", drop=1), render.Column(f"vs {builtin}")]
+    body = []
+    for r, name in zip(rows, names):
+        t = steps.get(name)
+        if t is None:
+            continue
+        v = verdict(t["median_us"], base, floor or 0.0).text
+        mark = " <- occupancy step" if r.occupancy_step else ""
+        body.append([name, str(r.registers), f"{r.blocks_per_sm}{mark}",
+                     f"{t['median_us']:.2f}", f"{t.get('GBps_ideal') or 0:.0f}", v])
+    for name, t in steps.items():
+        if name not in names:
+            body.append([name, "-", "-", f"{t['median_us']:.2f}",
+                         f"{t.get('GBps_ideal') or 0:.0f}", "" if name == builtin else
+                         verdict(t["median_us"], base, floor or 0.0).text])
+    caption = (f"A/A floor {floor:.1%}" if floor is not None else "no valid A/A floor")
+    ctl = res.get("control") or {}
+    if ctl.get("drift") is not None:
+        caption += f"; control phase q_absorb drift {ctl['drift']:+.1%}"
+    if ctl.get("warning"):
+        caption += f"; control phase: {ctl['warning']}"
+    return render.FitTable(cols, body, title="sweep (cold L2, graph replay)", caption=caption)
 
 
 def _run(path, opts, say):
@@ -132,9 +173,13 @@ def _run(path, opts, say):
     if opts["repro"]:
         from mlasandbox.user_repro import make_user_case, write_user_script
 
-        case = make_user_case(kernel.with_params(sets[0]), heads=(opts["heads"] or (16,))[0],
-                              blocks_per_sm=rows[0].blocks_per_sm,
-                              command=f"mlasandbox try {path} --repro {opts['repro']}")
+        try:
+            case = make_user_case(kernel.with_params(sets[0]),
+                                  heads=(opts["heads"] or (16,))[0],
+                                  blocks_per_sm=rows[0].blocks_per_sm,
+                                  command=f"mlasandbox try {path} --repro {opts['repro']}")
+        except ValueError as exc:
+            bad_input(f"--repro: {exc}")
         data["repro"] = write_user_script(case, opts["repro"])
         say(f"repro script: {data['repro']}")
     if not ok_dev:
@@ -146,9 +191,10 @@ def _run(path, opts, say):
     data["battery"] = _battery(kernel, sets, opts, say)
     for name, res in data["battery"].items():
         for r in res:
-            if not r["ok"]:
-                data["failed"].append(f"{name}: {r['what']} ({r['case']}): {r['reason']}; "
-                                      f"worst: {r['worst']}")
+            if not r["ok"]:   # the whole reason is in the battery's lines and the JSON
+                why = ", ".join(r["failed"]) if r["failed"] else r["reason"]
+                data["failed"].append(f"{name}: {r['what']} ({r['case']}): {why}; worst: "
+                                      f"{r['worst']}")
     if opts["sanitize"]:
         say("compute-sanitizer:")
         data["sanitize"] = _sanitize(kernel.with_params(sets[0]), say)
@@ -157,6 +203,8 @@ def _run(path, opts, say):
     if not data["failed"] and opts["time"]:
         say("timing (paged bench: cold L2, graph replay, A/A floor, control phase):")
         data["timing"] = _timing(kernel, sets, opts, say)
+        if not opts["quiet"]:
+            render.console().print(_sweep_table(kernel, rows, data["timing"]))
     data["ok"] = not data["failed"]
     return data
 
@@ -190,8 +238,17 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
     """Compile, check, time and sweep a user kernel FILE.cu (docs/byok.md)."""
     if not os.path.isfile(file):
         bad_input(f"FILE {file}: no such file")
-    if (lengths is None) != (batch is None) and lengths is not None:
+    if lengths is not None and batch is None:
         bad_input("--lengths needs --batch")
+    for opt, vals, low in (("--heads", heads, 1), ("--ctx", ctx, 0)):
+        if vals and min(vals) < low:
+            bad_input(f"{opt} must be integers >= {low}, got {min(vals)}")
+    if arch is not None:
+        try:
+            toolkit.check_arch(arch)
+            arch_limits(arch)
+        except ValueError as exc:
+            bad_input(f"--arch: {exc}")
     lens = None
     if lengths is not None:
         from mlasandbox.paged_inputs import parse_lengths
@@ -215,19 +272,28 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
         raise JsonAwareException("FAILED: " + " | ".join(data["failed"]), data)
     if json_out == "-":
         render.emit_json(data)
-    say("compiled; nothing checked on a GPU" if data.get("skipped") else "PASS")
+    say(_verdict(data))
 
 
-def _watch(file, opts, say):
+def _verdict(data) -> str:
+    if not data["ok"]:
+        return "FAILED: " + " | ".join(data["failed"])
+    return "compiled; nothing checked on a GPU" if data.get("skipped") else "PASS"
+
+
+def _watch(file, opts, say, rounds: int | None = None, poll_s: float = 0.5):
+    """Re-run on every change of FILE's modification time; `rounds` runs (None: forever)."""
     last = None
-    while True:
+    while rounds is None or rounds > 0:
         mtime = os.path.getmtime(file)
         if mtime != last:
             last = mtime
+            rounds = None if rounds is None else rounds - 1
             say(f"--- {time.strftime('%H:%M:%S')} {file}")
             try:
                 data = _run(file, opts, say)
-                say("PASS" if data["ok"] else "FAILED: " + " | ".join(data["failed"]))
+                say(_verdict(data))
             except click.ClickException as exc:
                 say(f"error: {exc.format_message()}")
-        time.sleep(0.5)
+        if rounds != 0:
+            time.sleep(poll_s)

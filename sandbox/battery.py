@@ -69,11 +69,12 @@ class CaseResult:
     seed: int
     seconds: float
     errors: dict              # field -> error (relL2 or max abs)
+    failed: tuple = ()        # the fields that failed (out, latent, lse, empty rows)
 
     def as_dict(self) -> dict:
         return {"what": self.case.what, "case": self.case.label(), "ok": self.ok,
-                "reason": self.reason, "worst": self.worst, "seed": self.seed,
-                "seconds": round(self.seconds, 3), "errors": self.errors}
+                "reason": self.reason, "failed": list(self.failed), "worst": self.worst,
+                "seed": self.seed, "seconds": round(self.seconds, 3), "errors": self.errors}
 
 
 def battery_cases(heads=(16,), contexts=BOUNDARY_CONTEXTS, rows_per_block: int = 1,
@@ -115,10 +116,12 @@ def fast_cases(rows_per_block: int = 1) -> list[Case]:
 
 def _worst_position(got_lat, want_lat, got_lse, want_lse) -> str:
     """The (request, query token, head) row with the largest latent error, and its column."""
-    d = np.abs(got_lat - want_lat)
+    with np.errstate(invalid="ignore"):   # NaN and inf entries are what is looked for
+        d = np.abs(got_lat - want_lat)
+        lse_bad = ~(np.abs(got_lse - want_lse) <= 1e-4)
     d[~np.isfinite(d)] = np.inf
     live = ~np.isneginf(want_lse)
-    lse_bad = live & ~(np.abs(got_lse - want_lse) <= 1e-4)
+    lse_bad &= live
     empty_bad = ~live & ~(np.isneginf(got_lse) & np.all(got_lat == 0, axis=-1))
     if empty_bad.any():
         b, i, h = np.argwhere(empty_bad)[0]
@@ -166,12 +169,16 @@ def run_case(variant, case: Case, seed: int) -> CaseResult:
         errors = {f.name: f.value for f in cmp.live.fields}
     reason = "" if cmp.ok else "; ".join(
         ln for ln in cmp.summary().splitlines() if ln.startswith("FAIL"))
+    fields = [f.name for f in cmp.live.fields if not f.ok] if cmp.live is not None else []
+    if cmp.empty_wrong:
+        fields.append("empty rows")
     worst = "-"
     if not cmp.ok:
         got_lat = np.asarray(cp.asnumpy(res.latent), np.float64)
         got_lse = np.asarray(cp.asnumpy(res.lse), np.float64)
         worst = _worst_position(got_lat, np.asarray(ref.latent), got_lse, np.asarray(ref.lse))
-    return CaseResult(case, cmp.ok, reason, worst, seed, time.perf_counter() - t0, errors)
+    return CaseResult(case, cmp.ok, reason, worst, seed, time.perf_counter() - t0, errors,
+                      tuple(fields))
 
 
 def run_battery(variant, cases, *, seed: int | None = None, progress=None,

@@ -202,3 +202,67 @@ def test_includes_resolve_and_keep_line_numbers(tmp_path):
     src = uk.expanded_source((DATA / "byok_bad_race.cu").read_text(), "bad.cu", tmp_path)
     assert f'#line 1 "{tmp_path / CORRECT.name}"' in src and '#line 7 "bad.cu"' in src
     assert '#line 1 "mla_walk.cuh"' in src and os.sep not in "mla_walk.cuh"
+
+
+def test_sweep_table_marks_the_step_and_judges_against_the_floor():
+    """The timing table of `try` from a bench result (synthetic numbers: the table's logic,
+    not a measurement): graph replay wins over events, the verdict uses the A/A floor."""
+    from rich.console import Console
+
+    from mlasandbox.cli.try_cmd import _sweep_table
+
+    k = uk.load_kernel(str(CORRECT))
+    rows = uk.compile_report(k, params_override={"ROWS": (4, 8)})
+    n4, n8 = (k.with_params(r.params).name for r in rows)
+
+    def row(v, phase, us, kind="variant"):
+        return {"variant": v, "phase": phase, "median_us": us, "kind": kind, "GBps_ideal": 1e3}
+
+    res = {"config": {"variants": [n4, n8, "mma16"]}, "noise_floor": {"floor": 0.02},
+           "control": {}, "rows": [row(n4, "step", 99.0), row(n4, "graph", 50.0),
+                                   row(n8, "graph", 100.5), row("mma16", "graph", 100.0),
+                                   row("flashmla", "step", 80.0, "peer")]}
+    con = Console(width=200, record=True)
+    con.print(_sweep_table(k, rows, res))
+    text = con.export_text()
+    assert "2.00x faster" in text                    # n4: graph 50 us, not events 99 us
+    assert "no measurable difference" in text        # n8: 0.5% < the 2% floor
+    assert "flashmla" in text and "1.25x faster" in text
+    assert ("<- occupancy step" in text) == rows[1].occupancy_step
+
+
+def test_try_bad_params_are_usage_errors():
+    assert cli("try", CORRECT, "--params", "ROWS=x").exit_code == 2
+    for bad in (("--heads", "0"), ("--ctx", "-1"), ("--arch", "compute_90"), ("--arch", "sm_70"),
+                ("--lengths", "4,5")):
+        res = cli("try", CORRECT, *bad)
+        assert res.exit_code == 2 and bad[0] in res.output, (bad, res.output)
+    res = cli("try", CORRECT, "--params", "HPB=4")
+    assert res.exit_code == 2 and "declares no parameter HPB" in res.output
+
+
+def test_watch_reruns_on_a_save(tmp_path):
+    """--watch's loop: a run per change of the file; a broken save reports its error and
+    the loop goes on (two rounds here; the command runs until Ctrl-C)."""
+    import threading
+    import time
+
+    from mlasandbox.cli.try_cmd import _watch
+
+    p = tmp_path / "w.cu"
+    p.write_text(CORRECT.read_text())
+    said = []
+    opts = {"params": {}, "heads": None, "ctx": None, "batch": None, "lengths": None,
+            "lengths_spec": None, "sanitize": False, "repro": None, "time": False,
+            "repeats": 20, "seed": 0, "arch": "sm_90", "fast": True, "quiet": True}
+
+    def save_broken():
+        time.sleep(1.0)
+        p.write_text(CORRECT.read_text().replace("float m = -INFINITY", "float m = -INFINITY x"))
+        os.utime(p, (time.time() + 5, time.time() + 5))
+
+    threading.Thread(target=save_broken).start()
+    _watch(str(p), opts, said.append, rounds=2, poll_s=0.1)
+    verdicts = [s for s in said if not s.startswith("---")]
+    assert len([s for s in said if s.startswith("---")]) == 2
+    assert verdicts[-1].startswith("error: compile: ") and "w.cu:" in verdicts[-1]
