@@ -203,6 +203,9 @@ def _run(path, opts, say):
     if not data["failed"] and opts["time"]:
         say("timing (paged bench: cold L2, graph replay, A/A floor, control phase):")
         data["timing"] = _timing(kernel, sets, opts, say)
+        data["failed"] += [f"bench check of {c['variant']}: {c.get('detail', '')}"
+                           for c in data["timing"]["checks"]
+                           if not c["ok"] and c.get("kind") == "variant"]
         if not opts["quiet"]:
             render.console().print(_sweep_table(kernel, rows, data["timing"]))
     data["ok"] = not data["failed"]

@@ -266,3 +266,11 @@ def test_watch_reruns_on_a_save(tmp_path):
     verdicts = [s for s in said if not s.startswith("---")]
     assert len([s for s in said if s.startswith("---")]) == 2
     assert verdicts[-1].startswith("error: compile: ") and "w.cu:" in verdicts[-1]
+
+
+def test_the_bench_holds_a_user_kernel_to_the_cuda_tolerance():
+    from mlasandbox.bench_gpu import tolerance_for
+    from mlasandbox.compare import DEFAULT_TOLERANCE
+
+    assert tolerance_for(f"{CORRECT}:ROWS=8", "f16") == DEFAULT_TOLERANCE
+    assert tolerance_for("cublas", "f16") != DEFAULT_TOLERANCE

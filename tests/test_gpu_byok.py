@@ -135,3 +135,19 @@ def test_try_end_to_end(tmp_path):
     assert bad.exit_code == 1
     err = json.JSONDecoder().raw_decode(bad.output.lstrip())[0]["error"]
     assert "context 4097" in err and "worst: request 0, query 0, head" in err
+
+
+def test_a_fault_names_the_phase_and_the_user_kernel():
+    """A kernel that follows table entries past a request's pages faults; in a process of
+    its own (a fault ends the CUDA context), the synchronizing guard names the phase and the
+    kernel, and the battery reports the case failed."""
+    import subprocess
+    import sys
+
+    spec = str(DATA / "byok_bad_pages.cu")
+    proc = subprocess.run([sys.executable, "-m", "mlasandbox.battery", spec],
+                          capture_output=True, text=True, timeout=120)
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 1, text
+    assert "PhaseError: phase 'attn'" in text and "byok_bad_pages<ROWS=4" in text, text
+    assert "illegal" in text.lower(), text

@@ -56,7 +56,10 @@ warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
 #endif
     const int visible = causal ? len - (s_q - 1 - row / n_head) : len;
     const int start = c * span.len;
-#ifdef BYOK_BUG_PAST_LENGTH
+#if defined(BYOK_BUG_PAST_PAGES)
+    // runs every chunk to its full length, past the request's pages into invalid entries
+    const int end = start + span.len;
+#elif defined(BYOK_BUG_PAST_LENGTH)
     // runs to the end of the request's last page, not to its length
     const int page = 1 << page_shift;
     const int end = min(start + span.len, (len + page - 1) / page * page);
