@@ -5,7 +5,7 @@ import os
 
 import click
 
-from mlasandbox.user_kernel import TEMPLATES, new_kernel_source
+from mlasandbox.user_new import TEMPLATES, new_kernel_source
 
 from . import render
 from .options import bad_input, json_option, write_json

@@ -46,7 +46,7 @@ from .ptxas import NvrtcCompileError, PtxasParseError, compile_log, parse_ptxas_
 
 __all__ = ["HeaderError", "UserCompileError", "Header", "parse_header", "contract_args",
            "UserKernel", "UserInstance", "load_kernel", "is_user_kernel_spec",
-           "expanded_source", "compile_report", "new_kernel_source", "TEMPLATES"]
+           "expanded_source", "compile_report", "contract_signature", "HEADER_TAG"]
 
 HEADER_TAG = "// mlasandbox:"
 FIELDS = ("entry", "kind", "threads", "tile_rows", "heads_per_block", "smem")
@@ -680,63 +680,3 @@ def compile_report(kernel: UserKernel, *, params_override: dict | None = None,
                                rec["spill_loads"], rec["smem_bytes"], inst.smem_bytes,
                                inst.threads, occ.blocks_per_sm, occ.limiter, step))
     return rows
-
-
-# ---------------------------------------------------------------------------- new
-
-@dataclass(frozen=True)
-class Template:
-    source: str          # the built-in family's file in cuda_src/
-    entry: str           # the wrapper in templates/
-    header: str          # the header's fields
-    params: str = ""     # the header's params line, if any
-
-
-TEMPLATES = {
-    "split": Template("mla_attn_rows.cu", "split.entry.cu",
-                      "threads=128 tile_rows=32 heads_per_block=1 smem=TILE_ROWS*KEY_DIM*2"),
-    "batched": Template("mla_attn.cu", "batched.entry.cu",
-                        "threads=256 tile_rows=32 heads_per_block=HPB "
-                        "smem=2*TILE_ROWS*KEY_DIM*2+KEY_DIM*HPB*4+HPB*TILE_ROWS*4"
-                        "+3*((HPB+3)/4*4)*4", "HPB=8,12,16"),
-    "mma16": Template("mla_mma.cu", "mma.entry.cu",
-                      "threads=256 tile_rows=64 heads_per_block=HEADS "
-                      "smem=2*TILE_ROWS*KEY_DIM*2+max(2*HEADS*KEY_DIM*2,4*HEADS*(TILE_ROWS+8)*4)"
-                      "+2*HEADS*TILE_ROWS*2+3*HEADS*4", "HEADS=16"),
-    "mma32": Template("mla_mma.cu", "mma.entry.cu",
-                      "threads=256 tile_rows=64 heads_per_block=HEADS "
-                      "smem=2*TILE_ROWS*KEY_DIM*2+max(2*HEADS*KEY_DIM*2,4*HEADS*(TILE_ROWS+8)*4)"
-                      "+2*HEADS*TILE_ROWS*2+3*HEADS*4", "HEADS=32"),
-}
-
-
-def new_kernel_source(name: str, template: str = "split") -> str:
-    """The text of NAME.cu: the header, then a copy of the built-in family's source (the
-    batch-1 launch stays, uninstantiated), its smem check as MLA_SMEM_NEEDS, and the entry."""
-    if not _IDENT.match(name):
-        raise ValueError(f"NAME {name!r} must be a C identifier (letters, digits, _), as it "
-                         "names the kernel's entry")
-    if template not in TEMPLATES:
-        raise ValueError(f"--from {template}: known templates: {', '.join(TEMPLATES)}")
-    t = TEMPLATES[template]
-    src = resources.files("mlasandbox.cuda_src").joinpath(t.source).read_text(encoding="utf-8")
-    if "require_dynamic_smem(" not in src:
-        raise RuntimeError(f"{t.source} no longer calls require_dynamic_smem: update "
-                           "user_kernel.new_kernel_source")
-    src = src.replace("require_dynamic_smem(", "MLA_SMEM_NEEDS(")
-    entry = resources.files("mlasandbox.templates").joinpath(t.entry).read_text(encoding="utf-8")
-    entry = entry.replace("@NAME@", name).replace(
-        "@PARAMS@", contract_signature("attn", " " * (len(name) + 1)))
-    head = [f"{HEADER_TAG} entry={name} {t.header}"]
-    if t.params:
-        head.append(f"{HEADER_TAG} params {t.params}")
-    head += [
-        f"// {name}.cu: a copy of the built-in {template} kernel (cuda_src/{t.source}), made by",
-        f"// `mlasandbox new {name} --from {template}`. Edit it; `mlasandbox try {name}.cu`",
-        "// checks, times and sweeps it (docs/byok.md). The registry's facts are the built-in",
-        "// kernels'; this copy states its own in the header above, checked at the entry below.",
-        '#include "mla_user.cuh"',
-        "#undef MLA_REGISTRY_FACTS",
-        "",
-    ]
-    return "\n".join(head) + src + entry

@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlasandbox import user_kernel as uk
+from mlasandbox.user_new import TEMPLATES
 from mlasandbox.cli.main import main
 from mlasandbox.paged_api import PagedDecodeStep, paged_variant
 
@@ -125,7 +126,7 @@ def test_paged_variant_takes_a_user_kernel():
 
 # ---- compiling (NVRTC, no GPU) -----------------------------------------------------------
 
-@pytest.mark.parametrize("template", list(uk.TEMPLATES))
+@pytest.mark.parametrize("template", list(TEMPLATES))
 def test_new_writes_a_kernel_try_compiles(tmp_path, template):
     path = tmp_path / f"exp_{template}.cu"
     res = cli("new", path, "--from", template)
