@@ -356,7 +356,8 @@ def _print_no_gpu(data, arch, why) -> None:
 @preset_option()
 @heads_option()
 @ctx_option(DEFAULT_CONTEXTS, dest="contexts")
-@variants_option(help="Variants, comma-separated (default: all, the cuBLAS engine included).")
+@variants_option(help="Variants, comma-separated (default: all, the cuBLAS engine included); "
+                 "with --batch also user kernels, FILE.cu (docs/byok.md).", user_kernels=True)
 @click.option("--hpb", "hpbs", callback=int_list, default=None,
               help="Heads-per-block values of the batched family to run (1 is split).")
 @cache_option(multiple=True)
@@ -418,6 +419,7 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
         given = [o for o, v in (("--lengths", lengths_spec), ("--s-q", s_q),
                                 ("--causal", causal), ("--peers", peers), ("--tp", tp))
                  if v is not None]
+        given += [v for v in variants or () if v.split(":", 1)[0].endswith(".cu")]
         if given:
             raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
                                    "--batch B or --serving PRESET (the paged step)")

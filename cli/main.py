@@ -19,11 +19,13 @@ from . import render
 from .ablate_cmd import ablate
 from .bench_cmd import bench
 from .check_cmd import check
+from .new_cmd import new
 from .options import json_option, write_json
 from .regs_cmd import grid, regs
 from .repro_cmd import repro
 from .stalls_cmd import stalls
 from .sweep_cmd import sweep
+from .try_cmd import try_
 
 
 def _version(dist: str) -> str | None:
@@ -162,7 +164,7 @@ def info(json_out):
         raise SystemExit(1)
 
 
-for _cmd in (bench, sweep, regs, grid, check, repro, ablate, stalls):
+for _cmd in (bench, sweep, regs, grid, check, repro, ablate, stalls, new, try_):
     main.add_command(_cmd)
 
 

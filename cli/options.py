@@ -48,12 +48,14 @@ def int_list(ctx, param, value):
     return tuple(out)
 
 
-def str_list(choices):
+def str_list(choices, user_kernels: bool = False):
+    """A comma-separated list among `choices` (and, with user_kernels, FILE.cu[:NAME=V])."""
     def cb(ctx, param, value):
         if value is None:
             return None
         out = tuple(p.strip() for p in str(value).split(",") if p.strip())
-        bad = [p for p in out if p not in choices]
+        bad = [p for p in out if p not in choices
+               and not (user_kernels and p.split(":", 1)[0].endswith(".cu"))]
         if bad or not out:
             raise click.BadParameter(
                 f"{', '.join(bad) or 'nothing'} not among {', '.join(choices)}")
@@ -211,10 +213,11 @@ def q_of(q_dtype: str, cache: str) -> str:
     return cache if q_dtype == "cache" else q_dtype
 
 
-def variants_option(choices=None, default=None, help=None):
-    """`--variants`: a comma-separated list of registry variants."""
+def variants_option(choices=None, default=None, help=None, user_kernels: bool = False):
+    """`--variants`: a comma-separated list of registry variants (and, with user_kernels,
+    user kernel files, docs/byok.md)."""
     choices = tuple(choices or registry.variant_names())
-    return click.option("--variants", "variants", callback=str_list(choices),
+    return click.option("--variants", "variants", callback=str_list(choices, user_kernels),
                         default=None if default is None else ",".join(default),
                         show_default=default is not None,
                         help=help or f"Variants, comma-separated, among {', '.join(choices)}.")

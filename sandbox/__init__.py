@@ -6,6 +6,7 @@
     res = mla.decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b)  # a serving batch
     ref = mla.reference.decode_paged(q_np, kv_np, table_np, lengths_np, wv_b_np)
     res = mla.tp_decode(q_np, kv_np, table_np, lengths_np, wv_b_np, w_o_np, tp=8)  # 8 GPUs
+    v = mla.load_kernel("my.cu")                                   # a user kernel as a variant
 
 Importing the package needs neither a GPU nor CuPy; the CUDA paths import CuPy lazily.
 """
@@ -22,12 +23,17 @@ def __getattr__(name):
     if name in ("reference", "schedule", "occupancy", "compare", "inputs", "bf16", "ptxas",
                 "toolkit", "kernels", "guard", "api", "bench", "sweep", "repro", "timing",
                 "paged", "paged_api", "interop", "chunks", "paged_inputs",
-                "compare_paged", "tp", "tp_comm", "tp_rank", "tp_launch", "tp_bench"):
+                "compare_paged", "tp", "tp_comm", "tp_rank", "tp_launch", "tp_bench",
+                "user_kernel", "battery"):
         return importlib.import_module(f".{name}", __name__)
     if name in ("decode", "DecodeStep", "DecodeResult", "q_absorb"):
         from . import api
 
         return getattr(api, name)
+    if name == "load_kernel":   # a user kernel file as a variant (user_kernel.py)
+        from .user_kernel import load_kernel
+
+        return load_kernel
     if name in ("decode_paged", "PagedDecodeStep", "PagedResult"):
         from . import paged_api
 

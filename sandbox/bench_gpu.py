@@ -41,6 +41,7 @@ from .paged_inputs import make_paged_inputs
 from .peers import PeerInputs, PeerUnavailable, load_peers, peer_q, to_result, tolerance_of
 from .reference import decode as reference_decode, decode_paged
 from .timing import L2Flush, Spinner, time_gpu
+from .user_kernel import is_user_kernel_spec
 
 __all__ = ["CupyBackend", "PagedBackend", "CUBLAS_TOLERANCE", "tolerance_for", "run_meta"]
 
@@ -51,7 +52,7 @@ CUBLAS_TOLERANCE = {"f16": 3e-3, "bf16": 2e-2}
 
 
 def tolerance_for(variant: str, cache_dtype: str):
-    if registry.variant(variant).is_cuda:
+    if is_user_kernel_spec(variant) or registry.variant(variant).is_cuda:
         return DEFAULT_TOLERANCE
     t = CUBLAS_TOLERANCE[cache_dtype]
     return Tolerance(t, t, t)

@@ -57,6 +57,11 @@ def paged_variant_names() -> list[str]:
 def paged_variant(name: str, s_q: int, n_head: int) -> registry.Variant:
     """The Variant of `name` for the paged step: "auto" is mma16 when the s_q x H query rows
     fit one 16-row tile, else mma32; "batched" is batched<DEFAULT_BATCHED_HPB>."""
+    if getattr(name, "family", None) == "user" or (isinstance(name, str) and name.split(
+            ":", 1)[0].endswith(".cu")):   # a user kernel (sandbox/user_kernel.py)
+        from .user_kernel import load_kernel
+
+        return load_kernel(name)
     if not isinstance(name, str):
         raise TypeError(f"variant must be a name, got {name!r}")
     if name == "auto":
@@ -171,16 +176,19 @@ class PagedDecodeStep:
         self.plan: ChunkPlan | None = None
         if not self.variant.is_cuda:
             return
-        self.attn_inst = registry.paged_attention_instance(self.variant, sh.cache_dtype,
-                                                           sh.q_dtype)
+        user = self.variant if self.variant.family == "user" else None
+        self.attn_inst = (user.instance(sh.cache_dtype, sh.q_dtype) if user else
+                          registry.paged_attention_instance(self.variant, sh.cache_dtype,
+                                                            sh.q_dtype))
         self.combine_inst = registry.paged_combine_instance(sh.cache_dtype, rescale)
         info = device_info(self.device_id)
-        self.plan = plan_for(sh, self.attn_inst, num_sms=info.num_sms,
-                             blocks_per_sm=blocks_per_sm(self.attn_inst), splits=splits)
+        bps = user.blocks_per_sm(self.attn_inst) if user else blocks_per_sm(self.attn_inst)
+        self.plan = plan_for(sh, self.attn_inst, num_sms=info.num_sms, blocks_per_sm=bps,
+                             splits=1 if user and user.kind == "step" else splits)
         if self.plan.max_chunks > info.max_grid_y:
             raise ValueError(f"max_chunks={self.plan.max_chunks} exceeds the grid's y limit "
                              f"{info.max_grid_y} on {info.name}")
-        self.attn_kernel = get_kernel(self.attn_inst)
+        self.attn_kernel = user.kernel(self.attn_inst) if user else get_kernel(self.attn_inst)
         self.combine_kernel = get_kernel(self.combine_inst)
         n = sh.batch * self.plan.max_chunks * self.n_rows
         dev = self.device_id
@@ -243,8 +251,9 @@ class PagedDecodeStep:
                 with self.guard.phase("attn"):
                     self._cublas_attention()
                 return
+            args = self.attn_args() + ((self.latent, self.lse) if self.whole_step else ())
             self.guard.launch("attn", self.attn_kernel, self.attn_grid,
-                              (self.attn_inst.threads, 1, 1), self.attn_args(),
+                              (self.attn_inst.threads, 1, 1), args,
                               smem_bytes=self.attn_inst.smem_bytes,
                               kernel_name=self.attn_inst.name)
 
@@ -258,8 +267,18 @@ class PagedDecodeStep:
                                visible_lengths(lengths, sh.s_q, self.causal), self.scale,
                                sh.cache_dtype, self.latent, self.lse)
 
+    @property
+    def whole_step(self) -> bool:
+        """A user kernel of kind=step writes latent and lse itself: no combine."""
+        return getattr(self.variant, "kind", "attn") == "step"
+
     def run_combine(self) -> None:
         with self.caller.on(self._stream):
+            if self.whole_step:
+                if self.out is not None:
+                    with self.guard.phase("combine"):
+                        self.variant.project(self.wv_b, self.latent, self.out)
+                return
             if not self.variant.is_cuda:
                 if self.out is not None:
                     with self.guard.phase("combine"):
@@ -279,10 +298,12 @@ class PagedDecodeStep:
         """The step's kernel launches (none for the cublas engine), for the bench."""
         if not self.variant.is_cuda:
             return []
-        return [Launch(self.attn_inst.name, self.attn_grid, (self.attn_inst.threads, 1, 1),
-                       self.attn_inst.smem_bytes),
-                Launch(self.combine_inst.name, self.combine_grid,
-                       (self.combine_inst.threads, 1, 1), 0)]
+        attn = [Launch(self.attn_inst.name, self.attn_grid, (self.attn_inst.threads, 1, 1),
+                       self.attn_inst.smem_bytes)]
+        if self.whole_step:
+            return attn
+        return attn + [Launch(self.combine_inst.name, self.combine_grid,
+                              (self.combine_inst.threads, 1, 1), 0)]
 
     # ---- the index validator -------------------------------------------------------------
     def index_report(self) -> np.ndarray:

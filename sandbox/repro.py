@@ -404,6 +404,9 @@ def default_paged_filename(case: PagedReproCase) -> str:
 
 def render_paged_script(case: PagedReproCase, filename: str | None = None) -> str:
     attn, comb = case.instances()
+    # a user kernel (user_kernel.py) brings its own text and -D options
+    attn_text = attn.source_text() if hasattr(attn, "source_text") else read_source(attn.source)
+    options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in getattr(attn, "defines", ()))
     d = case.dims
     title = (f"mlasandbox repro: paged {case.variant} ({attn.name} + {comb.name}), "
              f"B={len(case.lengths)}, lengths {case.lengths_spec}, s_q={case.s_q}"
@@ -431,7 +434,7 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
         "@@PLAN_FROM@@": repr(case.plan_from), "@@NEGATIVE@@": repr(case.negative_control),
         "@@TOLERANCE@@": repr({"out": 1e-4, "latent": 1e-4, "lse": 1e-4}),
         "@@EXPECT@@": repr("FAIL" if case.negative_control else "PASS"),
-        "@@OPTIONS@@": repr(NVRTC_OPTIONS),
+        "@@OPTIONS@@": repr(options),
         "@@ATTN@@": repr({"source": attn.source, "expression": attn.expression,
                           "name": attn.name, "threads": attn.threads,
                           "smem_bytes": attn.smem_bytes, "args": PAGED_ATTN_ARGS}),
@@ -440,7 +443,7 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
                              "col_blocks": registry.COMBINE_COL_BLOCKS,
                              "args": PAGED_COMBINE_ARGS}),
     }
-    return _fill(PAGED_TEMPLATE, values, _check_embeddable(attn.source, read_source(attn.source)),
+    return _fill(PAGED_TEMPLATE, values, _check_embeddable(attn.source, attn_text),
                  _check_embeddable(comb.source, read_source(comb.source)))
 
 

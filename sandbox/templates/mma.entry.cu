@@ -1,0 +1,17 @@
+
+// ---- the entry mlasandbox launches ------------------------------------------------------
+// The paged launch of mma_attn_body<HEADS> above as one non-template kernel: MLA_CACHE_T,
+// MLA_Q_T, MLA_PARAM_HEADS and the header's values are the sandbox's -D options
+// (mla_user.cuh).
+static_assert(mla::kMmaThreads == MLA_THREADS, "header threads= differs from kMmaThreads");
+static_assert(mla::kMmaTile == MLA_TILE_ROWS, "header tile_rows= differs from kMmaTile");
+static_assert(MLA_HEADS_PER_BLOCK == MLA_PARAM_HEADS,
+              "header heads_per_block= differs from HEADS");
+__global__ void __launch_bounds__(mla::kMmaThreads, 1)
+@NAME@(@PARAMS@) {
+    mla::PagedWalk<MLA_CACHE_T, mla::kMmaTile> walk{kv_cache, block_table, cache_seqlens,
+                                                  n_rows, n_head, s_q, causal, max_pages,
+                                                  page_shift, max_chunks, min_chunk};
+    mla::mma_attn_body<MLA_PARAM_HEADS, MLA_CACHE_T>(q, walk, scale_log2, part_acc, part_m,
+                                                     part_l);
+}
