@@ -212,8 +212,9 @@ def q_of(q_dtype: str, cache: str) -> str:
 
 
 def variants_option(choices=None, default=None, help=None):
-    """`--variants`: a comma-separated list of registry variants."""
-    choices = tuple(choices or registry.variant_names())
+    """`--variants`: a comma-separated list of registry variants (by default every one, the
+    paged-only ones included: the command that runs them refuses what it cannot serve)."""
+    choices = tuple(choices or (*registry.variant_names(), *registry.PAGED_ONLY_VARIANTS))
     return click.option("--variants", "variants", callback=str_list(choices),
                         default=None if default is None else ",".join(default),
                         show_default=default is not None,
