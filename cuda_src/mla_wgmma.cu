@@ -2,7 +2,7 @@
 //
 // Template parameters
 //   CacheT  cache element: __half or __nv_bfloat16 (also the operand type of both products)
-//   QT      query element: float (rounded to CacheT when staged) or CacheT
+//   QT      query element: CacheT (the registry's only instance)
 // Fixed geometry
 //   kWgThreads = 256: two warpgroups; kWgRows = 64 query rows per block; kWgTile = 64 cache
 //   positions per step, two stages; MLA_KV_LORA = 512, MLA_ROPE = 64. sandbox/registry.py
@@ -39,9 +39,10 @@
 // page lookups, zero-filled past the slice), so a whole tile of products covers it; the
 // copied bytes reach the tensor cores' proxy through fence.proxy.async before the barrier.
 //
-// Exactness: the cache is 16-bit and exact; q (when f32) and p are rounded to CacheT once
-// (relative 2^-9 for bf16, 2^-12 for f16 per element), every product accumulates in f32.
-// The running sum l adds the f32 p, not the rounded one.
+// Exactness: the cache and q are 16-bit and exact (the registry instantiates QT = CacheT
+// only; the scale multiplies the f32 scores). p alone is rounded to CacheT, once, before the
+// value product (relative error <= 2^-11 for f16, 2^-8 for bf16); every product accumulates
+// in f32, and the running sum l adds the f32 p, not the rounded one.
 #include "mla_walk.cuh"
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -62,6 +63,15 @@ constexpr int kWgTileBytes = kKeyBlocks * kBlockBytes;
 constexpr int kScoreSteps = kWgKey / 16;             // 36 k16 steps of the scores
 constexpr int kHalfTile = kWgTile / 2;               // positions of one warpgroup's scores
 static_assert(kWgKey % kColBlock == 0 && kWgLora == 2 * 256, "two warpgroups of 256 columns");
+// kWgOverlap: the values of tile t run on the tensor cores while the block passes the top of
+// tile t + 1 and queues its scores behind them; the copy of tile t + 2 is issued once both
+// warpgroups' values of tile t are done. 0: each tile waits for its values at its end.
+// (Waiting for the values alone, wgmma.wait_group 1 with the scores in flight, makes ptxas
+// serialize every wgmma, C7514.)
+#ifndef MLA_WGMMA_OVERLAP
+#define MLA_WGMMA_OVERLAP 1
+#endif
+constexpr bool kWgOverlap = MLA_WGMMA_OVERLAP != 0;
 // The value product's B descriptor (MN-major): lbo between 64-column blocks, sbo between
 // groups of 8 positions.
 #ifndef MLA_WGMMA_V_LBO
@@ -188,31 +198,45 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, fl
     return *reinterpret_cast<const unsigned*>(&h);
 }
 
-// Tile `tile_index` of the slice into `tile` (one stage), one cp.async group: thread t copies
-// row t / 8 (+ 32), chunks t % 8 + 8i of the row's 72, chunk 8i + c of a row landing in
-// column block i at chunk c ^ (row & 7). Positions >= row_end are zero-filled and their table
-// entries are not looked up.
+// 64 rows of 576 16-bit elements into `dst` in the column-block layout, one cp.async group:
+// row r from src(r), zero-filled where src(r) is null (never read; `any` is a valid address
+// for the zero-size copy). Thread t copies row t / 8 (+ 32), chunks t % 8 + 8i of the row's
+// 72: chunk 8i + c of row r lands in column block i at chunk c ^ (r & 7).
+template <typename T, typename Src>
+__device__ __forceinline__ void copy_rows_sw128(unsigned char* dst, const T* any, Src src) {
+    const int crow = threadIdx.x >> 3, clane = threadIdx.x & 7;
+#pragma unroll
+    for (int pass = 0; pass < kWgTile / (kWgThreads / 8); ++pass) {
+        const int row = pass * (kWgThreads / 8) + crow;
+        const T* row_src = src(row);
+        const bool valid = row_src != nullptr;
+        const T* from = (valid ? row_src : any) + clane * 8;
+        unsigned char* to = dst + row * 128 + ((clane ^ (row & 7)) << 4);
+#pragma unroll
+        for (int i = 0; i < kKeyBlocks; ++i) cp_async_16(to + i * kBlockBytes, from + 64 * i, valid);
+    }
+    cp_async_commit();
+}
+
+// Tile `tile_index` of the slice into `tile` (one stage): position t of the request through
+// its page; positions >= row_end are zero-filled and their table entries are not looked up.
 template <typename W>
 __device__ __forceinline__ void wgmma_copy_tile(unsigned char* tile, const W& walk, int tile_index,
                                                 int row_start, int row_end) {
     if (kAblateCacheLoads && tile_index >= 2) return;
-    const int crow = threadIdx.x >> 3, clane = threadIdx.x & 7;
     const int* pages = walk.request_pages();
     const int in_page = (1 << walk.page_shift) - 1;
-#pragma unroll
-    for (int pass = 0; pass < kWgTile / (kWgThreads / 8); ++pass) {
-        const int row = pass * (kWgThreads / 8) + crow;
-        const int pos = row_start + tile_index * kWgTile + row;
-        const bool valid = pos < row_end;
-        const int pg = valid ? __ldg(pages + (pos >> walk.page_shift)) : 0;
-        const size_t cache_row = (static_cast<size_t>(pg) << walk.page_shift) + (pos & in_page);
-        const auto* src = walk.cache + cache_row * kWgKey + clane * 8;
-        unsigned char* dst = tile + row * 128 + ((clane ^ (row & 7)) << 4);
-#pragma unroll
-        for (int i = 0; i < kKeyBlocks; ++i) cp_async_16(dst + i * kBlockBytes, src + 64 * i, valid);
-    }
-    cp_async_commit();
+    const int pos0 = row_start + tile_index * kWgTile;
+    copy_rows_sw128(tile, walk.cache, [&](int row) -> decltype(walk.cache) {
+        const int pos = pos0 + row;
+        if (pos >= row_end) return nullptr;
+        const int pg = __ldg(pages + (pos >> walk.page_shift));
+        return walk.cache + ((static_cast<size_t>(pg) << walk.page_shift) + (pos & in_page)) * kWgKey;
+    });
 }
+
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
 
 template <typename CacheT, typename QT, typename W>
 __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& walk, float scale_log2,
@@ -242,11 +266,14 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     float* red = reinterpret_cast<float*>(smem + Smem::red);
     float* lsum = reinterpret_cast<float*>(smem + Smem::lsum);
 
-    wgmma_copy_tile(tiles, walk, 0, row_start, row_end);
-    stage_q<kWgRows, kWgKey, kWgThreads>(walk.q(q), head0, n_rows, scale_log2,
-                                         [&](int j, int k, float x) {
-        *reinterpret_cast<CacheT*>(q_s + sw_offset(j, k)) = from_f32<CacheT>(x);
+    // q copied as given (exact 16-bit; the scale goes on the f32 scores), in the group of
+    // tile 0; rows past n_rows are zeros
+    static_assert(SameType<QT, CacheT>::value, "q in the cache dtype: copied, not converted");
+    const CacheT* q_rows = walk.q(q);
+    copy_rows_sw128(q_s, q_rows, [&](int j) -> const CacheT* {
+        return head0 + j < n_rows ? q_rows + static_cast<size_t>(head0 + j) * kWgKey : nullptr;
     });
+    wgmma_copy_tile(tiles, walk, 0, row_start, row_end);
 
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
     const int g = lane >> 2, c = lane & 3;
@@ -265,9 +292,9 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     for (int it = 0; it < n_tiles; ++it) {
         const int buf = it & 1;
         cp_async_wait<0>();
-        fence_proxy_async();  // this thread's copies (and, first, its q stores) -> wgmma
-        __syncthreads();      // tile `it` and q visible; the other stage and p are free
-        if (it + 1 < n_tiles)
+        fence_proxy_async();  // this thread's copies -> wgmma
+        __syncthreads();      // tile `it` and q visible
+        if (!kWgOverlap && it + 1 < n_tiles)  // the other stage is free: its products are done
             wgmma_copy_tile(tiles + (buf ^ 1) * kWgTileBytes, walk, it + 1, row_start, row_end);
         const unsigned kt = tiles_addr + buf * kWgTileBytes;
 
@@ -283,8 +310,15 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
                        sw128_desc(kt + koff + wg * kHalfTile * 128, 16, 1024));
         }
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<0>();  // the scores, and before them this warpgroup's last values
+        if (kWgOverlap) {
+            __syncthreads();  // both warpgroups' last values are done: the other stage is free
+            if (it + 1 < n_tiles)
+                wgmma_copy_tile(tiles + (buf ^ 1) * kWgTileBytes, walk, it + 1, row_start,
+                                row_end);
+        }
         fence_regs(s);
+        fence_regs(o);
 
         // ---- softmax: s[4j + e] is (row r0, column 8j + 2c + e), s[4j + 2 + e] row r0 + 8 ----
         const int base = row_start + it * kWgTile + wg * kHalfTile;
@@ -295,8 +329,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int col = 8 * j + 2 * c + e;
-                s[4 * j + e] = col < lim0 ? s[4 * j + e] : -INFINITY;
-                s[4 * j + 2 + e] = col < lim1 ? s[4 * j + 2 + e] : -INFINITY;
+                s[4 * j + e] = col < lim0 ? s[4 * j + e] * scale_log2 : -INFINITY;
+                s[4 * j + 2 + e] = col < lim1 ? s[4 * j + 2 + e] * scale_log2 : -INFINITY;
                 mx0 = fmaxf(mx0, s[4 * j + e]);
                 mx1 = fmaxf(mx1, s[4 * j + 2 + e]);
             }
@@ -351,9 +385,13 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
                                 sw128_desc(kt + 4 * wg * kBlockBytes + kk * 16 * 128,
                                            MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO));
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(o);
+        if (!kWgOverlap) {
+            wgmma_wait<0>();
+            fence_regs(o);
+        }
     }
+    wgmma_wait<0>();
+    fence_regs(o);
 
     // ---- partials: (m, l) from warpgroup 0, each warpgroup its 256 columns ----
 #pragma unroll

@@ -51,6 +51,9 @@ CUBLAS_TOLERANCE = {"f16": 3e-3, "bf16": 2e-2}
 
 
 def tolerance_for(variant: str, cache_dtype: str):
+    if registry.variant(variant).family == "wgmma":   # p rounded to the cache dtype
+        t = registry.WGMMA_RELL2_BOUND[cache_dtype]
+        return Tolerance(t, t, DEFAULT_TOLERANCE.lse_abs)
     if registry.variant(variant).is_cuda:
         return DEFAULT_TOLERANCE
     t = CUBLAS_TOLERANCE[cache_dtype]

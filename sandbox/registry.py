@@ -37,7 +37,7 @@ __all__ = [
     "Family", "FAMILIES", "KINDS", "compile_defines", "resolve_variant", "check_cuda_dims",
     "mma_smem_bytes", "CHECK_THREADS", "paged_attention_instance", "paged_combine_instance",
     "paged_check_instance", "PAGED_KINDS", "PAGED_ONLY_VARIANTS", "wgmma_instance",
-    "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS",
+    "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
 ]
 
 # The heads-per-block ladder of the CUDA-core variants: 1 is attn_rows (per_head, split), the
@@ -251,6 +251,14 @@ PAGED_ONLY_VARIANTS: dict[str, Variant] = {
                        "Hopper wgmma (sm_90a): 64 query rows (s_q x heads) per block, two "
                        "warpgroups, p rounded to the cache dtype; paged only"),
 }
+
+
+# What rounding p to the cache dtype costs (tests/test_gpu_wgmma.py derives it): relL2 of
+# latent and out with rms u / sqrt(3) x sqrt(sum_j w_j^2 |v_j|^2) / |sum_j w_j v_j|, u the
+# dtype's unit roundoff (2^-11 f16, 2^-8 bf16); the ratio is about 1 on random inputs, so the
+# bench's spot check takes MARGIN 4 times u / sqrt(3), plus the f32 bound 1e-4. lse stays f32.
+WGMMA_RELL2_BOUND = {"f16": 4 * 2.0 ** -11 / 3 ** 0.5 + 1e-4,
+                     "bf16": 4 * 2.0 ** -8 / 3 ** 0.5 + 1e-4}
 
 
 def wgmma_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
