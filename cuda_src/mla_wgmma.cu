@@ -63,15 +63,6 @@ constexpr int kWgTileBytes = kKeyBlocks * kBlockBytes;
 constexpr int kScoreSteps = kWgKey / 16;             // 36 k16 steps of the scores
 constexpr int kHalfTile = kWgTile / 2;               // positions of one warpgroup's scores
 static_assert(kWgKey % kColBlock == 0 && kWgLora == 2 * 256, "two warpgroups of 256 columns");
-// kWgOverlap: the values of tile t run on the tensor cores while the block passes the top of
-// tile t + 1 and queues its scores behind them; the copy of tile t + 2 is issued once both
-// warpgroups' values of tile t are done. 0: each tile waits for its values at its end.
-// (Waiting for the values alone, wgmma.wait_group 1 with the scores in flight, makes ptxas
-// serialize every wgmma, C7514.)
-#ifndef MLA_WGMMA_OVERLAP
-#define MLA_WGMMA_OVERLAP 1
-#endif
-constexpr bool kWgOverlap = MLA_WGMMA_OVERLAP != 0;
 // The value product's B descriptor (MN-major): lbo between 64-column blocks, sbo between
 // groups of 8 positions.
 #ifndef MLA_WGMMA_V_LBO
@@ -293,8 +284,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
         const int buf = it & 1;
         cp_async_wait<0>();
         fence_proxy_async();  // this thread's copies -> wgmma
-        __syncthreads();      // tile `it` and q visible
-        if (!kWgOverlap && it + 1 < n_tiles)  // the other stage is free: its products are done
+        __syncthreads();      // tile `it` and q visible; the other stage and p are free
+        if (it + 1 < n_tiles)
             wgmma_copy_tile(tiles + (buf ^ 1) * kWgTileBytes, walk, it + 1, row_start, row_end);
         const unsigned kt = tiles_addr + buf * kWgTileBytes;
 
@@ -310,15 +301,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
                        sw128_desc(kt + koff + wg * kHalfTile * 128, 16, 1024));
         }
         wgmma_commit();
-        wgmma_wait<0>();  // the scores, and before them this warpgroup's last values
-        if (kWgOverlap) {
-            __syncthreads();  // both warpgroups' last values are done: the other stage is free
-            if (it + 1 < n_tiles)
-                wgmma_copy_tile(tiles + (buf ^ 1) * kWgTileBytes, walk, it + 1, row_start,
-                                row_end);
-        }
+        wgmma_wait<0>();
         fence_regs(s);
-        fence_regs(o);
 
         // ---- softmax: s[4j + e] is (row r0, column 8j + 2c + e), s[4j + 2 + e] row r0 + 8 ----
         const int base = row_start + it * kWgTile + wg * kHalfTile;
@@ -385,13 +369,9 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
                                 sw128_desc(kt + 4 * wg * kBlockBytes + kk * 16 * 128,
                                            MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO));
         wgmma_commit();
-        if (!kWgOverlap) {
-            wgmma_wait<0>();
-            fence_regs(o);
-        }
+        wgmma_wait<0>();
+        fence_regs(o);
     }
-    wgmma_wait<0>();
-    fence_regs(o);
 
     // ---- partials: (m, l) from warpgroup 0, each warpgroup its 256 columns ----
 #pragma unroll

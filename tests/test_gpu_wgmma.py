@@ -158,6 +158,7 @@ def test_decode_paged_runs_wgmma64_and_a_captured_graph_replays_new_lengths():
     graph = step.capture()
     for lens in ((0, 0), (1, 64), (65, 4000), (4097, 4097)):
         inp.cache_seqlens[...] = cp.asarray(lens, dtype=cp.int32)
+        cp.cuda.Device().synchronize()  # the write (default stream) lands before the replay
         graph.launch(step.graph_stream)
         step.graph_stream.synchronize()
         ref = decode_paged(**inp.decode_args())
