@@ -26,11 +26,16 @@
 //   p      [1 block][64 rows]        A of the values (K-major: positions are K)
 //
 // One tile of 64 positions, both warpgroups at once:
-//   scores  warpgroup w computes S[64 rows x 32 positions 32w ..] = Q K^T over all 576
-//           dims: 36 wgmma m64n32k16, A and B from shared memory, f32 accumulators.
+//   scores  warpgroup w computes the partial S[64 rows x 64 positions] = Q K^T over its
+//           half of the dims (256w .. 256w + 255 and rope 512 + 32w ..): 18 wgmma
+//           m64n64k16, A and B from shared memory, f32 accumulators; the halves of the
+//           positions the other keeps cross through shared memory (the tile's spent rope
+//           block and p), so warpgroup w holds the whole S of positions 32w .. 32w + 31.
+//           Split by dims, not positions: each warpgroup reads half of q and of the tile per
+//           tile (144 KB of shared memory both), not all of q and half the tile (216 KB).
 //   softmax in the accumulator registers; the row maxima of the two halves meet through
-//           shared memory (one barrier), so both warpgroups hold the same running max m and
-//           rescale factor alpha; p = 2^(s - m) rounded to CacheT into p (second barrier).
+//           shared memory, so both warpgroups hold the same running max m and rescale
+//           factor alpha; p = 2^(s - m) rounded to CacheT into p.
 //           The max is lazy (mla_common.cuh): alpha is 1 unless a row's max grew by > 2^8.
 //   values  warpgroup w owns latent columns 256w .. 256w + 255: O = O alpha + P V as 4
 //           wgmma m64n256k16 (A = p, B = the tile's columns, transposed), 128 f32
@@ -96,7 +101,9 @@ __device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned
            (static_cast<unsigned long long>(sbo >> 4) << 32) | (1ull << 62);
 }
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
 __device__ __forceinline__ void wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 }
@@ -112,21 +119,25 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// The two products: m64n32k16 (scores, B K-major) and m64n256k16 with B MN-major (values),
+// The two products: m64n64k16 (scores, B K-major) and m64n256k16 with B MN-major (values),
 // f32 accumulators, A and B from shared memory.
 #define MLA_WGMMA_OPS(NAME, T)                                                                    \
 struct NAME {                                                                                     \
-    __device__ static void m64n32(float (&d)[16], unsigned long long a,                           \
+    __device__ static void m64n64(float (&d)[32], unsigned long long a,                           \
                                   unsigned long long b) {                                         \
         asm volatile(                                                                             \
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"                                          \
-            "wgmma.mma_async.sync.aligned.m64n32k16.f32." T "." T " {"                            \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                          \
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32." T "." T " {"                            \
             "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                  \
-            "%12, %13, %14, %15"                                                                  \
-            "}, %16, %17, p, 1, 1, 0, 0;\n}\n"                                                    \
+            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "                        \
+            "%24, %25, %26, %27, %28, %29, %30, %31"                                              \
+            "}, %32, %33, p, 1, 1, 0, 0;\n}\n"                                                    \
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),             \
               "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),           \
-              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])                                  \
+              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),       \
+              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),       \
+              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),       \
+              "+f"(d[30]), "+f"(d[31])                                                            \
             : "l"(a), "l"(b), "r"(1));                                                            \
     }                                                                                             \
     __device__ static void m64n256_trans_b(float (&d)[128], unsigned long long a,                 \
@@ -204,7 +215,8 @@ __device__ __forceinline__ void copy_rows_sw128(unsigned char* dst, const T* any
         const T* from = (valid ? row_src : any) + clane * 8;
         unsigned char* to = dst + row * 128 + ((clane ^ (row & 7)) << 4);
 #pragma unroll
-        for (int i = 0; i < kKeyBlocks; ++i) cp_async_16(to + i * kBlockBytes, from + 64 * i, valid);
+        for (int i = 0; i < kKeyBlocks; ++i)
+            cp_async_16(to + i * kBlockBytes, from + 64 * i, valid);
     }
     cp_async_commit();
 }
@@ -222,7 +234,8 @@ __device__ __forceinline__ void wgmma_copy_tile(unsigned char* tile, const W& wa
         const int pos = pos0 + row;
         if (pos >= row_end) return nullptr;
         const int pg = __ldg(pages + (pos >> walk.page_shift));
-        return walk.cache + ((static_cast<size_t>(pg) << walk.page_shift) + (pos & in_page)) * kWgKey;
+        const size_t cache_row = (static_cast<size_t>(pg) << walk.page_shift) + (pos & in_page);
+        return walk.cache + cache_row * kWgKey;
     });
 }
 
@@ -237,7 +250,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     using Op = WgmmaOps<CacheT>;
     using Smem = WgmmaSmem;
 #ifdef MLA_REGISTRY_FACTS
-    static_assert(MLA_WGMMA_THREADS == kWgThreads, "registry.WGMMA_THREADS differs from kWgThreads");
+    static_assert(MLA_WGMMA_THREADS == kWgThreads,
+                  "registry.WGMMA_THREADS differs from kWgThreads");
     static_assert(MLA_WGMMA_TILE == kWgTile, "registry.WGMMA_TILE differs from kWgTile");
     static_assert(registry_fact(kWgRows, MLA_WGMMA_SMEM) == Smem::bytes,
                   "registry.wgmma_smem_bytes(64) differs from WgmmaSmem::bytes");
@@ -289,20 +303,55 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             wgmma_copy_tile(tiles + (buf ^ 1) * kWgTileBytes, walk, it + 1, row_start, row_end);
         const unsigned kt = tiles_addr + buf * kWgTileBytes;
 
-        // ---- scores: S[64 x 32] of positions 32 wg .. over the 576 dims ----
-        float s[16];
+        // ---- scores: warpgroup w sums dims 256w .. 256w + 255 and rope dims 512 + 32w ..
+        // 512 + 32w + 31 (18 k16 steps each, the same code with its own offsets) over all 64
+        // positions; each keeps the f32 sum of its own 32 positions ----
+        float sp[32];  // this warpgroup's partial S[64 x 64]: sp[4j + e] (r0, 8j + 2c + e)
 #pragma unroll
-        for (int i = 0; i < 16; ++i) s[i] = 0.f;
+        for (int i = 0; i < 32; ++i) sp[i] = 0.f;
         wgmma_fence();
 #pragma unroll
-        for (int ks = 0; ks < kScoreSteps; ++ks) {
-            const unsigned koff = (ks >> 2) * kBlockBytes + (ks & 3) * 32;
-            Op::m64n32(s, sw128_desc(q_addr + koff, 16, 1024),
-                       sw128_desc(kt + koff + wg * kHalfTile * 128, 16, 1024));
+        for (int i = 0; i < kScoreSteps / 2; ++i) {
+            // k16 step 16w + i (i < 16) or 32 + 2w + (i - 16): 8 KB per block, 32 B per step
+            const unsigned koff = i < 16
+                ? (i >> 2) * kBlockBytes + (i & 3) * 32 + wg * 4 * kBlockBytes
+                : 8 * kBlockBytes + (i - 16) * 32 + wg * 64;
+            Op::m64n64(sp, sw128_desc(q_addr + koff, 16, 1024), sw128_desc(kt + koff, 16, 1024));
         }
         wgmma_commit();
         wgmma_wait<0>();
-        fence_regs(s);
+        fence_regs(sp);
+        __syncthreads();  // both warpgroups' score products are done with the rope block
+        // The halves the other warpgroup keeps cross in shared memory: warpgroup 0's through
+        // the tile's rope block, warpgroup 1's through p (free since the top barrier).
+        // [4 float4][128 threads] each, conflict-free.
+        float4* x_rope = reinterpret_cast<float4*>(tiles + buf * kWgTileBytes + 8 * kBlockBytes);
+        float4* x_p = reinterpret_cast<float4*>(p_s);
+        const int wt = tid & 127;
+        float s[16];  // the sum over all 576 dims of this warpgroup's positions 32 wg ..
+        if (wg == 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                x_rope[i * 128 + wt] = make_float4(sp[16 + 4 * i], sp[17 + 4 * i], sp[18 + 4 * i],
+                                                   sp[19 + 4 * i]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                x_p[i * 128 + wt] = make_float4(sp[4 * i], sp[1 + 4 * i], sp[2 + 4 * i],
+                                                sp[3 + 4 * i]);
+        }
+        __syncthreads();
+        {
+            const float4* x_in = wg == 0 ? x_p : x_rope;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float4 v = x_in[i * 128 + wt];
+                s[4 * i] = (wg == 0 ? sp[4 * i] : sp[16 + 4 * i]) + v.x;
+                s[4 * i + 1] = (wg == 0 ? sp[4 * i + 1] : sp[17 + 4 * i]) + v.y;
+                s[4 * i + 2] = (wg == 0 ? sp[4 * i + 2] : sp[18 + 4 * i]) + v.z;
+                s[4 * i + 3] = (wg == 0 ? sp[4 * i + 3] : sp[19 + 4 * i]) + v.w;
+            }
+        }
 
         // ---- softmax: s[4j + e] is (row r0, column 8j + 2c + e), s[4j + 2 + e] row r0 + 8 ----
         const int base = row_start + it * kWgTile + wg * kHalfTile;
@@ -393,7 +442,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
         float* dst = part_acc + partial * kWgLora + wg * 256 + 2 * c;
 #pragma unroll
         for (int j = 0; j < 32; ++j)
-            *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+            *reinterpret_cast<float2*>(dst + 8 * j) =
+                make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
     }
 }
 
