@@ -158,6 +158,10 @@ def resolve_variant(name: str, heads_per_block: int | None = None, *,
                              f"{', '.join(map(str, HPB_VALUES))}; 1 is split)")
         return VARIANTS[variant_for_hpb(hpb)]
     v = variant(name)
+    if v.name in PAGED_ONLY_VARIANTS:
+        raise ValueError(f"variant {v.name} serves the paged step only (mla.decode_paged, "
+                         "mlasandbox bench --batch B); the batch-1 variants: "
+                         f"{', '.join(VARIANTS)}")
     if hpb is not None and hpb != (v.hpb or 1):
         raise ValueError(f"variant {v.name} serves {v.hpb or 1} head(s) per block; "
                          f"{option}={hpb} contradicts it (use variant batched with "

@@ -81,3 +81,13 @@ def test_only_sm_90_devices_run_it(arch, ok):
     else:
         with pytest.raises(ValueError, match=f"runs on sm_90 devices only.*is {arch}"):
             arch_specific.check_device_arch(inst.name, inst.min_arch, arch, "a GPU")
+
+
+def test_the_batch_1_paths_refuse_it_by_name():
+    from mlasandbox.bench_config import make_config
+
+    with pytest.raises(ValueError, match="wgmma64 serves the paged step only"):
+        registry.resolve_variant("wgmma64")       # mla.decode, DecodeStep, grid
+    with pytest.raises(ValueError, match="wgmma64 serves the paged step only"):
+        make_config(variants=("wgmma64",))        # bench without --batch
+    assert paged_api.paged_variant("wgmma64", 1, 128) is registry.PAGED_ONLY_VARIANTS["wgmma64"]
