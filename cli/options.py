@@ -214,9 +214,10 @@ def q_of(q_dtype: str, cache: str) -> str:
 
 
 def variants_option(choices=None, default=None, help=None, user_kernels: bool = False):
-    """`--variants`: a comma-separated list of registry variants (and, with user_kernels,
-    user kernel files, docs/byok.md)."""
-    choices = tuple(choices or registry.variant_names())
+    """`--variants`: a comma-separated list of registry variants (by default every one, the
+    paged-only ones included: the command that runs them refuses what it cannot serve), and
+    with user_kernels, user kernel files (docs/byok.md)."""
+    choices = tuple(choices or (*registry.variant_names(), *registry.PAGED_ONLY_VARIANTS))
     return click.option("--variants", "variants", callback=str_list(choices, user_kernels),
                         default=None if default is None else ",".join(default),
                         show_default=default is not None,

@@ -28,8 +28,11 @@ def arch_number(arch: str) -> int:
 
 
 def instance_needs(arch: str, inst) -> str | None:
-    """The arch a KernelInstance needs (its `min_arch`) when `arch` is too old for it."""
+    """The arch a KernelInstance needs (its `min_arch`) when `arch` cannot run it: too old,
+    or, for an arch-specific target (sm_90a), any arch but that one (sm_90)."""
     need = inst.min_arch
+    if need.endswith("a"):
+        return need if check_arch(arch) != need[:-1] else None
     return need if arch_number(arch) < int(need[3:]) else None
 
 

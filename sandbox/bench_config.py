@@ -93,6 +93,9 @@ def make_config(*, preset: str | None = "h96", heads: int | None = None,
                  or n in want] + sorted(want - set(names), key=lambda n: registry.variant(n).hpb)
     for n in names:
         registry.variant(n)  # ValueError naming the known variants
+        if n in registry.PAGED_ONLY_VARIANTS:
+            raise ValueError(f"variant {n} serves the paged step only: bench it with "
+                             "--batch B (the paged serving step)")
     names = list(dict.fromkeys(names))
     cache_dtypes = tuple(cache_dtypes or ("f16",))
     splits = check_dtypes_and_splits(cache_dtypes, q_dtype, splits)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from . import arch_specific
 from .registry import KernelInstance
 from .sources import read_source
 from .toolkit import compile_options, device_properties
@@ -82,10 +83,17 @@ def get_kernel(inst: KernelInstance, defines: tuple[str, ...] = ()):
             raise ValueError(
                 f"{inst.name} needs {inst.smem_bytes} B of shared memory per block; "
                 f"{info.name} allows at most {info.smem_per_block_optin} B")
-        module = cupy.RawModule(code=read_source(inst.source),
-                                options=_nvrtc_options() + tuple(f"-D{d}" for d in defines),
-                                name_expressions=[inst.expression])
-        kernel = module.get_function(inst.expression)
+        if arch_specific.is_arch_specific(inst.min_arch):
+            # sm_90a: NVRTC here, CuPy loads the cubin (sandbox/arch_specific.py)
+            arch_specific.check_device_arch(inst.name, inst.min_arch, info.arch, info.name)
+            kernel = arch_specific.load_function(read_source(inst.source), inst.expression,
+                                                 inst.min_arch, tuple(f"-D{d}" for d in defines),
+                                                 inst.source)
+        else:
+            module = cupy.RawModule(code=read_source(inst.source),
+                                    options=_nvrtc_options() + tuple(f"-D{d}" for d in defines),
+                                    name_expressions=[inst.expression])
+            kernel = module.get_function(inst.expression)
         if inst.smem_bytes > 48 * 1024:
             kernel.max_dynamic_shared_size_bytes = inst.smem_bytes
         if inst.smem_bytes:

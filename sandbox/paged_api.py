@@ -49,9 +49,10 @@ _NULL = np.uint64(0)  # a null pointer argument (no wv_b: the combine writes no 
 
 
 def paged_variant_names() -> list[str]:
-    """The registered variants that take the paged contract (plus "auto")."""
+    """The registered variants that take the paged contract, the paged-only ones (wgmma64)
+    last."""
     return [n for n, v in registry.VARIANTS.items()
-            if v.family in PAGED_FAMILIES or not v.is_cuda]
+            if v.family in PAGED_FAMILIES or not v.is_cuda] + list(registry.PAGED_ONLY_VARIANTS)
 
 
 def paged_variant(name: str, s_q: int, n_head: int) -> registry.Variant:
@@ -67,6 +68,8 @@ def paged_variant(name: str, s_q: int, n_head: int) -> registry.Variant:
     if name == "auto":
         name = "mma16" if s_q * n_head <= 16 else "mma32"
     known = ", ".join(["auto", *paged_variant_names()])
+    if name in registry.PAGED_ONLY_VARIANTS:   # wgmma64: the sm_90a kernel, paged only
+        return registry.PAGED_ONLY_VARIANTS[name]
     var = registry.VARIANTS.get(name)
     if var is not None and var.name not in paged_variant_names():
         raise ValueError(f"variant {name} serves batch 1 from a contiguous cache only (use "

@@ -29,7 +29,7 @@ from . import toolkit
 from .sources import read_source
 
 __all__ = ["KernelResources", "PtxasParseError", "NvrtcCompileError", "ptxas_report",
-           "ptxas_report_source", "compile_log", "parse_ptxas_log"]
+           "ptxas_report_source", "compile_log", "parse_ptxas_log", "target_arch"]
 
 
 class PtxasParseError(ValueError):
@@ -264,6 +264,13 @@ def ptxas_report_source(source: str, expressions: Mapping[str, str], *, arch: st
     return out
 
 
+def target_arch(inst, arch: str) -> str:
+    """The target an instance is compiled for on `arch`: its arch-specific target (sm_90a)
+    where that runs on `arch` (sm_90), else `arch` itself."""
+    need = getattr(inst, "min_arch", "")
+    return need if need.endswith("a") and need[:-1] == arch else arch
+
+
 def ptxas_report(instances, arch: str = "sm_90", extra_options=()
                  ) -> dict[str, KernelResources]:
     """The report for registry KernelInstances, keyed by instance name, in the given order.
@@ -272,13 +279,14 @@ def ptxas_report(instances, arch: str = "sm_90", extra_options=()
     name expression added to it, one real compile each.
     """
 
-    by_source: "OrderedDict[str, dict[str, str]]" = OrderedDict()
+    by_source: "OrderedDict[tuple[str, str], dict[str, str]]" = OrderedDict()
     order = []
     for inst in instances:
-        by_source.setdefault(inst.source, {})[inst.name] = inst.expression
+        by_source.setdefault((inst.source, target_arch(inst, arch)), {})[inst.name] = (
+            inst.expression)
         order.append(inst.name)
     found: dict[str, KernelResources] = {}
-    for src, exprs in by_source.items():
-        found.update(ptxas_report_source(read_source(src), exprs, arch=arch,
+    for (src, target), exprs in by_source.items():
+        found.update(ptxas_report_source(read_source(src), exprs, arch=target,
                                          extra_options=extra_options, filename=src))
     return {n: found[n] for n in dict.fromkeys(order)}

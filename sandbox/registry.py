@@ -36,7 +36,8 @@ __all__ = [
     "ROWS_THREADS", "ROWS_TILE", "rows_instance", "rows_smem_bytes", "variant_for_hpb",
     "Family", "FAMILIES", "KINDS", "compile_defines", "resolve_variant", "check_cuda_dims",
     "mma_smem_bytes", "CHECK_THREADS", "paged_attention_instance", "paged_combine_instance",
-    "paged_check_instance", "PAGED_KINDS",
+    "paged_check_instance", "PAGED_KINDS", "PAGED_ONLY_VARIANTS", "wgmma_instance",
+    "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
 ]
 
 # The heads-per-block ladder of the CUDA-core variants: 1 is attn_rows (per_head, split), the
@@ -131,11 +132,13 @@ def variant_for_hpb(hpb: int) -> str:
 
 
 def variant(name: str) -> Variant:
-    try:
-        return VARIANTS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown variant {name!r}; known: {', '.join(VARIANTS)}") from None
+    """The Variant of `name`: a batch-1 one (VARIANTS) or a paged-only one
+    (PAGED_ONLY_VARIANTS, the wgmma family)."""
+    found = VARIANTS.get(name) or PAGED_ONLY_VARIANTS.get(name)
+    if found is None:
+        raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}; paged "
+                         f"only: {', '.join(PAGED_ONLY_VARIANTS)}")
+    return found
 
 
 def resolve_variant(name: str, heads_per_block: int | None = None, *,
@@ -155,6 +158,10 @@ def resolve_variant(name: str, heads_per_block: int | None = None, *,
                              f"{', '.join(map(str, HPB_VALUES))}; 1 is split)")
         return VARIANTS[variant_for_hpb(hpb)]
     v = variant(name)
+    if v.name in PAGED_ONLY_VARIANTS:
+        raise ValueError(f"variant {v.name} serves the paged step only (mla.decode_paged, "
+                         "mlasandbox bench --batch B); the batch-1 variants: "
+                         f"{', '.join(VARIANTS)}")
     if hpb is not None and hpb != (v.hpb or 1):
         raise ValueError(f"variant {v.name} serves {v.hpb or 1} head(s) per block; "
                          f"{option}={hpb} contradicts it (use variant batched with "
@@ -220,6 +227,55 @@ def tiled_smem_bytes(heads: int = 16) -> int:
     return tiles + q + red + p + heads * 4 + (TILED_STAGES + 2) * 8
 
 
+# ---- the wgmma family (cuda_src/mla_wgmma.cu): paged only, sm_90a -----------------------------
+# Two warpgroups serve 64 query rows (s_q x heads) of one request per block over tiles of 64
+# positions, two stages; the scores and the values on wgmma.mma_async (needs the sm_90a
+# target, which toolkit.compile_options passes for it), p rounded to the cache dtype.
+WGMMA_THREADS = 256
+WGMMA_TILE = 64
+WGMMA_ROWS = (64,)      # query rows per block: one wgmma M
+WGMMA_KEY_BLOCKS = KEY_DIM // 64  # 128-byte column blocks of a 576-wide row (9)
+
+
+def wgmma_smem_bytes(rows: int = 64) -> int:
+    """Dynamic shared memory of wgmma_attn_paged, WgmmaSmem::bytes in mla_wgmma.cu: q and two
+    tiles as 9 column blocks of [64 rows][128 B] each, p as one such block, the row maxima of
+    two tile parities and the row sums ([2][2][64] and [2][64] f32), and 1024 B of slack to
+    align the base to the 1024-byte swizzle period."""
+    if rows != 64:
+        raise ValueError(f"wgmma_attn serves 64 query rows per block, got {rows}")
+    block = 64 * 128
+    return 3 * WGMMA_KEY_BLOCKS * block + block + (2 * 2 * 64 + 2 * 64) * 4 + 1024
+
+
+# The paged-only variants: the paged step (decode_paged, bench --batch) takes them, the
+# batch-1 commands do not list them (variant_names()).
+PAGED_ONLY_VARIANTS: dict[str, Variant] = {
+    "wgmma64": Variant("wgmma64", "wgmma", 64, True,
+                       "Hopper wgmma (sm_90a): 64 query rows (s_q x heads) per block, two "
+                       "warpgroups, p rounded to the cache dtype; paged only"),
+}
+
+
+# What rounding p to the cache dtype costs (tests/test_gpu_wgmma.py derives it): relL2 of
+# latent and out with rms u / sqrt(3) x sqrt(sum_j w_j^2 |v_j|^2) / |sum_j w_j v_j|, u the
+# dtype's unit roundoff (2^-11 f16, 2^-8 bf16); the ratio is about 1 on random inputs, so the
+# bench's spot check takes MARGIN 4 times u / sqrt(3), plus the f32 bound 1e-4. lse stays f32.
+WGMMA_RELL2_BOUND = {"f16": 4 * 2.0 ** -11 / 3 ** 0.5 + 1e-4,
+                     "bf16": 4 * 2.0 ** -8 / 3 ** 0.5 + 1e-4}
+
+
+def wgmma_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
+    """The paged wgmma kernel (it has no batch-1 launch). q comes in the cache dtype, as
+    FlashMLA takes it: an f32 q would be rounded to 16 bits for the tensor cores, an error
+    the family does not take on silently."""
+    _check_attention_dtypes(cache, q)
+    if q != cache:
+        raise ValueError(f"wgmma64 takes q in the cache dtype ({cache}), got q={q}: convert q "
+                         "to the cache dtype, or use mma16/mma32 for an f32 q")
+    return KernelInstance("wgmma_attn", cache, q, heads=WGMMA_ROWS[0], paged=True)
+
+
 @dataclass(frozen=True)
 class Family:
     """One kernel template of cuda_src/: what every instance of it shares.
@@ -263,6 +319,10 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
            Q_ABSORB_THREADS, min_arch="sm_75"),
     Family("combine", "mla_combine.cu", "mla::combine", ("cache", "rescale"), "COMBINE",
            COMBINE_THREADS, min_arch="sm_75", paged_function="mla::combine_paged"),
+    # paged only: the sm_90a tensor-core kernel (wgmma section below)
+    Family("wgmma_attn", "mla_wgmma.cu", "mla::wgmma_attn_paged", ("cache", "q"), "WGMMA",
+           WGMMA_THREADS, WGMMA_TILE, WGMMA_ROWS, wgmma_smem_bytes, "sm_90a",
+           paged_function="mla::wgmma_attn_paged"),
     # paged only: the index validator of the paged step (no template, no batch-1 launch)
     Family("check_paged", "mla_paged_check.cu", "mla::check_paged", (), "CHECK",
            CHECK_THREADS, min_arch="sm_75", paged_function="mla::check_paged"),
@@ -417,7 +477,9 @@ def tiled_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> Kerne
 
 
 def attention_instance(var: Variant, cache: str = "f16", q: str = "f32") -> KernelInstance:
-    """The attention kernel a CUDA variant launches."""
+    """The attention kernel a CUDA variant launches (a paged-only variant: its paged one)."""
+    if var.family == "wgmma":
+        return wgmma_instance(cache, q)
     if var.family == "mma":
         return mma_instance(var.hpb, cache, q)
     if var.family == "tiled":
@@ -447,6 +509,8 @@ def paged_attention_instance(var: Variant | str, cache: str = "f16",
                else "serves batch 1 (one contiguous cache) only")
         raise ValueError(f"variant {var.name} {why}; the paged kernels: {takes}")
     inst = attention_instance(var, cache, q)
+    if inst.paged:
+        return inst
     return KernelInstance(inst.kind, inst.cache, inst.q, heads=inst.heads, paged=True)
 
 
@@ -485,6 +549,8 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
             for var in VARIANTS.values():
                 if var.is_cuda and var.family not in ("per_head", "tiled"):
                     out.append(paged_attention_instance(var, cache, q))
+            if q == cache:
+                out.append(wgmma_instance(cache, q))
         out.append(combine_instance(cache, True))
         out.append(paged_combine_instance(cache, True))
         if negative_controls:

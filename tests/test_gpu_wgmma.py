@@ -1,0 +1,177 @@
+"""The wgmma family (sm_90a) on the paged contract, against the float64 reference (GPU).
+
+The same launch as the other paged kernels (test_gpu_paged_kernels.run_paged: a permuted
+block table, NaN in unused pages and past each length, INVALID_PAGE past each request's
+pages, NaN-filled partials and outputs) on the paged case grid: batches with empty requests,
+lengths 1 and at tile and page edges (4095, 4096, 4097), page sizes 1, 16 and 64, s_q 1, 2 and
+4 with causal, heads 16, 64 and 128 and counts that are not multiples of the 64-row tile (3,
+63, 96). Skipped without a GPU, or on a GPU that is not sm_90 (the kernel is sm_90a code).
+
+Tolerance (derived here, for `p` rounded to the cache dtype): the family rounds each weight
+p_j = 2^(s_j - m) to the cache dtype once before the value product, p_j (1 + d_j) with
+|d_j| <= u (u = 2^-11 for f16, 2^-8 for bf16: 11 and 8 significand bits), and sums the running
+l from the unrounded f32 p. The latent of a row then errs by sum_j d_j w_j v_j (w_j = p_j / l,
+v_j the first 512 columns of cache row j): with the d_j independent and at worst uniform on
+[-u, u], its expected square is u^2 / 3 * sum_j w_j^2 |v_j|^2. The relL2 over every live row is
+the norm of many nearly independent errors and concentrates at its rms,
+    rms = u / sqrt(3) * sqrt(sum_rows sum_j w_j^2 |v_j|^2) / ||latent||,
+computed below in float64 from the very inputs of the case. The bound is MARGIN (4, as
+tests/tolerances.py) times that rms, plus the f32 tolerance of the exact kernels (1e-4, for
+the f32 arithmetic of the scores and sums). `out` = wv_b latent per head: a random 128 x 512
+projection keeps a random error's relative size, so the same bound. lse is computed from the
+f32 p and f32 scores of exact 16-bit q and cache: the f32 tolerance (1e-4 absolute).
+A negative control (the combine without its rescale) fails these bounds.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from gpu_support import HAVE_GPU, fresh_seed, gpu
+from mlasandbox import registry
+from mlasandbox.bf16 import as_f64
+from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
+from mlasandbox.compare import Tolerance
+from mlasandbox.compare_paged import compare_paged
+from mlasandbox.reference import decode_paged, to_host
+from test_gpu_paged_kernels import Case, _inputs, run_paged
+from tolerances import MARGIN
+
+U16 = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}   # unit roundoff of the 16-bit dtypes
+F32_TOL = 1e-4                                 # the exact kernels' tolerance (compare.py)
+
+
+def _sm90_reason() -> str | None:
+    if not HAVE_GPU:
+        return None
+    from mlasandbox.kernels import device_info
+
+    arch = device_info().arch
+    return None if arch == "sm_90" else f"wgmma64 is sm_90a code; this device is {arch}"
+
+
+SM90_SKIP = _sm90_reason()
+sm90 = pytest.mark.skipif(SM90_SKIP is not None, reason=SM90_SKIP or "")
+
+CASES = [
+    Case("wgmma64", 128, (4097, 0, 1, 140), page_size=64, max_chunks=6, cache="bf16", q="bf16"),
+    Case("wgmma64", 16, (4096, 20, 1026), s_q=4, causal=True, page_size=16, max_chunks=4,
+         cache="f16", q="f16"),
+    Case("wgmma64", 64, (4095, 300), s_q=2, causal=True, page_size=64, max_chunks=3,
+         cache="f16", q="f16", wv_b=False),
+    Case("wgmma64", 3, (1, 2, 700), page_size=1, max_chunks=3, cache="bf16", q="bf16"),
+    Case("wgmma64", 63, (2000,), s_q=2, page_size=16, max_chunks=2, cache="bf16", q="bf16"),
+    Case("wgmma64", 96, (4097, 65), page_size=64, max_chunks=8, cache="f16", q="f16"),
+    # a last chunk of 2 positions: early causal rows see nothing of it but earlier chunks
+    Case("wgmma64", 128, (1026,), s_q=2, causal=True, page_size=64, max_chunks=16,
+         cache="bf16", q="bf16"),
+    Case("wgmma64", 16, (20000,), page_size=64, max_chunks=16, cache="f16", q="f16"),
+    Case("wgmma64", 128, (0, 4096, 4097, 1, 64, 65), page_size=64, max_chunks=4,
+         cache="bf16", q="bf16"),
+]
+
+
+def rounding_bound(inp, ref, cache: str) -> float:
+    """MARGIN x the rms relL2 that rounding p to `cache` predicts (module docstring), + 1e-4."""
+    q64 = as_f64(to_host(inp.q))
+    table, lengths = to_host(inp.block_table), to_host(inp.cache_seqlens)
+    pages = as_f64(to_host(inp.kv_cache))
+    batch, s_q, n_head, key = q64.shape
+    page_size = pages.shape[1]
+    total = 0.0
+    for b in range(batch):
+        n = int(lengths[b])
+        if n == 0:
+            continue
+        ids = np.asarray(table[b, :-(-n // page_size)], dtype=np.int64)
+        rows = pages[ids].reshape(-1, key)[:n]
+        s = np.einsum("ihk,tk->iht", q64[b], rows) * inp.scale
+        visible = n - (s_q - 1 - np.arange(s_q)) if inp.causal else np.full(s_q, n)
+        seen = np.arange(n)[None, :] < visible[:, None]
+        s = np.where(seen[:, None, :], s, -np.inf)
+        m = s.max(axis=2, keepdims=True)
+        w = np.where(np.isfinite(m), np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+        l = w.sum(axis=2, keepdims=True)
+        w = np.divide(w, l, out=np.zeros_like(w), where=l > 0)
+        v2 = np.square(rows[:, :registry.KV_LORA]).sum(axis=1)      # |v_j|^2
+        total += float(np.einsum("iht,t->", np.square(w), v2))
+    norm = float(np.linalg.norm(ref.latent))
+    rms = U16[cache] / math.sqrt(3.0) * math.sqrt(total) / norm if norm > 0 else 0.0
+    return MARGIN * rms + F32_TOL
+
+
+def _tolerance(inp, ref, cache: str) -> Tolerance:
+    bound = rounding_bound(inp, ref, cache)
+    return Tolerance(out=bound, latent=bound, lse_abs=F32_TOL)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_wgmma_matches_the_float64_reference(case):
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, part_l = run_paged(inp, case.variant, case.max_chunks)
+    ref = decode_paged(**inp.decode_args())
+    tol = _tolerance(inp, ref, case.cache)
+    cmp = compare_paged(res, ref, tol)
+    assert cmp.ok, f"{case} seed={seed} tolerance={tol}\n{cmp.summary()}"
+    # the programs past a request's last chunk wrote nothing (l still NaN), the others all rows
+    tile = registry.WGMMA_TILE
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile)
+    written = ~np.isnan(part_l.get())
+    want = np.arange(case.max_chunks)[None, :] < n[:, None]
+    assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
+
+
+@gpu
+@sm90
+def test_negative_control_the_combine_without_rescale_fails_the_wgmma_bound():
+    case = Case("wgmma64", 16, (4097, 3000), s_q=2, causal=True, page_size=16, max_chunks=8,
+                cache="bf16", q="bf16")
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, _ = run_paged(inp, case.variant, case.max_chunks, rescale=False)
+    ref = decode_paged(**inp.decode_args())
+    cmp = compare_paged(res, ref, _tolerance(inp, ref, case.cache))
+    assert not cmp.ok, f"seed={seed}: the wgmma bound passed a combine without rescale"
+
+
+@gpu
+@sm90
+def test_decode_paged_runs_wgmma64_and_a_captured_graph_replays_new_lengths():
+    import cupy as cp
+
+    import mlasandbox as mla
+
+    # pages for 4097 positions in both requests; the replays use prefixes of them
+    case = Case("wgmma64", 128, (4097, 4097), s_q=1, page_size=64, cache="bf16", q="bf16")
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res = mla.decode_paged(**inp.decode_args(), variant="wgmma64")
+    ref = decode_paged(**inp.decode_args())
+    cmp = compare_paged(res, ref, _tolerance(inp, ref, "bf16"))
+    assert cmp.ok, f"seed={seed}\n{cmp.summary()}"
+    step = mla.PagedDecodeStep(**inp.decode_args(), variant="wgmma64")
+    graph = step.capture()
+    for lens in ((0, 0), (1, 64), (65, 4000), (4097, 4097)):
+        inp.cache_seqlens[...] = cp.asarray(lens, dtype=cp.int32)
+        cp.cuda.Device().synchronize()  # the write (default stream) lands before the replay
+        graph.launch(step.graph_stream)
+        step.graph_stream.synchronize()
+        ref = decode_paged(**inp.decode_args())
+        got = mla.PagedResult(step.latent, step.lse, step.out)
+        cmp = compare_paged(got, ref, _tolerance(inp, ref, "bf16"))
+        assert cmp.ok, f"lengths {lens} seed={seed}\n{cmp.summary()}"
+
+
+@gpu
+@sm90
+def test_wgmma64_refuses_an_f32_q():
+    import mlasandbox as mla
+
+    inp = _inputs(Case("wgmma64", 16, (10,), cache="bf16", q="f32"), fresh_seed())
+    with pytest.raises(ValueError, match="q in the cache dtype"):
+        mla.decode_paged(**inp.decode_args(), variant="wgmma64")

@@ -1,0 +1,93 @@
+"""The wgmma family without a GPU: NVRTC builds it for sm_90a, and only for sm_90a.
+
+NVRTC and ptxas run on the host. The kernel compiles for sm_90a with the registry's launch
+values (ptxas report: registers, no spills, shared memory within an SM), the cubin the loader
+hands to CuPy comes out of the same compile, a plain sm_90 compile stops at the source's
+#error, a registry fact one byte off fails the compile, and the arch checks refuse every
+device but sm_90.
+"""
+from __future__ import annotations
+
+import pytest
+
+from mlasandbox import arch_specific, archs, paged_api, ptxas, registry
+from mlasandbox.sources import read_source
+
+INSTANCES = [registry.wgmma_instance(c, c) for c in ("f16", "bf16")]
+
+
+@pytest.fixture(scope="module")
+def report():
+    return ptxas.ptxas_report(INSTANCES, arch="sm_90")
+
+
+def test_the_registry_holds_the_paged_only_family():
+    inst = registry.paged_attention_instance("wgmma64", "bf16", "bf16")
+    assert inst == INSTANCES[1] and inst.paged and inst.heads == 64
+    assert inst.name == "wgmma_attn<cache=bf16,q=bf16,paged=true>"
+    assert inst.expression == "mla::wgmma_attn_paged<__nv_bfloat16, __nv_bfloat16>"
+    assert (inst.threads, inst.tile_rows, inst.min_arch) == (256, 64, "sm_90a")
+    assert inst.smem_bytes == registry.wgmma_smem_bytes(64) <= 227 * 1024
+    assert set(INSTANCES) <= set(registry.all_instances())
+    assert "wgmma64" in paged_api.paged_variant_names()
+    assert "wgmma64" not in registry.variant_names()  # the batch-1 commands do not offer it
+
+
+def test_an_f32_q_is_refused_by_name():
+    with pytest.raises(ValueError, match="q in the cache dtype"):
+        registry.wgmma_instance("f16", "f32")
+
+
+def test_ptxas_reports_it_for_sm_90a_without_spills(report):
+    for inst in INSTANCES:
+        r = report[inst.name]
+        assert r.arch == "sm_90a", inst.name
+        assert 0 < r.registers <= 255 and not r.spills, (inst.name, r)
+        assert r.stack_bytes == 0 and r.smem_bytes + inst.smem_bytes <= 227 * 1024
+
+
+def test_the_loader_gets_a_cubin_and_the_lowered_name():
+    inst = INSTANCES[0]
+    cubin, lowered = arch_specific.compile_cubin(read_source(inst.source), inst.expression,
+                                                 "sm_90a", filename=inst.source)
+    assert cubin[:4] == b"\x7fELF" and len(cubin) > 10_000
+    assert lowered.startswith("_ZN3mla16wgmma_attn_paged")
+
+
+def test_a_plain_sm_90_compile_stops_at_the_guard():
+    inst = INSTANCES[0]
+    with pytest.raises(ptxas.NvrtcCompileError, match="compile it for sm_90a"):
+        ptxas.compile_log(read_source(inst.source), [inst.expression], arch="sm_90")
+
+
+def test_a_wrong_smem_fact_fails_the_compile(monkeypatch):
+    inst = INSTANCES[1]
+    real = registry.compile_defines()
+    patched = tuple(f"-DMLA_WGMMA_SMEM=64,{inst.smem_bytes + 16}"
+                    if d.startswith("-DMLA_WGMMA_SMEM=") else d for d in real)
+    assert patched != real
+    monkeypatch.setattr(registry, "compile_defines", lambda: patched)
+    with pytest.raises(ptxas.NvrtcCompileError, match="wgmma_smem_bytes"):
+        ptxas.compile_log(read_source(inst.source), [inst.expression], arch="sm_90a")
+
+
+@pytest.mark.parametrize("arch, ok", [("sm_90", True), ("sm_80", False), ("sm_89", False),
+                                      ("sm_100", False)])
+def test_only_sm_90_devices_run_it(arch, ok):
+    inst = INSTANCES[0]
+    assert (archs.instance_needs(arch, inst) is None) == ok
+    if ok:
+        arch_specific.check_device_arch(inst.name, inst.min_arch, arch, "a GPU")
+    else:
+        with pytest.raises(ValueError, match=f"runs on sm_90 devices only.*is {arch}"):
+            arch_specific.check_device_arch(inst.name, inst.min_arch, arch, "a GPU")
+
+
+def test_the_batch_1_paths_refuse_it_by_name():
+    from mlasandbox.bench_config import make_config
+
+    with pytest.raises(ValueError, match="wgmma64 serves the paged step only"):
+        registry.resolve_variant("wgmma64")       # mla.decode, DecodeStep, grid
+    with pytest.raises(ValueError, match="wgmma64 serves the paged step only"):
+        make_config(variants=("wgmma64",))        # bench without --batch
+    assert paged_api.paged_variant("wgmma64", 1, 128) is registry.PAGED_ONLY_VARIANTS["wgmma64"]
