@@ -14,7 +14,11 @@ prefetch wv_b there.
 Under stream capture the attribute becomes a programmatic edge of the graph (CUDA 12.3 and
 later), so a captured step replays with the same overlap. PDL needs sm_90 or later; on an
 older device, or where libcuda lacks cuLaunchKernelEx, `supported()` is False and the
-launchers use a plain launch (a kernel's wait is then a no-op).
+launchers use a plain launch (a kernel's wait is then a no-op). On the default streams
+(CuPy's null stream, the legacy and per-thread handles 0, 1 and 2) the launch is plain too:
+their implicit synchronization with every other stream is what a caller on them relies on,
+so a programmatic launch is made only on a stream of the caller's own, which is where the
+bench, the graph captures and serving loops run.
 
 The structures are cuda.h's, laid out by hand (tests/test_pdl.py checks the sizes and
 offsets against the header's): CUlaunchAttribute is an int id padded to 8 bytes and a
@@ -28,10 +32,11 @@ import ctypes
 import numpy as np
 
 __all__ = ["LaunchAttribute", "LaunchConfig", "PROGRAMMATIC_STREAM_SERIALIZATION",
-           "kernel_params", "launch_config", "supported", "launch"]
+           "DEFAULT_STREAMS", "kernel_params", "launch_config", "supported", "launch"]
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 MIN_ARCH = 90                          # griddepcontrol: sm_90 and later
+DEFAULT_STREAMS = (0, 1, 2)  # CU_STREAM_LEGACY = 1, CU_STREAM_PER_THREAD = 2, NULL
 
 
 class _AttributeValue(ctypes.Union):
@@ -78,11 +83,12 @@ def kernel_params(args) -> tuple:
 
 def launch_config(grid, block, smem_bytes: int, stream_ptr: int, pdl: bool) -> tuple:
     """(the CUlaunchConfig, its attribute array): one attribute, programmatic stream
-    serialization, when `pdl`; none otherwise."""
+    serialization, when `pdl`; none otherwise. `grid` and `block` of 1 to 3 dimensions."""
     attrs = (LaunchAttribute * 1)()
     attrs[0].id = PROGRAMMATIC_STREAM_SERIALIZATION
     attrs[0].value.as_int = 1
-    cfg = LaunchConfig(*(int(g) for g in grid), *(int(b) for b in block), int(smem_bytes),
+    grid, block = (tuple(int(x) for x in d) + (1,) * (3 - len(d)) for d in (grid, block))
+    cfg = LaunchConfig(*grid, *block, int(smem_bytes),
                        ctypes.c_void_p(int(stream_ptr) or None),
                        ctypes.cast(attrs, ctypes.POINTER(LaunchAttribute)), 1 if pdl else 0)
     return cfg, attrs
@@ -123,18 +129,19 @@ def supported(device_id: int | None = None) -> bool:
 
 def launch(kernel, grid, block, args, smem_bytes: int = 0, *, pdl: bool = True) -> bool:
     """Launch the cupy.RawKernel `kernel` on CuPy's current stream, with programmatic stream
-    serialization when `pdl` and the device supports it (else a plain launch). Returns
+    serialization when `pdl`, the stream is not a default stream and the device supports it
+    (else a plain launch). Returns
     whether the launch was programmatic. A refused launch raises CUDADriverError, as CuPy's
     own launcher does, so the phase guard reports it."""
     import cupy
     from cupy_backends.cuda.api import driver
 
-    if not (pdl and supported()):
+    stream = cupy.cuda.get_current_stream().ptr
+    if not (pdl and stream not in DEFAULT_STREAMS and supported()):
         kernel(tuple(grid), tuple(block), tuple(args), shared_mem=int(smem_bytes))
         return False
     params, keep = kernel_params(args)
-    cfg, attrs = launch_config(grid, block, smem_bytes, cupy.cuda.get_current_stream().ptr,
-                               True)
+    cfg, attrs = launch_config(grid, block, smem_bytes, stream, True)
     status = _cuda()(ctypes.byref(cfg), ctypes.c_void_p(kernel.kernel.ptr), params, None)
     del keep, attrs
     if status != 0:

@@ -172,7 +172,7 @@ def test_ptxas_registers_match_the_loaded_kernels_and_the_driver_occupancy():
     insts += [registry.tiled_instance(16, "f16", "f32"),
               registry.mma_instance(16, "f16", "f32"), registry.mma_instance(32, "f16", "f32"),
               registry.combine_instance("f16"),
-              registry.q_absorb_instance("f16", "f32")]
+              registry.q_absorb_instance("f16", "f32"), registry.project_instance("f16")]
     report = ptxas_report(insts, arch=arch)
     for inst in insts:
         k = get_kernel(inst)

@@ -48,17 +48,26 @@ def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks,
 
     from mlasandbox.api import DecodeStep
 
+    from mlasandbox.pdl import supported
+
     inp, seed = device_inputs(Dims(n_head=16), 20000, "f16", "f32")
+    cupy.cuda.get_current_stream().synchronize()
     ref = reference.decode(**inp.decode_args())
-    step = DecodeStep(**inp.decode_args(), variant="mma16", splits=33, pdl=pdl)
-    step.col_blocks = col_blocks
-    res = run_poisoned(step)
-    cmp = compare(res, ref)
-    assert cmp.ok, f"col_blocks={col_blocks} pdl={pdl} seed={seed}\n{cmp.summary()}"
-    first = [cupy.asnumpy(a).copy() for a in (res.out, res.latent, res.lse)]
-    again = run_poisoned(step)
-    for a, b in zip(first, (again.out, again.latent, again.lse)):
-        assert np.array_equal(a, cupy.asnumpy(b)), "the merge is not deterministic"
+    # a stream of its own: programmatic launches are never made on a default stream
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        step = DecodeStep(**inp.decode_args(), variant="mma16", splits=33, pdl=pdl,
+                          sync_check=True)
+        step.col_blocks = col_blocks
+        res = run_poisoned(step)
+        stream.synchronize()
+        cmp = compare(res, ref)
+        assert cmp.ok, f"col_blocks={col_blocks} pdl={pdl} seed={seed}\n{cmp.summary()}"
+        assert step.guard.programmatic == (2 if pdl and supported() else 0)
+        first = [cupy.asnumpy(a).copy() for a in (res.out, res.latent, res.lse)]
+        again = run_poisoned(step)
+        stream.synchronize()
+        for a, b in zip(first, (again.out, again.latent, again.lse)):
+            assert np.array_equal(a, cupy.asnumpy(b)), "the merge is not deterministic"
 
 
 def _project(m_rows, heads, cache, seed, v_head=128):

@@ -77,8 +77,9 @@ def test_a_launch_config_carries_the_attribute_only_when_asked():
     assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX) == (3, 4, 5, 256)
     assert cfg.sharedMemBytes == 1024 and cfg.hStream == 0x1234 and cfg.numAttrs == 1
     assert attrs[0].id == 6 and attrs[0].value.as_int == 1
-    plain, _ = pdl.launch_config((1, 1, 1), (32, 1, 1), 0, 0, False)
+    plain, _ = pdl.launch_config((7,), (32,), 0, 0, False)
     assert plain.numAttrs == 0 and plain.hStream is None  # the legacy stream is NULL
+    assert (plain.gridDimX, plain.gridDimY, plain.gridDimZ, plain.blockDimZ) == (7, 1, 1, 1)
 
 
 @pytest.mark.parametrize("rows,sms,want", [(16, 132, 16), (128, 132, 4), (2048, 132, 1),
