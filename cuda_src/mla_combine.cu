@@ -8,7 +8,9 @@
 //   kCombineThreads = 256 threads; a block merges cols = 512 / gridDim.y latent columns of one
 //   row, gridDim.y (the column blocks) a power of two up to kMaxColBlocks = 16 (32 columns:
 //   8 threads of a float4). Its threads are 256 / (cols / 4) split groups of cols / 4
-//   threads, each thread a float4 of columns; kSplitTile = 256 split weights per step.
+//   threads, each thread a float4 of columns; kSplitTile = 256 split weights per step. Up to
+//   kPrefetch = 8 splits a thread (and 256 in all), the partials are loaded together with
+//   the (m, l) pairs: the whole merge waits on memory once.
 //   sandbox/registry.py passes its block size and kMaxColBlocks; the kernel static_asserts them.
 //
 // Launch: grid = (H, column blocks), block = kCombineThreads, no dynamic shared memory.
@@ -46,6 +48,7 @@ constexpr int kCombineThreads = 256;
 constexpr int kMaxColBlocks = 16;
 constexpr int kMinBlockCols = MLA_KV_LORA / kMaxColBlocks;  // 32
 constexpr int kSplitTile = 256;
+constexpr int kPrefetch = 8;  // float4s of partials a thread loads before the max is known
 static_assert(kMinBlockCols % 4 == 0 && kCombineThreads % (kMinBlockCols / 4) == 0,
               "a split group is a whole number of float4 threads");
 static_assert(MLA_KV_LORA / 4 <= kCombineThreads, "one column block fits a block's threads");
@@ -119,10 +122,30 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
     pdl_wait();  // the partials are the attention kernel's: nothing above reads them
     pdl_launch_dependents();
 
-    float m_local = -INFINITY;
     const int splits = merge.parts();
     const size_t stride = static_cast<size_t>(merge.stride());
-    for (int i = tid; i < splits; i += kCombineThreads) {
+    const float* acc_base = part_acc + merge.first() * MLA_KV_LORA + cb * cols + 4 * col4;
+    const size_t split_stride = stride * MLA_KV_LORA;
+    // Where a thread has at most kPrefetch splits of columns (and one tile of weights), its
+    // partials are loaded with split tid's (l, m) before the max is known: one round trip
+    // to memory instead of three (l, then m, then acc).
+    const bool prefetch = splits <= kSplitTile && splits <= groups * kPrefetch;
+    float my_l = 0.f, my_m = -INFINITY;
+    if (tid < splits) {
+        const size_t k = merge.first() + tid * stride;
+        my_l = part_l[k];
+        my_m = part_m[k];
+    }
+    float4 pre[kPrefetch];
+    if (prefetch) {
+#pragma unroll
+        for (int j = 0; j < kPrefetch; ++j) {
+            const int i = group + j * groups;
+            if (i < splits) pre[j] = *reinterpret_cast<const float4*>(acc_base + i * split_stride);
+        }
+    }
+    float m_local = my_l > 0.f ? my_m : -INFINITY;
+    for (int i = tid + kCombineThreads; i < splits; i += kCombineThreads) {
         const size_t k = merge.first() + i * stride;
         if (part_l[k] > 0.f) m_local = fmaxf(m_local, part_m[k]);
     }
@@ -130,9 +153,26 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
 
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     float wl = 0.f;  // this thread's share of l = sum_i w_i l_i
-    const float* acc_base = part_acc + merge.first() * MLA_KV_LORA + cb * cols + 4 * col4;
-    const size_t split_stride = stride * MLA_KV_LORA;
-    for (int i0 = 0; i0 < splits; i0 += kSplitTile) {
+    if (prefetch) {
+        if (tid < splits) {
+            const float w = (my_l > 0.f) ? (RESCALE ? exp2f(my_m - m) : 1.f) : 0.f;
+            w_s[tid] = w;
+            wl = w * my_l;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < kPrefetch; ++j) {
+            const int i = group + j * groups;
+            if (i < splits) {
+                const float w = w_s[i];
+                acc.x = fmaf(w, pre[j].x, acc.x);
+                acc.y = fmaf(w, pre[j].y, acc.y);
+                acc.z = fmaf(w, pre[j].z, acc.z);
+                acc.w = fmaf(w, pre[j].w, acc.w);
+            }
+        }
+    }
+    for (int i0 = 0; !prefetch && i0 < splits; i0 += kSplitTile) {
         const int n = min(kSplitTile, splits - i0);
         if (tid < n) {
             const size_t k = merge.first() + (i0 + tid) * stride;

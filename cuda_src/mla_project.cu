@@ -30,8 +30,10 @@ constexpr int kMRows = 16;
 constexpr int kProjectWarps = kProjectThreads / 32;
 constexpr int kVPerWarp = kVRows / kProjectWarps;  // 4
 constexpr int kColSteps = MLA_KV_LORA / 128;       // 4 float4s of columns per lane
+constexpr int kStage = kMRows * (MLA_KV_LORA / 4) / kProjectThreads;  // 8 float4s a thread
 static_assert(kVRows % kProjectWarps == 0, "whole wv_b rows per warp");
 static_assert(MLA_KV_LORA % 128 == 0, "a warp covers 128 columns a step");
+static_assert(kMRows * (MLA_KV_LORA / 4) % kProjectThreads == 0, "whole staging steps");
 
 template <typename WvT>
 __global__ void __launch_bounds__(kProjectThreads)
@@ -61,12 +63,21 @@ project(const float* __restrict__ latent, const WvT* __restrict__ wv_b, int n_he
 
     pdl_wait();  // the latent is the previous kernel's
 
+    // Stage the block's latent rows: all kStage loads a thread makes are in flight at once.
     const int rows = min(kMRows, m_rows - m0);
-    for (int k = tid; k < rows * (MLA_KV_LORA / 4); k += kProjectThreads) {
-        const int mr = k / (MLA_KV_LORA / 4), c4 = k % (MLA_KV_LORA / 4);
+    float4 stage[kStage];
+#pragma unroll
+    for (int s = 0; s < kStage; ++s) {
+        const int k = tid + s * kProjectThreads, mr = k / (MLA_KV_LORA / 4);
         const float* src = latent + (static_cast<size_t>(m0 + mr) * n_head + h) * MLA_KV_LORA;
-        *reinterpret_cast<float4*>(&lat_s[mr][4 * c4]) =
-            *reinterpret_cast<const float4*>(src + 4 * c4);
+        const int c4 = k % (MLA_KV_LORA / 4);
+        if (mr < rows) stage[s] = *reinterpret_cast<const float4*>(src + 4 * c4);
+    }
+#pragma unroll
+    for (int s = 0; s < kStage; ++s) {
+        const int k = tid + s * kProjectThreads, mr = k / (MLA_KV_LORA / 4);
+        const int c4 = k % (MLA_KV_LORA / 4);
+        if (mr < rows) *reinterpret_cast<float4*>(&lat_s[mr][4 * c4]) = stage[s];
     }
     __syncthreads();
 

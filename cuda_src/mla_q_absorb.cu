@@ -91,8 +91,10 @@ q_absorb(const InT* __restrict__ q_nope, const InT* __restrict__ q_rope,
         for (int p = 0; p < 8; ++p) s += part8[p][tid];
         dst[cb * kAbsorbCols + tid] = from_f32<QT>(s);
     }
-    if (cb == 0 && tid < kAbsorbRope)
-        dst[kAbsorbLora + tid] = from_f32<QT>(to_f32(q_rope[static_cast<size_t>(h) * kAbsorbRope + tid]));
+    if (cb == 0 && tid < kAbsorbRope) {
+        const InT r = q_rope[static_cast<size_t>(h) * kAbsorbRope + tid];
+        dst[kAbsorbLora + tid] = from_f32<QT>(to_f32(r));
+    }
 }
 
 }  // namespace mla

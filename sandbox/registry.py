@@ -289,7 +289,8 @@ def compile_defines() -> tuple[str, ...]:
     Each kernel static_asserts them (mla_common.cuh, "the registry's launch values"):
     MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
     and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_Q_ABSORB_COL_BLOCKS,
-    MLA_PROJECT_V_ROWS and MLA_PROJECT_M_ROWS. They only feed static_asserts, so they change no code.
+    MLA_PROJECT_V_ROWS and MLA_PROJECT_M_ROWS. They only feed static_asserts, so they change
+    no code.
     """
     out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}",
            f"MLA_Q_ABSORB_COL_BLOCKS={Q_ABSORB_COL_BLOCKS}",
