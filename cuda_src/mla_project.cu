@@ -63,50 +63,52 @@ project(const float* __restrict__ latent, const WvT* __restrict__ wv_b, int n_he
 
     pdl_wait();  // the latent is the previous kernel's
 
-    // Stage the block's latent rows: all kStage loads a thread makes are in flight at once.
+    // Stage the block's latent rows, kStage / 2 loads a thread in flight at a time (all of
+    // them at once would hold 32 more registers beside the packed wv_b).
     const int rows = min(kMRows, m_rows - m0);
-    float4 stage[kStage];
 #pragma unroll
-    for (int s = 0; s < kStage; ++s) {
-        const int k = tid + s * kProjectThreads, mr = k / (MLA_KV_LORA / 4);
-        const float* src = latent + (static_cast<size_t>(m0 + mr) * n_head + h) * MLA_KV_LORA;
-        const int c4 = k % (MLA_KV_LORA / 4);
-        if (mr < rows) stage[s] = *reinterpret_cast<const float4*>(src + 4 * c4);
-    }
+    for (int half = 0; half < 2; ++half) {
+        float4 stage[kStage / 2];
 #pragma unroll
-    for (int s = 0; s < kStage; ++s) {
-        const int k = tid + s * kProjectThreads, mr = k / (MLA_KV_LORA / 4);
-        const int c4 = k % (MLA_KV_LORA / 4);
-        if (mr < rows) *reinterpret_cast<float4*>(&lat_s[mr][4 * c4]) = stage[s];
+        for (int s = 0; s < kStage / 2; ++s) {
+            const int k = tid + (half * (kStage / 2) + s) * kProjectThreads;
+            const int mr = k / (MLA_KV_LORA / 4), c4 = k % (MLA_KV_LORA / 4);
+            const float* src = latent + (static_cast<size_t>(m0 + mr) * n_head + h) * MLA_KV_LORA;
+            if (mr < rows) stage[s] = *reinterpret_cast<const float4*>(src + 4 * c4);
+        }
+#pragma unroll
+        for (int s = 0; s < kStage / 2; ++s) {
+            const int k = tid + (half * (kStage / 2) + s) * kProjectThreads;
+            const int mr = k / (MLA_KV_LORA / 4), c4 = k % (MLA_KV_LORA / 4);
+            if (mr < rows) *reinterpret_cast<float4*>(&lat_s[mr][4 * c4]) = stage[s];
+        }
     }
     __syncthreads();
 
-    float w[kVPerWarp][4 * kColSteps];
+    // One wv_b row at a time, widened once and dotted with every staged latent row: its
+    // packed loads stay 32 registers, the widened row 16.
 #pragma unroll
-    for (int r = 0; r < kVPerWarp; ++r)
+    for (int r = 0; r < kVPerWarp; ++r) {
+        float w[4 * kColSteps];
 #pragma unroll
         for (int j = 0; j < kColSteps; ++j) {
             const float2 a = pair_to_f32<WvT>(raw[r][j].x), b = pair_to_f32<WvT>(raw[r][j].y);
-            w[r][4 * j] = a.x; w[r][4 * j + 1] = a.y; w[r][4 * j + 2] = b.x; w[r][4 * j + 3] = b.y;
+            w[4 * j] = a.x; w[4 * j + 1] = a.y; w[4 * j + 2] = b.x; w[4 * j + 3] = b.y;
         }
-    for (int mr = 0; mr < rows; ++mr) {
-        float4 x[kColSteps];
-#pragma unroll
-        for (int j = 0; j < kColSteps; ++j)
-            x[j] = *reinterpret_cast<const float4*>(&lat_s[mr][128 * j + 4 * lane]);
-        float* dst = out + (static_cast<size_t>(m0 + mr) * n_head + h) * v_head;
-#pragma unroll
-        for (int r = 0; r < kVPerWarp; ++r) {
+        const int v = v0 + r;
+        for (int mr = 0; mr < rows; ++mr) {
             float s = 0.f;
 #pragma unroll
             for (int j = 0; j < kColSteps; ++j) {
-                s = fmaf(w[r][4 * j], x[j].x, s);
-                s = fmaf(w[r][4 * j + 1], x[j].y, s);
-                s = fmaf(w[r][4 * j + 2], x[j].z, s);
-                s = fmaf(w[r][4 * j + 3], x[j].w, s);
+                const float4 x = *reinterpret_cast<const float4*>(&lat_s[mr][128 * j + 4 * lane]);
+                s = fmaf(w[4 * j], x.x, s);
+                s = fmaf(w[4 * j + 1], x.y, s);
+                s = fmaf(w[4 * j + 2], x.z, s);
+                s = fmaf(w[4 * j + 3], x.w, s);
             }
             s = warp_sum(s);
-            if (lane == r && v0 + r < v_head) dst[v0 + r] = s;
+            if (lane == (mr & 31) && v < v_head)
+                out[(static_cast<size_t>(m0 + mr) * n_head + h) * v_head + v] = s;
         }
     }
 }

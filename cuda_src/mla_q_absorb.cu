@@ -9,18 +9,19 @@
 //   QT   q element written: float, or InT
 // Fixed geometry
 //   kAbsorbThreads = 256, kNope = 128 (q_nope width), MLA_KV_LORA = 512, MLA_ROPE = 64;
-//   kAbsorbColBlocks = 16 blocks per head, each kAbsorbCols = 32 latent columns.
+//   kAbsorbColBlocks = 8 blocks per head, each kAbsorbCols = 64 latent columns.
 //   sandbox/registry.py passes its block size and column blocks; the kernel static_asserts
 //   them.
 //
 // Launch: grid = (H, kAbsorbColBlocks), block = kAbsorbThreads. Block (h, cb) reads the
-// 128 x 32 slice wk_b[h][:, 32 cb .. 32 cb + 31] (8 KB at 16 bits): thread t loads 8 columns
-// (16 bytes) of rows k = t / 4 and k + 64, so the block's 512 loads are all in flight at once
-// and a row's 64 bytes are read by 4 neighbouring threads. The 64 row groups' partial sums
-// are added in shared memory in a fixed order (deterministic). 16 blocks a head fill the
-// GPU from 16 heads up (256 blocks at 16 heads, 2048 at 128), so the phase runs at the
-// bandwidth of its weights (2 MB at 16 heads, 16.8 MB at 128) instead of one block per head
-// reading its 128 KB alone. Block (h, 0) also copies q_rope[h].
+// 128 x 64 slice wk_b[h][:, 64 cb .. 64 cb + 63] (16 KB at 16 bits): thread t loads 8
+// columns (16 bytes) of rows k = t / 8 + 32 j, j = 0..3, so the block's 1024 loads are all in
+// flight at once and a row's 128 bytes are read by 8 neighbouring threads. The 32 row
+// groups' partial sums are added in shared memory in a fixed order (deterministic). 8 blocks
+// a head fill the GPU from 16 heads up (128 blocks at 16 heads; 1024 at 128, one wave at 8
+// blocks an SM), so the phase runs at the bandwidth of its weights (2 MB at 16 heads, 16.8 MB
+// at 128) instead of one block per head reading its 128 KB alone. Block (h, 0) also copies
+// q_rope[h].
 #include "mla_common.cuh"
 
 namespace mla {
@@ -29,14 +30,15 @@ constexpr int kAbsorbThreads = 256;
 constexpr int kNope = 128;
 constexpr int kAbsorbLora = MLA_KV_LORA;
 constexpr int kAbsorbRope = MLA_ROPE;
-constexpr int kAbsorbColBlocks = 16;
-constexpr int kAbsorbCols = kAbsorbLora / kAbsorbColBlocks;  // 32
-constexpr int kColThreads = kAbsorbCols / 8;                 // 4 threads of 8 columns a row
-constexpr int kRowGroups = kAbsorbThreads / kColThreads;     // 64
-constexpr int kRowsPerThread = kNope / kRowGroups;           // 2
+constexpr int kAbsorbColBlocks = 8;
+constexpr int kAbsorbCols = kAbsorbLora / kAbsorbColBlocks;  // 64
+constexpr int kColThreads = kAbsorbCols / 8;                 // 8 threads of 8 columns a row
+constexpr int kRowGroups = kAbsorbThreads / kColThreads;     // 32
+constexpr int kRowsPerThread = kNope / kRowGroups;           // 4
+constexpr int kParts = kAbsorbThreads / kAbsorbCols;         // 4: the reduction's middle step
 static_assert(kAbsorbCols % 8 == 0 && kNope % kRowGroups == 0, "whole 16-byte loads");
 static_assert(kAbsorbRope <= kAbsorbThreads, "one rope element per thread");
-static_assert(kAbsorbThreads == 8 * kAbsorbCols, "the reduction: 8 parts of 32 columns");
+static_assert(kRowGroups % kParts == 0, "the reduction: kParts parts of whole row groups");
 
 template <typename InT, typename QT>
 __global__ void __launch_bounds__(kAbsorbThreads)
@@ -49,7 +51,7 @@ q_absorb(const InT* __restrict__ q_nope, const InT* __restrict__ q_rope,
                   "registry.Q_ABSORB_COL_BLOCKS differs from kAbsorbColBlocks");
 #endif
     __shared__ __align__(16) float part[kRowGroups][kAbsorbCols];
-    __shared__ float part8[8][kAbsorbCols];
+    __shared__ float part_p[kParts][kAbsorbCols];
     const int h = blockIdx.x, cb = blockIdx.y, tid = threadIdx.x;
     const int group = tid / kColThreads, c8 = tid % kColThreads;  // columns 8 c8 .. 8 c8 + 7
 
@@ -74,21 +76,22 @@ q_absorb(const InT* __restrict__ q_nope, const InT* __restrict__ q_rope,
     mine[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
     mine[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
     __syncthreads();
-    // 64 row groups -> 8 parts (thread (p, c) adds groups 8p .. 8p + 7 of column c) -> 1,
-    // each in a fixed order.
+    // 32 row groups -> kParts parts (thread (p, c) adds groups p G .. p G + G - 1 of column c,
+    // G = 8) -> 1, each in a fixed order.
     {
+        constexpr int kG = kRowGroups / kParts;
         const int c = tid % kAbsorbCols, p = tid / kAbsorbCols;
         float s = 0.f;
 #pragma unroll
-        for (int g = 0; g < kRowGroups / 8; ++g) s += part[p * (kRowGroups / 8) + g][c];
-        part8[p][c] = s;
+        for (int g = 0; g < kG; ++g) s += part[p * kG + g][c];
+        part_p[p][c] = s;
     }
     __syncthreads();
     QT* dst = q + static_cast<size_t>(h) * (kAbsorbLora + kAbsorbRope);
     if (tid < kAbsorbCols) {
         float s = 0.f;
 #pragma unroll
-        for (int p = 0; p < 8; ++p) s += part8[p][tid];
+        for (int p = 0; p < kParts; ++p) s += part_p[p][tid];
         dst[cb * kAbsorbCols + tid] = from_f32<QT>(s);
     }
     if (cb == 0 && tid < kAbsorbRope) {

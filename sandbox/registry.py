@@ -71,7 +71,7 @@ COMBINE_THREADS = 256
 # up to COMBINE_COL_BLOCKS (kMaxColBlocks in mla_combine.cu: 32 columns, 8 float4 threads).
 COMBINE_COL_BLOCKS = 16
 Q_ABSORB_THREADS = 256
-Q_ABSORB_COL_BLOCKS = 16  # blocks per head of q_absorb (kAbsorbColBlocks), 32 columns each
+Q_ABSORB_COL_BLOCKS = 8   # blocks per head of q_absorb (kAbsorbColBlocks), 64 columns each
 PROJECT_THREADS = 256     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, batched
 PROJECT_V_ROWS = 32       # wv_b rows per block (kVRows)
 PROJECT_M_ROWS = 16       # latent rows per block (kMRows): wv_b is read once per 16 rows
