@@ -290,7 +290,8 @@ def test_one_graph_serves_five_length_sets(seeds, variant):
         cmp = compare_paged(step.result, reference.decode_paged(**host.decode_args()))
         assert cmp.ok, f"{variant}, replay with {name} {lengths.tolist()}: seed={seed}\n" \
                        f"{cmp.summary()}"
-    assert step.guard.captured == len(step.launches()), "a replay ran the step's Python phases again"
+    assert step.guard.captured == len(step.launches()), \
+        "a replay ran the step's Python phases again"
 
 
 def test_graph_length_sets_are_what_they_say():
