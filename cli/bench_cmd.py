@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 
 import click
+from rich import box
 from rich.markup import escape
 
 from mlasandbox import metrics, registry, toolkit
@@ -113,6 +114,28 @@ def _write_outputs(result, json_out, csv_out, plot_out, err) -> list[str]:
     return problems
 
 
+def _floor_table(result: dict, cache: str) -> FitTable | None:
+    """Per variant and context: the step (q_absorb + attn + combine) against its launch
+    floor, a graph of the same launches with empty kernels. None where no floor was timed."""
+    by = {(r["variant"], r["n_ctx"], r["phase"]): r for r in result["rows"]
+          if r["cache"] == cache and r["phase"] in ("step", "floor")}
+    cells = []
+    for (v, n, ph), fl in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        st = by.get((v, n, "step"))
+        if ph != "floor" or st is None:
+            continue
+        cells.append((v, str(n), f"{st['median_us']:,.1f}", f"{fl['median_us']:,.1f}",
+                      f"{st['median_us'] - fl['median_us']:,.1f}", st["mode"]))
+    if not cells:
+        return None
+    columns = (Column("variant"), Column("n_ctx", "right"), Column("step us", "right"),
+               Column("floor us", "right"), Column("step - floor", "right"),
+               Column("step mode", drop=1))
+    return FitTable(columns, cells, title=f"launch floor, cache {cache}: the step's launches "
+                    "(same grids and blocks) with empty kernels, as a CUDA graph",
+                    title_justify="left", box=box.SIMPLE_HEAD)
+
+
 def _render(result, details, cmp):
     con = render.console()
     cfg = result["config"]
@@ -122,6 +145,9 @@ def _render(result, details, cmp):
                                                       max(cfg["contexts"])})
         for n in ctxs:
             con.print(lab_render.phase_table(result, n, cache))
+        floor = _floor_table(result, cache)
+        if floor is not None:
+            con.print(floor)
     if result["checks"] and (details or not all(c["ok"] for c in result["checks"])):
         con.print(lab_render.checks_table(result))
     elif result["checks"]:

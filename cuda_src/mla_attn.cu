@@ -324,6 +324,7 @@ __global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
 attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
      int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
      float* __restrict__ part_l) {
+    pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
     attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
@@ -336,6 +337,7 @@ attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
            int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
            int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
            float* __restrict__ part_m, float* __restrict__ part_l) {
+    pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     PagedWalk<CacheT, kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
                                   causal, max_pages, page_shift, max_chunks, min_chunk};
     attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);

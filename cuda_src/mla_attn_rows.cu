@@ -250,6 +250,7 @@ __global__ void __launch_bounds__(rows::kThreads, rows::kMinBlocks)
 attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
           int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
           float* __restrict__ part_l) {
+    pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
     attn_rows_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
@@ -265,6 +266,7 @@ attn_rows_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                 int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
                 int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
                 float* __restrict__ part_m, float* __restrict__ part_l) {
+    pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     PagedWalk<CacheT, rows::kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head,
                                         s_q, causal, max_pages, page_shift, max_chunks,
                                         min_chunk};

@@ -148,6 +148,7 @@ __global__ void __launch_bounds__(tiled::kThreads, 1)
 attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
            int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
            float* __restrict__ part_l) {
+    pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     using namespace tiled;
     static_assert(HPB == kHeads, "attn_tiled's thread tiles are sized for 16 heads per block");
 #ifdef MLA_REGISTRY_FACTS

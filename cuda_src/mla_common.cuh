@@ -1,10 +1,10 @@
 // mla_common.cuh: helpers shared by the mlasandbox kernel families.
 //
-// Conversions from the cache element types to f32, 16-byte cp.async with zero fill, warp
-// reductions, the online-softmax step and the lazy max, the tiles' swizzle, the memory
-// ablation's switch and the tile copy that honours it, the context slice every attention
-// family walks (with the neutral partial of an empty one), and the q prologue. Nothing here
-// depends on the MLA dims.
+// Conversions from the cache element types to f32, 16-byte cp.async with zero fill, the PDL
+// wait and trigger, warp reductions, the online-softmax step and the lazy max, the tiles'
+// swizzle, the memory ablation's switch and the tile copy that honours it, the context slice
+// every attention family walks (with the neutral partial of an empty one), and the q
+// prologue. Nothing here depends on the MLA dims.
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -72,6 +72,24 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// ---- programmatic dependent launch (sm_90+) ---------------------------------------------
+// A kernel launched with programmatic stream serialization (sandbox/pdl.py) may start while
+// the kernel before it still runs. pdl_wait() blocks until that kernel has completed and its
+// writes are visible: nothing before it may read what that kernel writes.
+// pdl_launch_dependents() lets the next kernel's blocks be scheduled once every block of this
+// one has called it (or exited); it orders nothing, the dependent's wait does. Both compile
+// to nothing below sm_90, and the wait is a no-op for a kernel launched without the attribute.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 }
 
 // ---- warp reductions -------------------------------------------------------------------

@@ -6,7 +6,11 @@
     res.out, res.latent, res.lse            # CuPy f32 arrays
 
 `DecodeStep` is the same step prepared once and run by phase (q_absorb, attn, combine): the
-bench times phases through it, and the tests poke at its plan and scratch.
+bench times phases through it, and the tests poke at its plan and scratch. Its combine phase
+is two launches: the merge of the partials (mla_combine.cu, merge only) and the batched
+output projection (mla_project.cu), each launched with programmatic dependent launch
+(sandbox/pdl.py) behind the kernel before it where the device has it (`pdl=False`: plain
+launches).
 """
 from __future__ import annotations
 
@@ -18,13 +22,15 @@ from .dims import Dims, check_inputs, dtype_name
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
 from .limits import check_problem
+from .pdl import supported as pdl_supported
 from .reference import DecodeResult
 from .splits import SplitPlan, plan_splits
 
 __all__ = ["DecodeResult", "DecodeStep", "check_device_array", "decode", "q_absorb",
-           "scratch_for_device"]
+           "scratch_for_device", "NULL_PTR"]
 
 _LOG2E = 1.4426950408889634
+NULL_PTR = np.uint64(0)  # a null pointer argument: the merge-only combine takes no wv_b
 # variant="batched" without heads_per_block: the fastest of the heads-per-block sweep on the
 # H200 at 131072 context, the largest HPB that keeps two blocks per SM.
 DEFAULT_BATCHED_HPB = 16
@@ -84,7 +90,7 @@ class DecodeStep:
 
     def __init__(self, q, cache, wv_b, n_ctx=None, variant="split", splits=None,
                  heads_per_block=None, scale=None, *, min_ctx: int | None = None,
-                 sync_check: bool = False, rescale: bool = True):
+                 sync_check: bool = False, rescale: bool = True, pdl: bool = True):
         import cupy
 
         var = registry.resolve_variant(variant, heads_per_block, default_hpb=DEFAULT_BATCHED_HPB)
@@ -122,13 +128,14 @@ class DecodeStep:
                              f"{info.max_grid_y} on {info.name}")
         self.attn_kernel = get_kernel(self.attn_inst)
         self.combine_kernel = get_kernel(self.combine_inst)
+        self.project_inst = registry.project_instance(self.cache_dtype)
+        self.project_kernel = get_kernel(self.project_inst)
+        self.col_blocks = registry.combine_col_blocks(h, info.num_sms)
+        self.pdl = bool(pdl) and pdl_supported(self.device_id)
         s = self.plan.splits
         self.part_acc = scratch_for_device(self.device_id, "part_acc", s * h * d.kv_lora)
         self.part_m = scratch_for_device(self.device_id, "part_m", s * h)
         self.part_l = scratch_for_device(self.device_id, "part_l", s * h)
-        self.out_part = scratch_for_device(self.device_id, "out_part",
-                                           h * registry.COMBINE_COL_BLOCKS * d.v_head)
-        self.tickets = scratch_for_device(self.device_id, "tickets", h, "uint32")
 
     # ---- phases -------------------------------------------------------------------------
     def run_attn(self) -> None:
@@ -150,16 +157,42 @@ class DecodeStep:
             with self.guard.phase("combine"):
                 cublas_projection(self.wv_b, self.latent, self.cache_dtype, self.out)
             return
+        if not self.single_pass:
+            self.run_merge()
+        self.run_project()
+
+    def run_merge(self) -> None:
+        """The merge of the partials into latent and lse (the combine, merge only)."""
+        dims = self.dims
         self.guard.launch(
             "combine", self.combine_kernel, self.combine_grid, (self.combine_inst.threads, 1, 1),
-            (self.part_acc, self.part_m, self.part_l, np.int32(self.dims.n_head),
-             np.int32(self.plan.splits), self.wv_b, np.int32(self.dims.v_head), self.out,
-             self.latent, self.lse, self.out_part, self.tickets),
-            kernel_name=self.combine_inst.name)
+            (self.part_acc, self.part_m, self.part_l, np.int32(dims.n_head),
+             np.int32(self.plan.splits), NULL_PTR, np.int32(dims.v_head), NULL_PTR,
+             self.latent, self.lse, NULL_PTR, NULL_PTR),
+            kernel_name=self.combine_inst.name, pdl=self.pdl)
+
+    def run_project(self) -> None:
+        """out = wv_b[h] @ latent[h] for every head (mla_project.cu, one latent row)."""
+        dims = self.dims
+        self.guard.launch(
+            "combine", self.project_kernel, self.project_grid, (self.project_inst.threads, 1, 1),
+            (self.latent, self.wv_b, np.int32(dims.n_head), np.int32(1),
+             np.int32(dims.v_head), self.out), kernel_name=self.project_inst.name, pdl=self.pdl)
+
+    @property
+    def single_pass(self) -> bool:
+        """Whether the attention kernel writes the latent and lse itself (one slice a head
+        block): then the combine phase is the projection alone."""
+        return bool(getattr(self.plan, "single_pass", False))
 
     @property
     def combine_grid(self) -> tuple:
-        return (self.dims.n_head, registry.COMBINE_COL_BLOCKS, 1)
+        """The merge's grid: (heads, column blocks) (registry.combine_col_blocks)."""
+        return (self.dims.n_head, self.col_blocks, 1)
+
+    @property
+    def project_grid(self) -> tuple:
+        return registry.project_grid(self.dims.n_head, self.dims.v_head, 1)
 
     def run(self) -> DecodeResult:
         self.run_attn()
@@ -171,10 +204,14 @@ class DecodeStep:
         if not self.variant.is_cuda:
             return []
         p = self.plan
+        merge = [] if self.single_pass else [
+            Launch(self.combine_inst.name, self.combine_grid, (self.combine_inst.threads, 1, 1),
+                   0, self.pdl)]
         return [Launch(self.attn_inst.name, (p.head_blocks, p.splits, 1),
                        (self.attn_inst.threads, 1, 1), self.attn_inst.smem_bytes),
-                Launch(self.combine_inst.name, self.combine_grid,
-                       (self.combine_inst.threads, 1, 1), 0)]
+                *merge,
+                Launch(self.project_inst.name, self.project_grid,
+                       (self.project_inst.threads, 1, 1), 0, self.pdl)]
 
 
 def decode(q, cache, wv_b, n_ctx=None, variant="split", splits=None, heads_per_block=None,
@@ -214,8 +251,12 @@ class QAbsorb:
         self.q = cupy.empty((h, dims.key_dim), storage)
         self.guard = PhaseGuard("q_absorb", sync_check=sync_check)
 
+    @property
+    def grid(self) -> tuple:
+        return registry.q_absorb_grid(self.n_head)
+
     def run(self):
-        self.guard.launch("q_absorb", self.kernel, (self.n_head, 1, 1), (self.inst.threads, 1, 1),
+        self.guard.launch("q_absorb", self.kernel, self.grid, (self.inst.threads, 1, 1),
                           (*self.args, np.int32(self.n_head), self.q), kernel_name=self.inst.name)
         return self.q
 

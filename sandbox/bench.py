@@ -14,7 +14,10 @@ What one run does, in order (per cache dtype):
 5. a correctness spot check of every variant against the float64 reference, so that a fast
    wrong kernel is flagged (and never called the fastest);
 6. the A/A noise floor: `per_head` and `split` below the split gate, interleaved;
-7. per variant, per context: attn, combine and the whole step (q_absorb + attn + combine);
+7. per variant, per context: attn, combine and the whole step (q_absorb + attn + combine),
+   and the step's launch floor (phase "floor": a CUDA graph of as many empty kernels as the
+   step launches, with its grids and blocks, bench_gpu.time_floor), so a short-context step
+   reads against what its launches alone cost;
 8. derived: rates against the ceilings, the depth term t(long) - t(short) and its share,
    the fastest variant per context (ties within the floor named as ties), the control
    verdict.
@@ -55,6 +58,19 @@ def _row(cfg, cache, variant, n_ctx, phase, timing: Timing, plan: dict, ceilings
             "attn_kernel": plan.get("attn_kernel"), "flops": cost.flops,
             "ideal_bytes": cost.ideal_bytes, "issued_bytes": cost.issued_bytes,
             **metrics.rates(cost, timing.median_us, ceilings), "check_ok": None}
+
+
+def _floor_row(cfg, cache, variant, n_ctx, timing: Timing, plan: dict) -> dict:
+    """The launch floor of a step: the step's launches with empty kernels (no bytes, no
+    FLOPs: rates None)."""
+    return {"variant": variant, "cache": cache, "q": q_dtype_of(cfg.q_dtype, cache),
+            "n_ctx": n_ctx, "phase": "floor", **timing.as_dict(), "splits": plan.get("splits"),
+            "head_blocks": plan.get("head_blocks"),
+            "heads_per_block": plan.get("heads_per_block"),
+            "attn_kernel": plan.get("attn_kernel"), "flops": None, "ideal_bytes": None,
+            "issued_bytes": None, "GBps_ideal": None, "GBps_issued": None, "TFLOPs": None,
+            "frac_copy_ideal": None, "frac_copy_issued": None, "frac_gemm": None,
+            "frac_fma": None, "roof": None, "frac_roof": None, "check_ok": None}
 
 
 def run_bench(*, backend=None, progress=None, log=None, as_json: bool = False,
@@ -150,6 +166,9 @@ def run_bench(*, backend=None, progress=None, log=None, as_json: bool = False,
                     t = backend.time(v, n, ph, cfg.splits, use_graph(cfg, v, n), timing_kw)
                     rows.append(_row(cfg, cache, v, n, ph, t, plan, ceilings))
                     progress(f"{v} n_ctx={n} {ph}", 1)
+                floor = backend.time_floor(v, n, cfg.splits, timing_kw)
+                if floor is not None:
+                    rows.append(_floor_row(cfg, cache, v, n, floor, plan))
             backend.release_steps()
         control(cache, "end")
         backend.release()

@@ -14,6 +14,10 @@ stream), under the project's phase guard:
   does not poll (querying a capturing stream invalidates the capture). After the first
   replay a synchronizing guard polls, so a fault in a replay is still named by its phase.
   The cuBLAS engine is never captured: it allocates its temporaries per call.
+* the launch floor (`time_floor`, the paged phase "floor"): a CUDA graph of one empty kernel
+  per kernel of the step (q_absorb's, then the step's launches), with the same grids, block
+  sizes and programmatic launches (timing.LaunchFloor), replayed and timed like the step.
+* `pdl=False` builds every step with plain launches, for the PDL-against-plain comparison.
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from .api import DecodeStep, QAbsorb
 from .ceilings import measure_ceilings
 from .compare import DEFAULT_TOLERANCE, Tolerance, compare
 from .compare_paged import compare_paged
-from .guard import PhaseGuard
+from .guard import Launch, PhaseGuard
 from .inputs import make_inputs
 from .kernels import blocks_per_sm, device_info
 from .paged import PagedResult
@@ -40,7 +44,7 @@ from .paged_api import PagedDecodeStep
 from .paged_inputs import make_paged_inputs
 from .peers import PeerInputs, PeerUnavailable, load_peers, peer_q, to_result, tolerance_of
 from .reference import decode as reference_decode, decode_paged
-from .timing import L2Flush, Spinner, time_gpu
+from .timing import L2Flush, LaunchFloor, Spinner, time_gpu
 from .user_kernel import is_user_kernel_spec
 
 __all__ = ["CupyBackend", "PagedBackend", "CUBLAS_TOLERANCE", "tolerance_for", "run_meta"]
@@ -109,10 +113,12 @@ def run_meta() -> dict:
 class CupyBackend:
     """Timed phases on the current CUDA device (see the module docstring)."""
 
-    def __init__(self, flush: bool = True, preroll: bool = True):
+    def __init__(self, flush: bool = True, preroll: bool = True, pdl: bool = True):
         import cupy
 
         self.cupy = cupy
+        self.pdl = pdl
+        self._floor = None
         self.info = device_info()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.flush = L2Flush(self.info.l2_bytes) if flush else None
@@ -165,7 +171,7 @@ class CupyBackend:
         if step is None:
             with self.stream:
                 step = DecodeStep(self.qa.q, self.inp.cache, self.inp.wv_b, n_ctx, variant,
-                                  splits=s, scale=self.inp.scale)
+                                  splits=s, scale=self.inp.scale, pdl=self.pdl)
             self._steps[key] = step
         return step
 
@@ -217,6 +223,22 @@ class CupyBackend:
         fn = self._phase_fn(step, phase)
         # the phase guards do not poll inside a capture (guard.py), so fn itself is captured
         return self._time(fn, use_graph and step.variant.is_cuda, phase, variant, timing_kw)
+
+    def _time_floor(self, launches, variant: str, timing_kw: dict):
+        if self._floor is None:
+            self._floor = LaunchFloor()
+        launches = list(launches)
+        return self._time(lambda: self._floor(launches), True, "floor", variant, timing_kw)
+
+    def time_floor(self, variant: str, n_ctx: int, splits, timing_kw: dict):
+        """The launch floor of the whole step (q_absorb, attn, combine): None for the cuBLAS
+        engine, whose launches are CuPy's and cuBLAS's."""
+        step = self._step(variant, n_ctx, splits)
+        if not step.variant.is_cuda:
+            return None
+        qa = self.qa
+        absorb = Launch(qa.inst.name, qa.grid, (qa.inst.threads, 1, 1), 0)
+        return self._time_floor([absorb, *step.launches], variant, timing_kw)
 
     def time_control(self, use_graph: bool, timing_kw: dict):
         return self._time(self.qa.run, use_graph, "q_absorb", "q_absorb", timing_kw)
@@ -270,8 +292,8 @@ class PagedBackend(CupyBackend):
 
     CONTROL_ROWS = 64   # the control phase reads no cache: a short one serves it
 
-    def __init__(self, flush: bool = True, preroll: bool = True):
-        super().__init__(flush, preroll)
+    def __init__(self, flush: bool = True, preroll: bool = True, pdl: bool = True):
+        super().__init__(flush, preroll, pdl)
         self.cfg = self.paged = None
         self._peers: dict = {}
         self._skipped: list = []
@@ -318,7 +340,7 @@ class PagedBackend(CupyBackend):
             with self.stream:
                 step = PagedDecodeStep(**self.paged, causal=cfg.causal, variant=variant,
                                        splits=None if cfg.splits == "auto" else cfg.splits,
-                                       scale=self.paged_host.scale)
+                                       scale=self.paged_host.scale, pdl=self.pdl)
                 step.check_indices()
             self._steps[key] = step
         return step
@@ -339,6 +361,8 @@ class PagedBackend(CupyBackend):
             with self.stream:
                 step.run_attn()  # the partials the combine merges
         fns = {"attn": step.run_attn, "combine": step.run_combine, "step": step.run}
+        if phase == "floor":  # the step's launches, empty, as a graph (as "graph" replays it)
+            return self._time_floor(step.launches(), variant, timing_kw)
         if phase == "graph":
             graph = step.capture()
             return self._time(lambda: graph.launch(self.stream), False, "step (graph replay)",

@@ -46,8 +46,9 @@ __all__ = ["SCHEMA", "SERVING_PRESETS", "DEFAULT_PAGED_VARIANTS", "PAGED_PHASES"
 
 SCHEMA = _DEPTH_SCHEMA.replace("bench/", "bench-paged/")
 DEFAULT_PAGED_VARIANTS = ("mma16", "mma32", "split", "batched16")
-# attn, combine, the whole step with events, the whole step replayed as one CUDA graph
-PAGED_PHASES = ("attn", "combine", "step", "graph")
+# attn, combine, the whole step with events, the whole step replayed as one CUDA graph, and
+# the launch floor: a graph of the step's launches with empty kernels (bench_gpu.time_floor)
+PAGED_PHASES = ("attn", "combine", "step", "graph", "floor")
 MAX_LENGTHS_FILE_BYTES = 16 << 20
 
 # The serving shapes the bench reports against FlashMLA: name -> the options they set.

@@ -16,11 +16,16 @@ the grid, the block and the shared memory.
   stream would invalidate the capture. A refused launch still raises at once; the code that
   replays the graph checks the replay (the bench polls after the first one). `captured`
   counts the phases that skipped their poll this way.
+* `launch(..., pdl=True)` launches with programmatic dependent launch (sandbox/pdl.py) where
+  the device has it, a plain launch otherwise; `programmatic` counts the launches that were.
+  A programmatic launch is refused or faults like any other, and is reported the same way.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+
+from .pdl import launch as pdl_launch
 
 __all__ = ["PhaseError", "Launch", "PhaseGuard"]
 
@@ -41,10 +46,12 @@ class Launch:
     grid: tuple
     block: tuple
     smem_bytes: int
+    pdl: bool = False   # launched with programmatic stream serialization
 
     def __str__(self) -> str:
         return (f"kernel {self.kernel}, grid {tuple(self.grid)}, block {tuple(self.block)}, "
-                f"dynamic shared memory {self.smem_bytes} B")
+                f"dynamic shared memory {self.smem_bytes} B"
+                + (", programmatic dependent launch" if self.pdl else ""))
 
 
 def _cuda_error_types() -> tuple:
@@ -59,6 +66,7 @@ class PhaseGuard:
         self.sync_check = sync_check
         self.polls = 0     # counted, so a test can assert the guard actually ran
         self.captured = 0  # phases that ran inside a graph capture, where polling is not allowed
+        self.programmatic = 0  # launches made with programmatic dependent launch
 
     @contextmanager
     def phase(self, name: str, launch: Launch | None = None):
@@ -80,9 +88,13 @@ class PhaseGuard:
             raise PhaseError(name, self.variant, launch, exc) from exc
 
     def launch(self, name: str, kernel, grid, block, args, smem_bytes: int = 0,
-               kernel_name: str | None = None):
-        """Launch `kernel` as phase `name`, under the guard."""
+               kernel_name: str | None = None, pdl: bool = False):
+        """Launch `kernel` as phase `name`, under the guard; `pdl`: with programmatic
+        dependent launch where the device has it (pdl.launch)."""
         launch = Launch(kernel_name or getattr(kernel, "name", "?"), tuple(grid), tuple(block),
-                        int(smem_bytes))
+                        int(smem_bytes), bool(pdl))
         with self.phase(name, launch):
-            kernel(tuple(grid), tuple(block), args, shared_mem=int(smem_bytes))
+            if not pdl:
+                kernel(tuple(grid), tuple(block), args, shared_mem=int(smem_bytes))
+            elif pdl_launch(kernel, grid, block, args, smem_bytes):
+                self.programmatic += 1

@@ -8,6 +8,7 @@
 
     step = mla.PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b, ...)
     step.run()                      # or step.run_attn(); step.run_combine()
+    step.launches()                 # attn, the merge, the projection: grids and blocks
     graph = step.capture()          # cupy.cuda.Graph of the whole step
     graph.launch(stream)            # replays read the same table and length buffers
 
@@ -15,6 +16,13 @@ The contract (shapes, causal rule, empty rows) is sandbox/paged.py's; the chunk 
 sandbox/chunks.py's. The grid is (head blocks, max_chunks, B) whatever the lengths: every
 program reads its request's length on the device and exits if its chunk is past the end, so
 changing the contents of `cache_seqlens` and `block_table` between replays needs no recapture.
+
+The combine phase is two launches: the merge of each row's chunks (combine_paged, merge only,
+one block per row and column block) and, with wv_b, the output projection of every
+(request, query token, head) row at once (mla_project.cu: wv_b read once per 16 rows of a
+head, not once per row). Where the attention kernel writes the latent itself (a plan with
+`single_pass`), the merge is skipped. Both launch with programmatic dependent launch
+(sandbox/pdl.py) where the device has it.
 
 `decode()` (batch 1, one contiguous cache) stays beside this path with its own kernels'
 machine code; batch 1 through the paged path agrees with it within the float64 tolerances.
@@ -31,6 +39,7 @@ from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
 from .cublas_engine import cublas_paged_attention, cublas_projection
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
+from .pdl import supported as pdl_supported
 from .paged import (PagedResult, PagedShape, check_paged_inputs, check_paged_values,
                     pages_needed, visible_lengths)
 from .timing import capture_graph
@@ -45,7 +54,7 @@ PAGE_SIZES = (1, 16, 64)
 PAGED_FAMILIES = ("split", "batched", "mma")
 MAX_GRID_Z = 65535   # CUDA's grid z limit: requests of one launch
 _LOG2E = math.log2(math.e)
-_NULL = np.uint64(0)  # a null pointer argument (no wv_b: the combine writes no `out`)
+_NULL = np.uint64(0)  # a null pointer argument: the merge takes no wv_b (the projection does)
 
 
 def paged_variant_names() -> list[str]:
@@ -128,14 +137,14 @@ class PagedDecodeStep:
 
     torch tensors or CuPy arrays (zero copy); results in the caller's framework, the same
     buffers every run. Launches go on the caller's current stream at each call (torch's for
-    torch inputs). Scratch (partials, tickets) is per device and shared with DecodeStep: steps
+    torch inputs). Scratch (the partials) is per device and shared with DecodeStep: steps
     on one device must run on one stream, as api.scratch_for_device says. A captured graph
     refers to this step's buffers: keep the step alive while the graph is replayed.
     """
 
     def __init__(self, q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
                  causal: bool = False, variant: str = "auto", splits=None, scale=None,
-                 sync_check: bool = False, rescale: bool = True):
+                 sync_check: bool = False, rescale: bool = True, pdl: bool = True):
         self.shape, self.scale = check_paged_inputs(q, kv_cache, block_table, cache_seqlens,
                                                     wv_b, scale=scale, causal=causal)
         sh = self.shape
@@ -155,6 +164,7 @@ class PagedDecodeStep:
         self.device_id = self.caller.device_id
         self._stream = None   # the capture stream while capture() runs
         self.guard = PhaseGuard(var.name, sync_check=sync_check)
+        self.pdl = bool(pdl)
         with self.caller.on():
             self._setup(arrs, splits, rescale)
 
@@ -193,14 +203,17 @@ class PagedDecodeStep:
                              f"{info.max_grid_y} on {info.name}")
         self.attn_kernel = user.kernel(self.attn_inst) if user else get_kernel(self.attn_inst)
         self.combine_kernel = get_kernel(self.combine_inst)
+        self.project_inst = self.project_kernel = None
+        if self.out is not None:
+            self.project_inst = registry.project_instance(sh.cache_dtype)
+            self.project_kernel = get_kernel(self.project_inst)
+        self.col_blocks = registry.combine_col_blocks(sh.batch * self.n_rows, info.num_sms)
+        self.pdl = self.pdl and pdl_supported(self.device_id)
         n = sh.batch * self.plan.max_chunks * self.n_rows
         dev = self.device_id
         self.part_acc = scratch_for_device(dev, "part_acc", n * d.kv_lora)
         self.part_m = scratch_for_device(dev, "part_m", n)
         self.part_l = scratch_for_device(dev, "part_l", n)
-        self.out_part = scratch_for_device(
-            dev, "out_part", sh.batch * self.n_rows * registry.COMBINE_COL_BLOCKS * d.v_head)
-        self.tickets = scratch_for_device(dev, "tickets", sh.batch * self.n_rows, "uint32")
 
     @property
     def n_rows(self) -> int:
@@ -225,7 +238,20 @@ class PagedDecodeStep:
 
     @property
     def combine_grid(self) -> tuple:
-        return (self.n_rows, registry.COMBINE_COL_BLOCKS, self.shape.batch)
+        """The merge's grid: (rows, column blocks, B) (registry.combine_col_blocks)."""
+        return (self.n_rows, self.col_blocks, self.shape.batch)
+
+    @property
+    def project_grid(self) -> tuple:
+        """The projection's grid over the B x s_q latent rows of each head."""
+        sh = self.shape
+        return registry.project_grid(sh.n_head, sh.dims.v_head, sh.batch * sh.s_q)
+
+    @property
+    def single_pass(self) -> bool:
+        """Whether the attention kernel writes the latent and lse itself (every request in
+        one chunk): then the merge is skipped and only the projection runs."""
+        return bool(getattr(self.plan, "single_pass", False))
 
     def attn_args(self) -> tuple:
         """The paged attention kernel's arguments, in the kernels' order."""
@@ -237,14 +263,19 @@ class PagedDecodeStep:
                 np.float32(self.scale * _LOG2E), self.part_acc, self.part_m, self.part_l)
 
     def combine_args(self) -> tuple:
-        """The paged combine's arguments, in the kernel's order (no wv_b: null pointers)."""
+        """The merge's arguments, in the paged combine's order: merge only, so wv_b, out,
+        out_part and tickets are null pointers (the projection applies wv_b)."""
         sh, p = self.shape, self.plan
-        wv_b = self.wv_b if self.wv_b is not None else _NULL
-        out = self.out if self.out is not None else _NULL
         return (self.part_acc, self.part_m, self.part_l, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(p.max_chunks),
-                np.int32(p.min_chunk), np.int32(p.tile), wv_b, np.int32(sh.dims.v_head), out,
-                self.latent, self.lse, self.out_part, self.tickets)
+                np.int32(p.min_chunk), np.int32(p.tile), _NULL, np.int32(sh.dims.v_head), _NULL,
+                self.latent, self.lse, _NULL, _NULL)
+
+    def project_args(self) -> tuple:
+        """The projection's arguments: latent [B*s_q][H][512] in, out [B*s_q][H][v_head]."""
+        sh = self.shape
+        return (self.latent, self.wv_b, np.int32(sh.n_head), np.int32(sh.batch * sh.s_q),
+                np.int32(sh.dims.v_head), self.out)
 
     def run_attn(self) -> None:
         with self.caller.on(self._stream):
@@ -288,9 +319,14 @@ class PagedDecodeStep:
                         cublas_projection(self.wv_b, self.latent, self.shape.cache_dtype,
                                           self.out)
                 return
-            self.guard.launch("combine", self.combine_kernel, self.combine_grid,
-                              (self.combine_inst.threads, 1, 1), self.combine_args(),
-                              kernel_name=self.combine_inst.name)
+            if not self.single_pass:
+                self.guard.launch("combine", self.combine_kernel, self.combine_grid,
+                                  (self.combine_inst.threads, 1, 1), self.combine_args(),
+                                  kernel_name=self.combine_inst.name, pdl=self.pdl)
+            if self.out is not None:
+                self.guard.launch("combine", self.project_kernel, self.project_grid,
+                                  (self.project_inst.threads, 1, 1), self.project_args(),
+                                  kernel_name=self.project_inst.name, pdl=self.pdl)
 
     def run(self) -> PagedResult:
         self.run_attn()
@@ -301,12 +337,17 @@ class PagedDecodeStep:
         """The step's kernel launches (none for the cublas engine), for the bench."""
         if not self.variant.is_cuda:
             return []
-        attn = [Launch(self.attn_inst.name, self.attn_grid, (self.attn_inst.threads, 1, 1),
-                       self.attn_inst.smem_bytes)]
+        out = [Launch(self.attn_inst.name, self.attn_grid, (self.attn_inst.threads, 1, 1),
+                      self.attn_inst.smem_bytes)]
         if self.whole_step:
-            return attn
-        return attn + [Launch(self.combine_inst.name, self.combine_grid,
-                              (self.combine_inst.threads, 1, 1), 0)]
+            return out
+        if not self.single_pass:
+            out.append(Launch(self.combine_inst.name, self.combine_grid,
+                              (self.combine_inst.threads, 1, 1), 0, self.pdl))
+        if self.out is not None:
+            out.append(Launch(self.project_inst.name, self.project_grid,
+                              (self.project_inst.threads, 1, 1), 0, self.pdl))
+        return out
 
     # ---- the index validator -------------------------------------------------------------
     def index_report(self) -> np.ndarray:

@@ -38,6 +38,9 @@ __all__ = [
     "mma_smem_bytes", "CHECK_THREADS", "paged_attention_instance", "paged_combine_instance",
     "paged_check_instance", "PAGED_KINDS", "PAGED_ONLY_VARIANTS", "wgmma_instance",
     "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
+    "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
+    "PROJECT_V_ROWS", "PROJECT_M_ROWS", "project_instance", "combine_col_blocks",
+    "project_grid", "q_absorb_grid",
 ]
 
 # The heads-per-block ladder of the CUDA-core variants: 1 is attn_rows (per_head, split), the
@@ -65,8 +68,15 @@ TILED_THREADS = 256
 TILED_TILE = 32
 TILED_STAGES = 3
 COMBINE_THREADS = 256
-COMBINE_COL_BLOCKS = 4  # blocks per head in the combine (kColBlocks in mla_combine.cu)
-Q_ABSORB_THREADS = 128
+# ---- the small phases: q_absorb, the combine (merge) and the output projection ----------
+# The combine's column blocks per row are a launch choice (combine_col_blocks), a power of two
+# up to COMBINE_COL_BLOCKS (kMaxColBlocks in mla_combine.cu: 32 columns, 8 float4 threads).
+COMBINE_COL_BLOCKS = 16
+Q_ABSORB_THREADS = 256
+Q_ABSORB_COL_BLOCKS = 8   # blocks per head of q_absorb (kAbsorbColBlocks), 64 columns each
+PROJECT_THREADS = 256     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, batched
+PROJECT_V_ROWS = 32       # wv_b rows per block (kVRows)
+PROJECT_M_ROWS = 16       # latent rows per block (kMRows): wv_b is read once per 16 rows
 CHECK_THREADS = 128  # cuda_src/mla_paged_check.cu, the paged step's index validator
 
 CXX_TYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
@@ -323,6 +333,9 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
     Family("wgmma_attn", "mla_wgmma.cu", "mla::wgmma_attn_paged", ("cache", "q"), "WGMMA",
            WGMMA_THREADS, WGMMA_TILE, WGMMA_ROWS, wgmma_smem_bytes, "sm_90a",
            paged_function="mla::wgmma_attn_paged"),
+    # one launch for batch 1 and paged batches alike: rows m * H + h of the latent
+    Family("project", "mla_project.cu", "mla::project", ("cache",), "PROJECT",
+           PROJECT_THREADS, min_arch="sm_75"),
     # paged only: the index validator of the paged step (no template, no batch-1 launch)
     Family("check_paged", "mla_paged_check.cu", "mla::check_paged", (), "CHECK",
            CHECK_THREADS, min_arch="sm_75", paged_function="mla::check_paged"),
@@ -336,9 +349,13 @@ def compile_defines() -> tuple[str, ...]:
 
     Each kernel static_asserts them (mla_common.cuh, "the registry's launch values"):
     MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
-    and MLA_COMBINE_COL_BLOCKS. They only feed static_asserts, so they change no code.
+    and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_Q_ABSORB_COL_BLOCKS,
+    MLA_PROJECT_V_ROWS and MLA_PROJECT_M_ROWS. They only feed static_asserts, so they change
+    no code.
     """
-    out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}"]
+    out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}",
+           f"MLA_Q_ABSORB_COL_BLOCKS={Q_ABSORB_COL_BLOCKS}",
+           f"MLA_PROJECT_V_ROWS={PROJECT_V_ROWS}", f"MLA_PROJECT_M_ROWS={PROJECT_M_ROWS}"]
     for f in FAMILIES.values():
         out.append(f"MLA_{f.macro}_THREADS={f.threads}")
         if f.tile_rows:
@@ -531,6 +548,35 @@ def q_absorb_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
     return KernelInstance("q_absorb", cache, q)
 
 
+def project_instance(cache: str = "f16") -> KernelInstance:
+    """The batched output projection out = wv_b[h] @ latent (mla_project.cu)."""
+    _check_dtype("wv_b", cache, ("f16", "bf16"))
+    return KernelInstance("project", cache)
+
+
+def q_absorb_grid(n_head: int) -> tuple:
+    return (n_head, Q_ABSORB_COL_BLOCKS, 1)
+
+
+def combine_col_blocks(rows: int, num_sms: int) -> int:
+    """Column blocks per row of a merge-only combine launch: the fewest (a power of two, at
+    most COMBINE_COL_BLOCKS) that give at least two blocks per SM over `rows` rows, so a
+    few heads at batch 1 still fill the GPU (16 rows: 16 blocks a row) and a large batch
+    keeps one block a row, whose 256 threads then cover the 512 columns twice over."""
+    if rows < 1 or num_sms < 1:
+        raise ValueError(f"rows and num_sms must be >= 1, got {rows}, {num_sms}")
+    cb = 1
+    while cb < COMBINE_COL_BLOCKS and rows * cb < 2 * num_sms:
+        cb *= 2
+    return cb
+
+
+def project_grid(n_head: int, v_head: int, m_rows: int) -> tuple:
+    """The projection's grid: (heads, blocks of PROJECT_V_ROWS wv_b rows, blocks of
+    PROJECT_M_ROWS latent rows); m_rows latent rows per head (batch 1: 1; paged: B * s_q)."""
+    return (n_head, -(-v_head // PROJECT_V_ROWS), -(-m_rows // PROJECT_M_ROWS))
+
+
 def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
                   negative_controls: bool = True) -> list[KernelInstance]:
     """Every instance the registry compiles, for reports (`mlasandbox regs`): the batch-1
@@ -553,6 +599,7 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
                 out.append(wgmma_instance(cache, q))
         out.append(combine_instance(cache, True))
         out.append(paged_combine_instance(cache, True))
+        out.append(project_instance(cache))
         if negative_controls:
             out.append(combine_instance(cache, False))
             out.append(paged_combine_instance(cache, False))

@@ -22,6 +22,13 @@ What one timed run looks like on the stream (the order matters):
   `Timing.mode` says which mode produced the numbers, and `Timing.note` why a requested graph
   was not used.
 
+* **The launch floor.** `LaunchFloor` launches one empty kernel per kernel of a step, with
+  the step's grids and block sizes (and its programmatic launches as such), no shared memory:
+  replayed as a CUDA graph, that is what the step's launches cost with no work in them, the
+  floor a short-context step is read against. Same grids rather than 1-block kernels,
+  because dispatching a grid's blocks is part of what the step cannot avoid (a 2048-block
+  merge pays it, a 1-block kernel would hide it).
+
 The number of timed runs adapts to the phase: after warm-up one probe run is timed and
 `choose_repeats` picks enough runs to fill `target_s` of GPU time, never fewer than
 `min_repeats` nor more than `max_repeats` (a 6 ms phase gets its minimum, a 5 us phase its
@@ -38,8 +45,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .pdl import launch as pdl_launch
+
 __all__ = ["TimingStats", "Timing", "summarize", "percentile", "choose_repeats",
-           "preroll_us", "L2Flush", "Spinner", "capture_graph", "time_gpu",
+           "preroll_us", "L2Flush", "Spinner", "LaunchFloor", "capture_graph", "time_gpu",
            "EVENT_RESOLUTION_US"]
 
 # cudaEventElapsedTime: "this value has a resolution of around 0.5 microseconds".
@@ -189,6 +198,25 @@ class Spinner:
     def __call__(self, us: float) -> None:
         if us > 0:
             self.kernel((1,), (1,), (np.uint64(int(us * 1000)),))
+
+
+_EMPTY_SOURCE = r"""
+extern "C" __global__ void mlasandbox_empty() {}
+"""
+
+
+class LaunchFloor:
+    """Empty kernels in place of a step's: `floor(launches)` launches one per guard.Launch
+    (its grid and block; programmatic where the Launch was), on CuPy's current stream."""
+
+    def __init__(self):
+        import cupy
+
+        self.kernel = cupy.RawKernel(_EMPTY_SOURCE, "mlasandbox_empty")
+
+    def __call__(self, launches) -> None:
+        for ln in launches:
+            pdl_launch(self.kernel, ln.grid, ln.block, (), 0, pdl=ln.pdl)
 
 
 def capture_graph(fn, stream):

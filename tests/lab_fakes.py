@@ -88,6 +88,13 @@ class FakeBackend:
         us = {"attn": attn, "combine": combine, "step": 5.0 + attn + combine}[phase]
         return self._timing(us, mode)
 
+    def time_floor(self, variant, n_ctx, splits, timing_kw):
+        """The launch floor: a graph of the step's empty kernels (None for the engine)."""
+        self.calls.append(("floor", variant, n_ctx))
+        if not registry.variant(variant).is_cuda:
+            return None
+        return self._timing(4.0, "graph")
+
     def time_control(self, use_graph, timing_kw):
         self.calls.append(("control", use_graph))
         self.controls += 1

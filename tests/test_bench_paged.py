@@ -175,7 +175,8 @@ class FakePagedBackend:
 
     def time_paged(self, v, phase, kw, arm=0):
         self.calls.append((v, phase))
-        return _t({"attn": 90.0, "combine": 10.0, "step": 100.0, "graph": 95.0}[phase]
+        return _t({"attn": 90.0, "combine": 10.0, "step": 100.0, "graph": 95.0,
+                   "floor": 8.0}[phase]
                   * (1.2 if v == "split" else 1.0))
 
     def time_peer(self, name, kw):

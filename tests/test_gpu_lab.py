@@ -77,7 +77,7 @@ def test_a_captured_step_replays_the_same_work(stream):
         step.run_combine()
     polls = step.guard.polls
     graph = capture_graph(phases, be.stream)
-    assert step.guard.captured == 2 and be.qa.guard.captured == 1
+    assert step.guard.captured == len(step.launches) and be.qa.guard.captured == 1
     assert step.guard.polls == polls, "a poll inside the capture would have ended it"
     graph.launch(be.stream)
     be.stream.synchronize()

@@ -79,6 +79,10 @@ def test_the_right_smem_value_passes_and_a_wrong_one_for_another_instance_does_n
     ("MLA_MMA_TILE", registry.mma_instance(16), "MMA_TILE"),
     ("MLA_COMBINE_COL_BLOCKS", registry.combine_instance(), "COMBINE_COL_BLOCKS"),
     ("MLA_Q_ABSORB_THREADS", registry.q_absorb_instance(), "Q_ABSORB_THREADS"),
+    ("MLA_Q_ABSORB_COL_BLOCKS", registry.q_absorb_instance(), "Q_ABSORB_COL_BLOCKS"),
+    ("MLA_PROJECT_THREADS", registry.project_instance(), "PROJECT_THREADS"),
+    ("MLA_PROJECT_V_ROWS", registry.project_instance(), "PROJECT_V_ROWS"),
+    ("MLA_PROJECT_M_ROWS", registry.project_instance("bf16"), "PROJECT_M_ROWS"),
 ], ids=lambda x: x if isinstance(x, str) else str(x))
 def test_a_wrong_block_or_tile_fails_the_compile(monkeypatch, macro, inst, message):
     real = next(d for d in registry.compile_defines() if d.startswith(f"-D{macro}="))
@@ -103,6 +107,8 @@ def test_names_and_expressions_follow_from_the_fields():
     assert c.name == "combine<cache=bf16,rescale=false>" and c.q is None
     assert c.expression == "mla::combine<__nv_bfloat16, false>"
     assert registry.q_absorb_instance("f16", "f16").name == "q_absorb<cache=f16,q=f16>"
+    p = registry.project_instance("bf16")
+    assert p.name == "project<cache=bf16>" and p.expression == "mla::project<__nv_bfloat16>"
 
 
 def test_every_instance_has_a_distinct_name_and_its_familys_values():

@@ -171,8 +171,9 @@ def _bare_step(causal=True, wv_b=True):
     step.plan = plan_for(step.shape, FakeInstance(16, 64), num_sms=132, blocks_per_sm=2,
                          splits=5)
     for name in ("q", "kv_cache", "block_table", "cache_seqlens", "part_acc", "part_m",
-                 "part_l", "latent", "lse", "out_part", "tickets"):
+                 "part_l", "latent", "lse"):
         setattr(step, name, name)
+    step.col_blocks = registry.combine_col_blocks(3 * 10, 132)
     step.wv_b = "wv_b" if wv_b else None
     step.out = "out" if wv_b else None
     return step
@@ -190,19 +191,23 @@ def test_attn_args_follow_the_kernels_order_and_types():
     assert float(args[12]) == pytest.approx(step.scale * np.log2(np.e), rel=1e-7)
     assert args[13:] == ("part_acc", "part_m", "part_l")
     assert step.attn_grid == (1, 5, 3)
-    assert step.combine_grid == (10, registry.COMBINE_COL_BLOCKS, 3)
+    # 30 rows: 16 column blocks (480 blocks) where 8 would give 240 < 2 x 132 SMs
+    assert step.col_blocks == 16 and step.combine_grid == (10, 16, 3)
+    assert step.project_grid == (5, 4, 1)  # 5 heads, 128 / 32 wv_b rows, 6 <= 16 latent rows
     assert int(_bare_step(causal=False).attn_args()[7]) == 0
 
 
-def test_combine_args_follow_the_kernels_order_with_null_pointers_without_wv_b():
-    args = _bare_step().combine_args()
-    assert args[:4] == ("part_acc", "part_m", "part_l", "cache_seqlens")
-    assert [int(a) for a in args[4:9]] == [10, 5, 5, 256, 64]  # n_rows..tile
-    assert args[9] == "wv_b" and int(args[10]) == 128 and args[11] == "out"
-    assert args[12:] == ("latent", "lse", "out_part", "tickets")
-    none = _bare_step(wv_b=False).combine_args()
-    assert none[9] == np.uint64(0) and none[11] == np.uint64(0)
-    assert none[9].dtype == np.uint64   # 8 bytes: a pointer-sized null
+def test_the_merge_takes_null_pointers_for_wv_b_and_the_projection_applies_it():
+    for wv_b in (True, False):
+        args = _bare_step(wv_b=wv_b).combine_args()
+        assert args[:4] == ("part_acc", "part_m", "part_l", "cache_seqlens")
+        assert [int(a) for a in args[4:9]] == [10, 5, 5, 256, 64]  # n_rows..tile
+        assert int(args[10]) == 128 and args[12:14] == ("latent", "lse")
+        for i in (9, 11, 14, 15):  # wv_b, out, out_part, tickets: the merge-only launch
+            assert args[i] == np.uint64(0) and args[i].dtype == np.uint64  # pointer-sized
+    proj = _bare_step().project_args()
+    assert proj[:2] == ("latent", "wv_b") and proj[-1] == "out"
+    assert [int(a) for a in proj[2:5]] == [5, 6, 128]  # n_head, B * s_q rows, v_head
 
 
 # ---- the index validator's report ---------------------------------------------------------
@@ -489,6 +494,9 @@ def fake_device(monkeypatch):
                         value=lambda cache, rescale: instance(f"combine{rescale}"))
     monkeypatch.setattr(registry, "paged_check_instance", raising=False,
                         value=lambda: instance("check", threads=128))
+    monkeypatch.setattr(registry, "project_instance", raising=False,
+                        value=lambda cache: instance("project"))
+    monkeypatch.setattr(paged_api, "pdl_supported", lambda dev: False)
 
     def fake_capture(fn, stream):
         stream.capturing = True
@@ -514,15 +522,20 @@ def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     step = PagedDecodeStep(**args, variant="mma16", splits=4)
     assert step.plan.grid == (2, 4, 3) and step.plan.min_chunk == 256
     res = step.run()
-    (a_name, a_grid, a_block, a_args, a_smem), (c_name, c_grid, c_block, c_args, _) = \
-        fake_device.log
+    (a_name, a_grid, a_block, a_args, a_smem), (c_name, c_grid, c_block, c_args, _), \
+        (p_name, p_grid, p_block, p_args, _) = fake_device.log
     assert (a_name, a_grid, a_block, a_smem) == ("attn<paged=true>", (2, 4, 3), (256, 1, 1), 1000)
     assert len(a_args) == 16
     assert all(x is y or x == y for x, y in zip(a_args, step.attn_args()))
-    assert c_name == "combineTrue<paged=true>" and c_grid == (32, registry.COMBINE_COL_BLOCKS, 3)
+    # 96 rows: 4 column blocks (384 blocks >= 2 x 132 SMs)
+    assert c_name == "combineTrue<paged=true>" and c_grid == (32, 4, 3)
+    assert all(x is y or x == y for x, y in zip(c_args, step.combine_args()))
+    assert p_name == "project<paged=true>" and p_grid == (16, 4, 1)  # 6 latent rows a head
+    assert p_args[0] is step.latent and p_args[1] is step.wv_b and p_args[-1] is step.out
     assert res.latent.shape == (3, 2, 16, 512) and res.out.shape == (3, 2, 16, 128)
-    assert [launch.grid for launch in step.launches()] == [(2, 4, 3), c_grid]
-    assert step.guard.polls == 2 and step.guard.captured == 0
+    assert [launch.grid for launch in step.launches()] == [(2, 4, 3), c_grid, p_grid]
+    assert not any(launch.pdl for launch in step.launches())  # the fake device has no PDL
+    assert step.guard.polls == 3 and step.guard.captured == 0
 
 
 def test_decode_paged_checks_indices_first_and_raises_in_the_host_words(fake_device, seeds):
@@ -541,7 +554,7 @@ def test_capture_runs_the_phases_once_on_its_own_stream(fake_device, seeds):
     _, args = _host_step_inputs(seeds.one())
     step = PagedDecodeStep(**args, variant="split")
     assert step.capture() == "graph"
-    assert step.guard.captured == 2 and step.guard.polls == 0
+    assert step.guard.captured == 3 and step.guard.polls == 0  # attn, merge, projection
     assert step.graph_stream.name == "capture" and step.launch_stream().name == "caller"
     with pytest.raises(RuntimeError, match="cannot run inside a CUDA-graph capture"):
         fake_device.current.capturing = True
@@ -557,3 +570,29 @@ def test_the_cublas_engine_refuses_to_run_inside_a_capture(fake_device, seeds):
     fake_device.current.capturing = True
     with pytest.raises(ValueError, match="cublas cannot be captured"):
         step.run_attn()
+
+
+class _SinglePass:
+    """A chunk plan that says the attention kernel wrote the latent itself."""
+
+    single_pass = True
+
+    def __init__(self, plan):
+        self._plan = plan
+
+    def __getattr__(self, name):
+        return getattr(self._plan, name)
+
+
+@pytest.mark.parametrize("with_wv_b", [True, False])
+def test_a_single_pass_plan_skips_the_merge_and_keeps_the_projection(fake_device, seeds,
+                                                                    with_wv_b):
+    _, args = _host_step_inputs(seeds.one())
+    if not with_wv_b:
+        args["wv_b"] = None
+    step = PagedDecodeStep(**args, variant="mma16", splits=4)
+    step.plan = _SinglePass(step.plan)
+    step.run()
+    names = [entry[0] for entry in fake_device.log]
+    want = ["attn<paged=true>"] + (["project<paged=true>"] if with_wv_b else [])
+    assert names == want and [ln.kernel for ln in step.launches()] == want

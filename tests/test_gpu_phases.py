@@ -1,0 +1,163 @@
+"""The small phases on the device: q_absorb split over column blocks, the merge at every
+column-block count, the batched projection, programmatic dependent launch (plain, inside a
+captured graph, with the negative control) and the launch floor.
+
+Tolerances: the projection is one 512-term f32 dot product per output on inputs exact in
+float64 (wv_b a 16-bit value, the latent an f32), so its relL2 is ~u32 sqrt(512 / 2) ~ 1e-6;
+1e-5 leaves 10x, and a wrong column or row costs O(1). q_absorb's 128-term dot products are
+~5e-7 (test_gpu_kernels.py derives the same 1e-5). The whole step keeps compare's defaults
+(tests/test_gpu_kernels.py, docs/numerics.md).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_support import device_inputs, fresh_seed, gpu, poison, run_poisoned
+from mlasandbox import reference, registry
+from mlasandbox.compare import compare, rel_l2
+from mlasandbox.dims import Dims
+
+PROJECT_TOL = 1e-5
+
+
+@gpu
+@pytest.mark.parametrize("heads", [1, 16, 128])
+def test_q_absorb_at_every_head_count_is_exact_to_f32_and_deterministic(heads):
+    import cupy
+
+    from mlasandbox.api import QAbsorb
+
+    inp, seed = device_inputs(Dims(n_head=heads), 5, "f16", "f32")
+    qa = QAbsorb(inp.q_nope, inp.q_rope, inp.wk_b)
+    assert qa.grid == (heads, registry.Q_ABSORB_COL_BLOCKS, 1)
+    qa.q.fill(cupy.nan)
+    first = cupy.asnumpy(qa.run()).copy()
+    want = reference.q_absorb(inp.q_nope, inp.q_rope, inp.wk_b)
+    assert not np.isnan(first).any(), f"an element was not written (seed={seed})"
+    assert rel_l2(first, want) < 1e-5, f"seed={seed}"
+    qa.q.fill(cupy.nan)
+    assert np.array_equal(cupy.asnumpy(qa.run()), first), "q_absorb is not deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("col_blocks", [1, 2, 4, 8, 16])
+def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks, pdl):
+    import cupy
+
+    from mlasandbox.api import DecodeStep
+
+    from mlasandbox.pdl import supported
+
+    inp, seed = device_inputs(Dims(n_head=16), 20000, "f16", "f32")
+    cupy.cuda.get_current_stream().synchronize()
+    ref = reference.decode(**inp.decode_args())
+    # a stream of its own: programmatic launches are never made on a default stream
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        step = DecodeStep(**inp.decode_args(), variant="mma16", splits=33, pdl=pdl,
+                          sync_check=True)
+        step.col_blocks = col_blocks
+        res = run_poisoned(step)
+        stream.synchronize()
+        cmp = compare(res, ref)
+        assert cmp.ok, f"col_blocks={col_blocks} pdl={pdl} seed={seed}\n{cmp.summary()}"
+        assert step.guard.programmatic == (2 if pdl and supported() else 0)
+        first = [cupy.asnumpy(a).copy() for a in (res.out, res.latent, res.lse)]
+        again = run_poisoned(step)
+        stream.synchronize()
+        for a, b in zip(first, (again.out, again.latent, again.lse)):
+            assert np.array_equal(a, cupy.asnumpy(b)), "the merge is not deterministic"
+
+
+def _project(m_rows, heads, cache, seed, v_head=128):
+    """The projection kernel on random inputs, out NaN-poisoned with one guard row past the
+    last: (out on the host, the float64 reference)."""
+    import cupy
+
+    from mlasandbox.bf16 import as_f64, to_storage
+    from mlasandbox.kernels import get_kernel
+
+    rng = np.random.default_rng(seed)
+    latent = rng.standard_normal((m_rows, heads, 512)).astype(np.float32)
+    wv = to_storage(rng.standard_normal((heads, v_head, 512)).astype(np.float32) * 0.05, cache)
+    want = np.einsum("mhc,hvc->mhv", latent.astype(np.float64), as_f64(wv))
+    inst = registry.project_instance(cache)
+    out = cupy.full((m_rows + 1, heads, v_head), cupy.nan, cupy.float32)
+    get_kernel(inst)(registry.project_grid(heads, v_head, m_rows), (inst.threads,),
+                     (cupy.asarray(latent), cupy.asarray(wv), np.int32(heads),
+                      np.int32(m_rows), np.int32(v_head), out))
+    return cupy.asnumpy(out), want
+
+
+@gpu
+@pytest.mark.parametrize("m_rows,heads", [(1, 16), (5, 3), (16, 1), (17, 16), (40, 9)])
+@pytest.mark.parametrize("cache", ["f16", "bf16"])
+def test_the_projection_matches_float64_and_writes_only_its_rows(m_rows, heads, cache):
+    seed = fresh_seed()
+    got, want = _project(m_rows, heads, cache, seed)
+    assert not np.isnan(got[:m_rows]).any(), f"an output was not written (seed={seed})"
+    assert np.isnan(got[m_rows:]).all(), f"the projection wrote past its last row (seed={seed})"
+    assert rel_l2(got[:m_rows], want) < PROJECT_TOL, f"seed={seed}"
+
+
+@gpu
+def test_the_projection_masks_a_partial_block_of_wv_b_rows():
+    seed = fresh_seed()
+    got, want = _project(3, 2, "f16", seed, v_head=80)  # 80 = 2 x 32 + 16
+    assert rel_l2(got[:3], want) < PROJECT_TOL and np.isnan(got[3:]).all(), f"seed={seed}"
+
+
+@gpu
+@pytest.mark.parametrize("variant", ["split", "mma16"])
+def test_programmatic_steps_replay_in_a_graph_and_the_control_still_fails(variant):
+    """The step (PDL where the device has it) captured in a CUDA graph and replayed matches
+    the reference; the same with the combine that drops its rescale must fail."""
+    import cupy
+
+    from mlasandbox.api import DecodeStep
+    from mlasandbox.pdl import supported
+    from mlasandbox.timing import capture_graph
+
+    inp, seed = device_inputs(Dims(n_head=16), 20000, "f16", "f32")
+    cupy.cuda.get_current_stream().synchronize()
+    ref = reference.decode(**inp.decode_args())
+    verdicts = {}
+    for rescale in (True, False):
+        step = DecodeStep(**inp.decode_args(), variant=variant, splits=33, rescale=rescale)
+        assert step.pdl == supported()
+        assert [ln.pdl for ln in step.launches] == [False] + [step.pdl] * 2
+        stream = cupy.cuda.Stream(non_blocking=True)
+        poison(step)
+        cupy.cuda.get_current_stream().synchronize()
+        graph = capture_graph(step.run, stream)
+        assert step.guard.programmatic == (2 if step.pdl else 0)
+        graph.launch(stream)
+        stream.synchronize()
+        verdicts[rescale] = compare(reference.DecodeResult(step.out, step.latent, step.lse),
+                                    ref)
+    assert verdicts[True].ok, f"seed={seed}\n{verdicts[True].summary()}"
+    assert not verdicts[False].ok, f"the control passed under PDL (seed={seed})"
+
+
+@gpu
+def test_a_refused_programmatic_launch_is_reported_by_its_phase():
+    from mlasandbox.guard import PhaseError, PhaseGuard
+    from mlasandbox.timing import LaunchFloor
+
+    kernel = LaunchFloor().kernel
+    with pytest.raises(PhaseError, match="phase 'combine'.*programmatic dependent launch"):
+        PhaseGuard("x").launch("combine", kernel, (1, 1, 1), (4096, 1, 1), (), pdl=True)
+
+
+@gpu
+def test_the_launch_floor_is_a_graph_of_the_steps_launches():
+    from mlasandbox.bench_gpu import CupyBackend
+
+    backend = CupyBackend()
+    backend.prepare(Dims(n_head=16), 4096, "f16", "f32", fresh_seed())
+    kw = {"warmup": 1, "min_repeats": 3, "max_repeats": 3, "target_s": 0.001}
+    t = backend.time_floor("mma16", 4096, "auto", kw)
+    assert t.mode == "graph" and t.stats.n == 3 and t.median_us > 0
+    assert backend.time_floor("cublas", 4096, "auto", kw) is None
+    backend.release()

@@ -1,0 +1,103 @@
+"""Programmatic dependent launch on the CPU: the hand-laid cuda.h structures, the argument
+marshalling, and the small phases' launch rules (registry.combine_col_blocks, project_grid,
+q_absorb_grid). On the device: tests/test_gpu_phases.py."""
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlasandbox import pdl, registry
+from mlasandbox.toolkit import cuda_include_dirs
+
+
+def _cuda_h() -> str | None:
+    """cuda.h from the include directories the compiles use, where one has it (the runtime
+    wheel carries only the runtime headers)."""
+    try:
+        dirs = cuda_include_dirs()
+    except Exception:
+        return None
+    for d in dirs:
+        path = Path(d) / "cuda.h"
+        if path.is_file():
+            return path.read_text()
+    return None
+
+
+def test_the_structures_have_cuda_h_layout():
+    # CUlaunchAttribute: int id, 4 pad bytes, a 64-byte union (8-aligned): 72 bytes
+    assert ctypes.sizeof(pdl.LaunchAttribute) == 72
+    assert pdl.LaunchAttribute.value.offset == 8
+    # CUlaunchConfig: 7 uints, the stream at 32 (8-aligned), attrs at 40, numAttrs at 48
+    assert ctypes.sizeof(pdl.LaunchConfig) == 56
+    assert pdl.LaunchConfig.hStream.offset == 32
+    assert pdl.LaunchConfig.attrs.offset == 40 and pdl.LaunchConfig.numAttrs.offset == 48
+
+
+def test_the_attribute_id_is_cuda_h_s():
+    text = _cuda_h()
+    if text is None:
+        pytest.skip("no cuda.h among the CUDA headers found (mlasandbox.toolkit)")
+    m = re.search(r"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION\s*=\s*(\d+)", text)
+    assert m and int(m.group(1)) == pdl.PROGRAMMATIC_STREAM_SERIALIZATION
+    fields = re.search(r"typedef struct CUlaunchConfig_st \{(.*?)\} CUlaunchConfig;", text,
+                       re.S).group(1)
+    names = re.findall(r"(\w+);", re.sub(r"/\*.*?\*/", "", fields, flags=re.S))
+    assert names == [f[0] for f in pdl.LaunchConfig._fields_]
+
+
+class _Arr:
+    """A stand-in device array: what kernel_params reads of a CuPy array."""
+
+    def __init__(self, ptr):
+        self.data = type("Mem", (), {"ptr": ptr})()
+
+
+def test_kernel_params_point_at_each_argument_at_its_width():
+    args = (_Arr(0x7F0000001000), np.int32(-3), np.float32(1.5), np.uint64(0), np.uint32(7))
+    params, keep = pdl.kernel_params(args)
+    read = [ctypes.c_uint64, ctypes.c_int32, ctypes.c_float, ctypes.c_uint64, ctypes.c_uint32]
+    got = [ctypes.cast(params[i], ctypes.POINTER(t)).contents.value for i, t in enumerate(read)]
+    assert got == [0x7F0000001000, -3, 1.5, 0, 7]
+    assert len(keep) == len(args)
+
+
+@pytest.mark.parametrize("bad", [3, 2.0, "x", np.float16(1)])
+def test_kernel_params_refuse_what_the_kernels_do_not_take(bad):
+    with pytest.raises(TypeError, match="kernel argument 1"):
+        pdl.kernel_params((np.int32(1), bad))
+
+
+def test_a_launch_config_carries_the_attribute_only_when_asked():
+    cfg, attrs = pdl.launch_config((3, 4, 5), (256, 1, 1), 1024, 0x1234, True)
+    assert (cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX) == (3, 4, 5, 256)
+    assert cfg.sharedMemBytes == 1024 and cfg.hStream == 0x1234 and cfg.numAttrs == 1
+    assert attrs[0].id == 6 and attrs[0].value.as_int == 1
+    plain, _ = pdl.launch_config((7,), (32,), 0, 0, False)
+    assert plain.numAttrs == 0 and plain.hStream is None  # the legacy stream is NULL
+    assert (plain.gridDimX, plain.gridDimY, plain.gridDimZ, plain.blockDimZ) == (7, 1, 1, 1)
+
+
+@pytest.mark.parametrize("rows,sms,want", [(16, 132, 16), (128, 132, 4), (2048, 132, 1),
+                                           (96, 132, 4), (1, 132, 16), (264, 132, 1)])
+def test_the_merge_takes_the_fewest_column_blocks_that_give_two_per_sm(rows, sms, want):
+    cb = registry.combine_col_blocks(rows, sms)
+    assert cb == want
+    assert cb == registry.COMBINE_COL_BLOCKS or rows * cb >= 2 * sms
+    assert cb == 1 or rows * (cb // 2) < 2 * sms  # one fewer halving would not do
+
+
+def test_the_rules_refuse_an_empty_launch():
+    with pytest.raises(ValueError, match="rows and num_sms"):
+        registry.combine_col_blocks(0, 132)
+
+
+def test_the_projection_and_q_absorb_grids():
+    assert registry.project_grid(16, 128, 1) == (16, 4, 1)
+    assert registry.project_grid(16, 128, 128) == (16, 4, 8)
+    assert registry.project_grid(3, 80, 17) == (3, 3, 2)
+    assert registry.q_absorb_grid(128) == (128, registry.Q_ABSORB_COL_BLOCKS, 1)
