@@ -305,17 +305,25 @@ __device__ __forceinline__ void attn_body(const QT* __restrict__ q, W& walk, flo
 #pragma unroll
             for (int e = 0; e < kCols; ++e) out_acc[j][e] += halves[j * kKvLora + col_group * kCols + e];
     }
+    const bool single = walk.single();  // also latent = acc / l and lse (mla_walk.cuh)
 #pragma unroll
     for (int j = 0; j < HPB; ++j) {
         if (head0 + j < n_head) {
-            float* dst = part_acc + (part_base + head0 + j) * kKvLora + col_group * kCols;
+            const size_t col0 = (part_base + head0 + j) * kKvLora + col_group * kCols;
+            float* dst = part_acc + col0;
 #pragma unroll
             for (int e = 0; e < kCols; ++e) dst[e] = out_acc[j][e];
+            if (single) {
+                const float inv_l = single_pass_inv_l(l_s[j]);
+#pragma unroll
+                for (int e = 0; e < kCols; ++e) walk.latent[col0 + e] = out_acc[j][e] * inv_l;
+            }
         }
     }
     if (tid < HPB && head0 + tid < n_head) {
         part_m[part_base + head0 + tid] = m_s[tid];
         part_l[part_base + head0 + tid] = l_s[tid];
+        if (single) walk.lse[part_base + head0 + tid] = single_pass_lse(m_s[tid], l_s[tid]);
     }
 }
 
@@ -323,8 +331,8 @@ template <int HPB, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
 attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
      int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
-     float* __restrict__ part_l) {
-    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
+     float* __restrict__ part_l, float* __restrict__ latent, float* __restrict__ lse) {
+    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits, latent, lse};
     attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
@@ -335,9 +343,11 @@ attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
            const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
            int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
            int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
-           float* __restrict__ part_m, float* __restrict__ part_l) {
+           float* __restrict__ part_m, float* __restrict__ part_l, int target,
+           float* __restrict__ latent, float* __restrict__ lse) {
     PagedWalk<CacheT, kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
-                                  causal, max_pages, page_shift, max_chunks, min_chunk};
+                                  causal, max_pages, page_shift, max_chunks, min_chunk,
+                                  target, latent, lse};
     attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 

@@ -373,21 +373,31 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     }
 
     // acc[mt][t][0..1]: head 16mt + g, columns 64w + 8t + 2c4 + {0,1}; [2..3]: head + 8.
+    // (m, l) of the last softmax step are visible since the barrier before the value phase.
+    const bool single = walk.single();  // also latent = acc / l and lse (mla_walk.cuh)
 #pragma unroll
     for (int mt = 0; mt < HM; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int h = head0 + 16 * mt + g + 8 * hh;
             if (h >= n_head) continue;
-            float* dst = part_acc + (part_base + h) * kMmaLora + warp * 64 + 2 * c4;
+            const size_t col0 = (part_base + h) * kMmaLora + warp * 64 + 2 * c4;
+            float* dst = part_acc + col0;
 #pragma unroll
             for (int t = 0; t < 8; ++t)
                 *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
+            if (single) {
+                const float inv_l = single_pass_inv_l(l_s[16 * mt + g + 8 * hh]);
+#pragma unroll
+                for (int t = 0; t < 8; ++t)
+                    *reinterpret_cast<float2*>(walk.latent + col0 + 8 * t) =
+                        make_float2(acc[mt][t][2 * hh] * inv_l, acc[mt][t][2 * hh + 1] * inv_l);
+            }
         }
-    // (m, l) of the last softmax step are visible since the barrier before the value phase.
     if (tid < kHeads && head0 + tid < n_head) {
         part_m[part_base + head0 + tid] = m_s[tid];
         part_l[part_base + head0 + tid] = l_s[tid];
+        if (single) walk.lse[part_base + head0 + tid] = single_pass_lse(m_s[tid], l_s[tid]);
     }
 }
 
@@ -395,8 +405,8 @@ template <int HEADS, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
          int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
-         float* __restrict__ part_l) {
-    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
+         float* __restrict__ part_l, float* __restrict__ latent, float* __restrict__ lse) {
+    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits, latent, lse};
     mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
@@ -407,9 +417,11 @@ mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
                int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
                int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
-               float* __restrict__ part_m, float* __restrict__ part_l) {
+               float* __restrict__ part_m, float* __restrict__ part_l, int target,
+               float* __restrict__ latent, float* __restrict__ lse) {
     PagedWalk<CacheT, kMmaTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
-                                     causal, max_pages, page_shift, max_chunks, min_chunk};
+                                     causal, max_pages, page_shift, max_chunks, min_chunk,
+                                     target, latent, lse};
     mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 

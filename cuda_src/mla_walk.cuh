@@ -31,19 +31,83 @@
 namespace mla {
 
 // ---- the chunk rule --------------------------------------------------------------------
-// (n, chunk_len) of a request of `len` positions, exactly sandbox/chunks.py's request_chunks:
-//   want = min(max_chunks, ceil(len / min_chunk)), per = ceil(len / max(want, 1)),
-//   chunk_len = max(ceil(per / tile) * tile, tile), n = ceil(len / chunk_len).
-// Chunks are whole tiles, so only a request's last chunk ends inside a tile; len 0 gives n 0.
+// Exactly sandbox/chunks.py (batch_chunk_unit, request_chunks): with t_b = ceil(len_b / tile)
+// tiles per request of the batch, count(u) = sum_b min(max_chunks, ceil(t_b / u)) programs
+// run at chunks of u tiles; u = the smallest u in [lo, hi] with count(u) <= target (binary
+// search, hi if none), lo = max(min_chunk / tile, ceil(W / target)), W = sum_b t_b,
+// hi = max(lo, min(max t_b, ceil(W / (target - B')))) (B' non-empty requests; max t_b when
+// target <= B'). Request b runs n0 = min(max_chunks, ceil(t_b / u)) chunks of
+// chunk_len = max(1, ceil(t_b / n0)) * tile positions, n = ceil(len_b / chunk_len) of them.
+// Every warp of a block computes it on its own (no shared memory, no barrier): each lane
+// reads the lengths b = lane, lane + 32, ..., and the sums are warp reductions.
 struct ChunkSpan {
     int n, len;
 };
-__device__ __forceinline__ ChunkSpan request_chunks(int len, int max_chunks, int tile,
-                                                    int min_chunk) {
-    const int want = min(max_chunks, (len + min_chunk - 1) / min_chunk);
-    const int per = (len + max(want, 1) - 1) / max(want, 1);
-    const int chunk_len = max((per + tile - 1) / tile * tile, tile);
+__device__ __forceinline__ long long warp_sum_ll(long long v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ int warp_max_int(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// u, the balanced chunk length in tiles, of the batch of `batch` lengths. Called by whole warps.
+__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
+                                                int max_chunks, int tile, int min_chunk,
+                                                int target) {
+    const int lane = threadIdx.x & 31;
+    long long total = 0;
+    int busy = 0, max_t = 0;
+    for (int i = lane; i < batch; i += 32) {
+        const int t = (__ldg(lengths + i) + tile - 1) / tile;
+        total += t;
+        busy += t > 0;
+        max_t = max(max_t, t);
+    }
+    total = warp_sum_ll(total);
+    busy = warp_sum_int(busy);
+    max_t = warp_max_int(max_t);
+    int lo = max(min_chunk / tile, static_cast<int>((total + target - 1) / target));
+    int hi = target <= busy
+                 ? max_t
+                 : static_cast<int>(min(static_cast<long long>(max_t),
+                                        (total + (target - busy) - 1) / (target - busy)));
+    hi = max(lo, hi);
+    while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        int count = 0;
+        for (int i = lane; i < batch; i += 32) {
+            const int t = (__ldg(lengths + i) + tile - 1) / tile;
+            count += min(max_chunks, (t + mid - 1) / mid);
+        }
+        if (warp_sum_int(count) <= target) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+// (n, chunk_len) of request b of the batch (gridDim.z requests in both the attention and the
+// combine launch). Called by whole warps.
+__device__ __forceinline__ ChunkSpan request_chunks(const int* __restrict__ lengths, int b,
+                                                    int max_chunks, int tile, int min_chunk,
+                                                    int target) {
+    const int u = batch_chunk_unit(lengths, static_cast<int>(gridDim.z), max_chunks, tile,
+                                   min_chunk, target);
+    const int len = __ldg(lengths + b);
+    const int t = (len + tile - 1) / tile;
+    const int want = min(max_chunks, (t + u - 1) / u);
+    const int chunk_len = max((t + max(want, 1) - 1) / max(want, 1), 1) * tile;
     return {(len + chunk_len - 1) / chunk_len, chunk_len};
+}
+
+// Asks for the 128-byte line at p to be brought into L2 (no register is written).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // The neutral partial (m = -inf, l = 0, acc = 0) of rows [head0, head0 + heads) below `rows`,
@@ -58,10 +122,22 @@ __device__ __forceinline__ void write_neutral(int heads, int rows, int latent, c
 }
 
 // ---- batch 1, contiguous -------------------------------------------------------------------
+// Single pass: the store helpers below, shared by both walks. With one slice / chunk for
+// every row the kernel also writes latent = acc / l and lse = (m + log2 l) ln 2 (latent 0,
+// lse -inf where l == 0) at entry part_base + row, which is then the row's latent index;
+// its partials are written as well, so a merge that does run gives the same words.
+__device__ __forceinline__ float single_pass_inv_l(float l) { return l > 0.f ? 1.f / l : 0.f; }
+__device__ __forceinline__ float single_pass_lse(float m, float l) {
+    return l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+}
+
 template <typename CacheT>
 struct ContiguousWalk {
     const CacheT* cache;
     int n_head, n_ctx, splits;
+    float* latent;  // [n_head][512] and [n_head]: written when splits == 1
+    float* lse;
+    __device__ __forceinline__ bool single() const { return splits == 1; }
 
     __device__ __forceinline__ bool begin(int heads, int latent, float* part_acc, float* part_m,
                                           float* part_l, BlockSlice& out) const {
@@ -104,10 +180,15 @@ struct PagedWalk {
     const CacheT* cache;
     const int* table;           // block_table [B, max_pages]
     const int* cache_seqlens;
-    int n_rows, n_head, s_q, causal, max_pages, page_shift, max_chunks, min_chunk;
+    int n_rows, n_head, s_q, causal, max_pages, page_shift, max_chunks, min_chunk, target;
+    float* latent;              // [B][n_rows][512] and [B][n_rows]: written when max_chunks == 1
+    float* lse;
     size_t q_row0 = 0;          // request b's first q row
     int visible0 = 0;           // row r sees positions < visible0 (+ r / n_head when causal)
     int page[kPagedMaxPasses] = {};  // the pages of this thread's rows of the next tile to copy
+    int held_index = -1, held_page = 0;  // the table entry this thread looked up last
+
+    __device__ __forceinline__ bool single() const { return max_chunks == 1; }
 
     __device__ __forceinline__ int visible(int r) const {
         return causal ? visible0 + r / n_head : visible0;
@@ -118,8 +199,16 @@ struct PagedWalk {
     __device__ __forceinline__ bool begin(int heads, int latent, float* part_acc, float* part_m,
                                           float* part_l, BlockSlice& out) {
         const int b = blockIdx.z, c = blockIdx.y;
-        const int len = cache_seqlens[b];
-        const ChunkSpan span = request_chunks(len, max_chunks, kTile, min_chunk);
+        // One line of the request's table into L2 per chunk program, before the length is
+        // known: lines c of the row, so the first lookups of every program's chunk (whose
+        // start is c chunk lengths in) find their line in L2 rather than in memory. In the
+        // table's bounds; a prefetch reads nothing into the program.
+        if (threadIdx.x == 0 && c * 32 < max_pages)
+            prefetch_l2(table + static_cast<size_t>(b) * max_pages + c * 32);
+        const int len = __ldg(cache_seqlens + b);
+        if (c * kTile >= len) return false;  // n <= ceil(len / tile): past the end for sure
+        const ChunkSpan span = request_chunks(cache_seqlens, b, max_chunks, kTile, min_chunk,
+                                              target);
         if (c >= span.n) return false;
         q_row0 = static_cast<size_t>(b) * n_rows;
         visible0 = causal ? len - (s_q - 1) : len;
@@ -152,11 +241,27 @@ struct PagedWalk {
         static_assert(kPasses <= kPagedMaxPasses, "a thread copies at most 2 rows a tile");
         const int row0 = row_start + tile_index * kRows + static_cast<int>(threadIdx.x >> 3);
         const int* pages = request_pages();
+        // A pass whose row lies in the page of the pass before reuses its entry, so a
+        // thread reads one entry per page its rows of the tile enter (one a tile when the
+        // page holds the whole tile, as 64-row tiles at page size 64).
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const int row = row0 + pass * kRowsPerPass;
-            page[pass] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
+            const int index = row >> page_shift;
+            if (pass > 0 && index == ((row - kRowsPerPass) >> page_shift))
+                page[pass] = row < row_end ? page[pass - 1] : 0;
+            else
+                page[pass] = row < row_end ? __ldg(pages + index) : 0;
         }
+    }
+    // Table entry `index` of the request, for the copies that look their pages up when they
+    // copy (no kPrefetch): read once per page the thread's rows enter, across tiles too.
+    __device__ __forceinline__ int lookup(const int* pages, int index) {
+        if (index != held_index) {
+            held_page = __ldg(pages + index);
+            held_index = index;
+        }
+        return held_page;
     }
     // cp_async_tile's copy, each row's address through the pages of this tile (fetched one
     // copy ago with kPrefetch, else now); with kPrefetch, then the next tile's pages. A loop
@@ -180,7 +285,7 @@ struct PagedWalk {
             const int row = row0 + pass * kRowsPerPass + copy_row;
             const bool valid = row < row_end;
             const int pg = kPrefetch ? page[pass]
-                         : valid   ? __ldg(request_pages() + (row >> page_shift)) : 0;
+                         : valid   ? lookup(request_pages(), row >> page_shift) : 0;
             const size_t cache_row = (static_cast<size_t>(pg) << page_shift) + (row & in_page);
             const CacheT* src = cache + cache_row * (kChunks * 8) + copy_lane * 8;
 #pragma unroll

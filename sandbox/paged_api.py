@@ -217,13 +217,15 @@ class PagedDecodeStep:
         return (self.n_rows, registry.COMBINE_COL_BLOCKS, self.shape.batch)
 
     def attn_args(self) -> tuple:
-        """The paged attention kernel's arguments, in the kernels' order."""
+        """The paged attention kernel's arguments, in the kernels' order. latent and lse
+        come last: with a single-pass plan (ChunkPlan.single_pass) the kernel writes them."""
         sh, p = self.shape, self.plan
         return (self.q, self.kv_cache, self.block_table, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(sh.s_q),
                 np.int32(self.causal), np.int32(sh.max_pages), np.int32(self.page_shift),
                 np.int32(p.max_chunks), np.int32(p.min_chunk),
-                np.float32(self.scale * _LOG2E), self.part_acc, self.part_m, self.part_l)
+                np.float32(self.scale * _LOG2E), self.part_acc, self.part_m, self.part_l,
+                np.int32(p.target), self.latent, self.lse)
 
     def combine_args(self) -> tuple:
         """The paged combine's arguments, in the kernel's order (no wv_b: null pointers)."""
@@ -233,7 +235,7 @@ class PagedDecodeStep:
         return (self.part_acc, self.part_m, self.part_l, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(p.max_chunks),
                 np.int32(p.min_chunk), np.int32(p.tile), wv_b, np.int32(sh.dims.v_head), out,
-                self.latent, self.lse, self.out_part, self.tickets)
+                self.latent, self.lse, self.out_part, self.tickets, np.int32(p.target))
 
     def run_attn(self) -> None:
         with self.caller.on(self._stream):

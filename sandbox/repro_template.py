@@ -458,7 +458,8 @@ PAGE_SIZE = @@PAGE_SIZE@@
 SPARE_PAGES = @@SPARE_PAGES@@      # unused (NaN) pages besides the requests' own
 SEED = @@SEED@@                    # draws q, wv_b, the cache and the table permutation
 SCALE = @@SCALE@@
-PLAN = @@PLAN@@                    # the chunk plan: max_chunks, min_chunk, tile, rows per block
+PLAN = @@PLAN@@                    # the chunk plan: max_chunks, min_chunk, tile, rows per block,
+                                   # target (chunk programs of one wave per row block)
 PLAN_FROM = @@PLAN_FROM@@
 NEGATIVE_CONTROL = @@NEGATIVE@@
 TOLERANCE = @@TOLERANCE@@          # relL2 for out and latent, max |error| for lse (live rows)
@@ -569,7 +570,8 @@ def run_cuda(kernels, q, cache, table, lengths, wv_b):
         "s_q": np.int32(S_Q), "causal": np.int32(CAUSAL),
         "max_pages": np.int32(table.shape[1]), "page_shift": np.int32(page_shift),
         "max_chunks": np.int32(mc), "min_chunk": np.int32(PLAN["min_chunk"]),
-        "tile": np.int32(PLAN["tile"]), "scale_log2": np.float32(SCALE * LOG2E),
+        "tile": np.int32(PLAN["tile"]), "target": np.int32(PLAN["target"]),
+        "scale_log2": np.float32(SCALE * LOG2E),
         "v_head": np.int32(V_HEAD),
         "part_acc": cupy.full(n_part * KV_LORA, nan, cupy.float32),
         "part_m": cupy.full(n_part, nan, cupy.float32),

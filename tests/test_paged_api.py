@@ -132,9 +132,10 @@ def _shape(**kw):
 def test_the_plan_budgets_batch_by_row_blocks_by_chunks_on_the_slots():
     shape = _shape(batch=8, s_q=2, heads=16)         # 32 query rows a request
     plan = plan_for(shape, FakeInstance(16, 64), num_sms=132, blocks_per_sm=2)
-    assert plan.head_blocks == 2 and plan.tile == 64 and plan.min_chunk == 4 * 64
-    assert plan.max_chunks == (132 * 2) // (8 * 2)   # 16
-    assert plan.grid == (2, 16, 8)
+    assert plan.head_blocks == 2 and plan.tile == 64 and plan.min_chunk == 64
+    assert plan.target == (132 * 2) // 2              # 132 chunk programs a row block
+    assert plan.max_chunks == -(-2 * 132 // 8)        # 33: twice the mean request's need
+    assert plan.grid == (2, 33, 8)
     # a partial last row block still gets a block: 33 rows at 16 a block are 3 blocks
     plan = plan_for(_shape(batch=1, s_q=3, heads=11), FakeInstance(16, 64), num_sms=132,
                     blocks_per_sm=2)
@@ -184,11 +185,13 @@ def test_attn_args_follow_the_kernels_order_and_types():
     assert args[:4] == ("q", "kv_cache", "block_table", "cache_seqlens")
     ints = [int(a) for a in args[4:12]]
     # n_rows, n_head, s_q, causal, max_pages, page_shift, max_chunks, min_chunk
-    assert ints == [10, 5, 2, 1, 7, 4, 5, 256]
+    assert ints == [10, 5, 2, 1, 7, 4, 5, 64]
     assert all(isinstance(a, np.int32) for a in args[4:12])
     assert isinstance(args[12], np.float32)
     assert float(args[12]) == pytest.approx(step.scale * np.log2(np.e), rel=1e-7)
-    assert args[13:] == ("part_acc", "part_m", "part_l")
+    assert args[13:16] == ("part_acc", "part_m", "part_l")
+    assert isinstance(args[16], np.int32) and int(args[16]) == step.plan.target == 264
+    assert args[17:] == ("latent", "lse")
     assert step.attn_grid == (1, 5, 3)
     assert step.combine_grid == (10, registry.COMBINE_COL_BLOCKS, 3)
     assert int(_bare_step(causal=False).attn_args()[7]) == 0
@@ -197,9 +200,10 @@ def test_attn_args_follow_the_kernels_order_and_types():
 def test_combine_args_follow_the_kernels_order_with_null_pointers_without_wv_b():
     args = _bare_step().combine_args()
     assert args[:4] == ("part_acc", "part_m", "part_l", "cache_seqlens")
-    assert [int(a) for a in args[4:9]] == [10, 5, 5, 256, 64]  # n_rows..tile
+    assert [int(a) for a in args[4:9]] == [10, 5, 5, 64, 64]  # n_rows..tile
     assert args[9] == "wv_b" and int(args[10]) == 128 and args[11] == "out"
-    assert args[12:] == ("latent", "lse", "out_part", "tickets")
+    assert args[12:16] == ("latent", "lse", "out_part", "tickets")
+    assert isinstance(args[16], np.int32) and int(args[16]) == 264  # target: 2 blocks/SM x 132
     none = _bare_step(wv_b=False).combine_args()
     assert none[9] == np.uint64(0) and none[11] == np.uint64(0)
     assert none[9].dtype == np.uint64   # 8 bytes: a pointer-sized null
@@ -512,12 +516,12 @@ def _host_step_inputs(seed):
 def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     inp, args = _host_step_inputs(seeds.one())
     step = PagedDecodeStep(**args, variant="mma16", splits=4)
-    assert step.plan.grid == (2, 4, 3) and step.plan.min_chunk == 256
+    assert step.plan.grid == (2, 4, 3) and step.plan.min_chunk == 64
     res = step.run()
     (a_name, a_grid, a_block, a_args, a_smem), (c_name, c_grid, c_block, c_args, _) = \
         fake_device.log
     assert (a_name, a_grid, a_block, a_smem) == ("attn<paged=true>", (2, 4, 3), (256, 1, 1), 1000)
-    assert len(a_args) == 16
+    assert len(a_args) == 19
     assert all(x is y or x == y for x, y in zip(a_args, step.attn_args()))
     assert c_name == "combineTrue<paged=true>" and c_grid == (32, registry.COMBINE_COL_BLOCKS, 3)
     assert res.latent.shape == (3, 2, 16, 512) and res.out.shape == (3, 2, 16, 128)
