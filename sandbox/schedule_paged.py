@@ -12,6 +12,9 @@ queries that see nothing) without a GPU. What it models:
   acc = acc alpha + p @ rows, in f32. Positions a row must not see (past the chunk, or past
   its causal limit) have score -inf, so p = 0 there; a row that has seen nothing keeps
   m = -inf, l = 0, acc = 0 (never NaN).
+* Single pass (`plan.single_pass`, one chunk slot a request): latent = acc / l and
+  lse = m + log l straight from the chunk's partial, as the attention kernel writes them,
+  no merge.
 * The combine, per request: the partials merged `combine_tile` at a time, each step one
   online-softmax update with the tile's max, then latent = acc / l and lse = m + log l; a
   row with l = 0 gets latent 0 and lse -inf. `rescale=False` drops every exp(m_i - m)
@@ -54,6 +57,15 @@ def _chunk_partial(q_rows, rows, start, end, visible, tile, scale, kv_lora):
     return m, l, acc
 
 
+def _finish(m, l, acc):
+    """(latent, lse) of merged (m, l, acc): a row with l == 0 gets latent 0, lse -inf."""
+    live = l > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        latent = np.where(live[:, None], acc / l[:, None], np.float32(0))
+        lse = np.where(live, m + np.log(l), np.float32(-np.inf))
+    return latent.astype(np.float32), lse.astype(np.float32)
+
+
 def _combine(parts, combine_tile, rescale, kv_lora, n_rows):
     """Merge the chunk partials of one request, `combine_tile` at a time."""
     m = np.full(n_rows, -np.inf, np.float32)
@@ -73,11 +85,7 @@ def _combine(parts, combine_tile, rescale, kv_lora, n_rows):
         l = l * alpha + (w * np.stack([p[1] for p in tile])).sum(axis=0)
         acc = acc * alpha[:, None] + (w[:, :, None] * np.stack([p[2] for p in tile])).sum(axis=0)
         m = m_new
-    live = l > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        latent = np.where(live[:, None], acc / l[:, None], np.float32(0))
-        lse = np.where(live, m + np.log(l), np.float32(-np.inf))
-    return latent.astype(np.float32), lse.astype(np.float32)
+    return _finish(m, l, acc)
 
 
 def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, plan: ChunkPlan,
@@ -111,7 +119,10 @@ def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, pl
             start, end = chunk_bounds(n, int(chunk_len[b]), c)
             parts.append(_chunk_partial(q32[b], rows, start, end, visible[b], plan.tile,
                                         scale, d.kv_lora))
-        latent[b], lse[b] = _combine(parts, plan.combine_tile, rescale, d.kv_lora, s_q * H)
+        if plan.single_pass:               # the attention kernel's own latent and lse
+            latent[b], lse[b] = _finish(*parts[0])
+        else:
+            latent[b], lse[b] = _combine(parts, plan.combine_tile, rescale, d.kv_lora, s_q * H)
     latent = latent.reshape(shape.batch, s_q, H, d.kv_lora)
     lse = lse.reshape(shape.batch, s_q, H)
     out = None

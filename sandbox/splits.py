@@ -7,17 +7,26 @@ The rule (Flash-Decoding's split over context, budgeted against the SM count):
   more than the parallelism buys, and below it `split` runs per_head's kernel on one slice,
   the same code (the A/A pair). Blocks that serve several heads (batched, tiled, mma) are
   few, 6 at 96 heads for 16 per block, and one slice leaves most SMs idle, so they have no
-  gate: the sizing rule's `min_tiles` alone keeps their slices long enough (at n_ctx 4095
-  and 96 heads one slice is several times slower for mma16 and batched16; docs/ has the
-  measurement).
-  `min_ctx=` sets the gate for any variant.
-* Above it, the budget is on the PRODUCT head_blocks x S against the resident-block slots of
-  the GPU (blocks/SM x SMs), so S grows as the number of head blocks shrinks (head sharding,
-  larger HPB) instead of needing to be re-tuned. Among S in 1..cap, each slice at least
-  `min_tiles` tiles long, the plan takes the S with the fewest estimated tile-steps
-  (waves x tiles per slice), and the smallest S within 2% of that minimum, since every
-  extra split adds a partial to write and merge.
+  gate. `min_ctx=` sets the gate for any variant.
+* Above it, S minimises a latency model of the attention phase, in tile-steps (the time a
+  lone block takes to stream and score one tile of cache rows):
+
+      cost(S) = waves(S) x (FIXED_TILES + tiles_per_slice(S)) + S x MERGE_TILES
+
+  with waves = ceil(head_blocks x S / slots) (slots = blocks/SM x SMs, so the budget is on
+  the PRODUCT head_blocks x S, and S grows as the head blocks shrink), FIXED_TILES = 2 a
+  block's fixed cost (its start, q staged, the first tile's memory latency, the partial
+  written) and MERGE_TILES = 1/256 what one more partial adds to the merge. Among S in
+  1..cap (each slice at least `min_tiles` tiles, 1 by default) the plan takes the S of
+  least cost, and the smallest S within 2% of it. So a short cache gets enough blocks to
+  cover the SMs with one or two tiles each (1024 positions at 16 heads: 16 slices of one
+  64-row tile, not 4 of four), a long one one wave of equal slices, and a cache of one tile
+  one slice: a single pass (`SplitPlan.single_pass`), where the attention kernel writes
+  latent and lse itself and no merge is needed.
 * `splits=` overrides the rule (any S >= 1, S > n_ctx included: empty slices are neutral).
+
+`predict_us` turns the model into microseconds for a variant (docs/schedule.md has the
+constants and the predicted-vs-measured table).
 """
 from __future__ import annotations
 
@@ -26,12 +35,15 @@ from dataclasses import dataclass
 
 from .registry import ATTN_TILE
 
-__all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "SplitPlan", "default_gate",
-           "plan_splits", "slice_bounds"]
+__all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "FIXED_TILES", "MERGE_TILES",
+           "SplitPlan", "default_gate", "plan_splits", "slice_bounds", "LatencyModel",
+           "LATENCY_MODELS", "predict_us"]
 
 SPLIT_MIN_CTX = 4096
 SPLIT_CAP = 256
-MIN_TILES_PER_SPLIT = 4
+MIN_TILES_PER_SPLIT = 1
+FIXED_TILES = 2.0      # a block's fixed cost, in tile-steps
+MERGE_TILES = 1 / 256  # one more partial to write and merge, in tile-steps
 _TIE = 1.02
 
 
@@ -73,9 +85,19 @@ class SplitPlan:
     def tiles_per_block(self) -> int:
         return math.ceil(min(self.slice_len, self.n_ctx) / self.tile)
 
+    @property
+    def single_pass(self) -> bool:
+        """One slice: the attention kernel writes latent and lse, no merge is needed."""
+        return self.splits == 1
+
     def estimated_steps(self) -> int:
         """Tile-steps on the critical path: full waves times tiles per slice."""
         return math.ceil(self.blocks / self.slots) * self.tiles_per_block()
+
+    def cost(self) -> float:
+        """The rule's latency model, in tile-steps (the module docstring)."""
+        waves = math.ceil(self.blocks / self.slots)
+        return waves * (FIXED_TILES + self.tiles_per_block()) + self.splits * MERGE_TILES
 
 
 def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
@@ -121,8 +143,43 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
     if n_ctx < gate:
         return make(1, f"below the split gate (n_ctx {n_ctx} < {gate})")
     max_s = max(1, min(cap, n_ctx // (min_tiles * tile)))
-    cost = {s: make(s, "").estimated_steps() for s in range(1, max_s + 1)}
+    cost = {s: make(s, "").cost() for s in range(1, max_s + 1)}
     best = min(cost.values())
     s = min(k for k, v in cost.items() if v <= best * _TIE)
     return make(s, f"auto: {head_blocks} head blocks x {s} splits on {slots} slots "
                    f"({blocks_per_sm}/SM x {num_sms} SMs)")
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """The microseconds of a family's attention launch and of the merge, per the rule's
+    model: attn = launch + waves x (fixed + tiles x tile), the tile's time
+    max(tile_us, active blocks x tile bytes / bandwidth) (a lone block is latency-bound, a
+    full GPU bandwidth-bound); merge = merge_us + slices x merge_slice_us (the combine's
+    launch and projection, and its loads of the partials). Constants from the H200 bench
+    of 2026-12-01 (docs/schedule.md)."""
+
+    launch_us: float      # the launch and drain of a kernel in a graph replay, cold L2
+    fixed_us: float       # a block's fixed cost: FIXED_TILES tiles
+    tile_us: float        # one tile of a lone block
+    merge_us: float       # the combine at one slice
+    merge_slice_us: float  # each further slice
+
+
+H200_BANDWIDTH = 3.6e12   # B/s the attention kernels reach streaming the cache (mma16, 131072)
+LATENCY_MODELS = {        # by kernel family
+    "mma": LatencyModel(2.0, 6.0, 2.5, 5.0, 0.05),
+    "batched": LatencyModel(2.0, 4.0, 1.5, 5.0, 0.05),
+    "split": LatencyModel(2.0, 3.0, 1.2, 5.0, 0.05),
+}
+
+
+def predict_us(plan: SplitPlan, family: str, cache_bytes: int = 2, key_dim: int = 576,
+               bandwidth: float = H200_BANDWIDTH) -> dict:
+    """{"attn", "combine"} in microseconds for `plan` on kernel family `family`."""
+    m = LATENCY_MODELS[family]
+    waves = math.ceil(plan.blocks / plan.slots)
+    active = min(plan.blocks, plan.slots)
+    tile = max(m.tile_us, active * plan.tile * key_dim * cache_bytes / bandwidth * 1e6)
+    attn = m.launch_us + waves * (m.fixed_us + plan.tiles_per_block() * tile)
+    return {"attn": attn, "combine": m.merge_us + (plan.splits - 1) * m.merge_slice_us}

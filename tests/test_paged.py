@@ -13,7 +13,7 @@ from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
 from mlasandbox.paged_inputs import make_paged_inputs, parse_lengths
-from mlasandbox.reference import decode
+from mlasandbox.reference import decode, to_host
 from mlasandbox.reference import decode_paged
 from mlasandbox.schedule_paged import run_paged_schedule
 
@@ -305,24 +305,44 @@ def mixed_batch(module_seeds):
     return dims, inp, decode_paged(**inp.decode_args())
 
 
-@pytest.mark.parametrize("chunks", [None, 1, 3, 200])
-def test_paged_schedule_matches_the_reference(mixed_batch, chunks):
+@pytest.mark.parametrize("num_sms,chunks", [(132, None), (132, 1), (132, 3), (132, 200),
+                                            (5, None), (2, 4), (40, None)])
+def test_paged_schedule_matches_the_reference(mixed_batch, num_sms, chunks):
     # The default tolerances (compare.py) bound f32 accumulation over up to 131072 terms;
     # here a chunk holds at most 20000 positions, well inside them. A bug in the chunk
     # bounds, the causal mask or the merge moves relL2 by 1e-3 or more (the negative control
-    # below measures the merge's).
+    # below measures the merge's). Few SMs make a small wave target: the balance then gives
+    # the long requests the chunks and caps them (132 SMs: 20000 is 5x the mean and hits
+    # the 38 slots; 5 SMs: batch 7 >= the target, one slot a request, a single pass; 2 SMs
+    # with 4 slots: more requests than the wave, every request one chunk).
     dims, inp, want = mixed_batch
-    plan = plan_chunks(7, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=chunks)
+    plan = plan_chunks(7, 1, num_sms=num_sms, blocks_per_sm=1, tile=64, chunks=chunks)
+    n, _ = plan.for_lengths(to_host(inp.cache_seqlens))
+    assert n[0] == 0 and (n <= plan.max_chunks).all()
     got = run_paged_schedule(**inp.decode_args(), plan=plan)
     result = compare_paged(got, want)
     assert result.ok, result.summary()
     assert result.empty_rows == 2 * 16 + 16  # request 0, and query 0 of request 1
 
 
+def test_the_balance_puts_the_chunks_on_the_long_request(mixed_batch):
+    dims, inp, want = mixed_batch
+    lengths = to_host(inp.cache_seqlens)                # 0, 1, 20, 140, 4095, 4097, 20000
+    plan = plan_chunks(7, 1, num_sms=40, blocks_per_sm=1, tile=64)
+    n, clen = plan.for_lengths(lengths)
+    assert n.sum() <= plan.target == 40 and n[-1] == plan.max_chunks == 12
+    assert n[1] == n[2] == 1 and n[4] < n[-1]           # short ones one chunk, never split
+    # chunk slots past a request's count do nothing: the model's result is the same with
+    # every chunk slot the grid has (max_chunks) and with the chunks the requests need
+    got = run_paged_schedule(**inp.decode_args(), plan=plan)
+    assert compare_paged(got, want).ok
+
+
 def test_paged_schedule_without_rescale_fails(mixed_batch):
     dims, inp, want = mixed_batch
     plan = plan_chunks(7, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert plan.for_lengths([20000])[0][0] > 1  # the merge has chunks to rescale
+    lengths = to_host(inp.cache_seqlens)
+    assert plan.for_lengths(lengths)[0][-1] > 1  # the merge has chunks to rescale
     got = run_paged_schedule(**inp.decode_args(), plan=plan, rescale=False)
     result = compare_paged(got, want)
     assert not result.ok
