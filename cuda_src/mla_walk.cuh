@@ -196,30 +196,47 @@ struct PagedWalk {
     // Chunk c = blockIdx.y of request b = blockIdx.z. A chunk past the request's last writes
     // nothing (the combine merges chunks 0..n-1 only); a block none of whose rows sees a
     // position of its chunk (causal) writes their neutral partials.
-    __device__ __forceinline__ bool begin(int heads, int latent, float* part_acc, float* part_m,
-                                          float* part_l, BlockSlice& out) {
+    __device__ __forceinline__ bool begin(int heads, int latent_dim, float* part_acc,
+                                          float* part_m, float* part_l, BlockSlice& out) {
         const int b = blockIdx.z, c = blockIdx.y;
         // One line of the request's table into L2 per chunk program, before the length is
-        // known: lines c of the row, so the first lookups of every program's chunk (whose
+        // known: line c of the row, so the first lookups of every program's chunk (whose
         // start is c chunk lengths in) find their line in L2 rather than in memory. In the
         // table's bounds; a prefetch reads nothing into the program.
         if (threadIdx.x == 0 && c * 32 < max_pages)
             prefetch_l2(table + static_cast<size_t>(b) * max_pages + c * 32);
         const int len = __ldg(cache_seqlens + b);
-        if (c * kTile >= len) return false;  // n <= ceil(len / tile): past the end for sure
+        const int head0 = static_cast<int>(blockIdx.x) * heads;
+        if (c * kTile >= len) {  // n <= ceil(len / tile): past the end for sure
+            // single pass (c == 0 only): an empty request's rows get latent 0, lse -inf here
+            if (single()) write_empty_latent(heads, head0, static_cast<size_t>(b) * n_rows,
+                                             latent_dim);
+            return false;
+        }
         const ChunkSpan span = request_chunks(cache_seqlens, b, max_chunks, kTile, min_chunk,
                                               target);
         if (c >= span.n) return false;
         q_row0 = static_cast<size_t>(b) * n_rows;
         visible0 = causal ? len - (s_q - 1) : len;
-        const int head0 = static_cast<int>(blockIdx.x) * heads;
         const int start = c * span.len;
         const int end = min(min(len, start + span.len), visible(min(head0 + heads, n_rows) - 1));
         out = {head0, start, max(end, start),
                (static_cast<size_t>(b) * max_chunks + c) * n_rows};
         if (out.row_start < out.row_end) return true;
-        write_neutral(heads, n_rows, latent, out, part_acc, part_m, part_l);
+        write_neutral(heads, n_rows, latent_dim, out, part_acc, part_m, part_l);
+        if (single()) write_empty_latent(heads, head0, out.part_base, latent_dim);
         return false;
+    }
+    // Single pass: latent 0 and lse -inf for rows [head0, head0 + heads) below n_rows of the
+    // request whose first row is entry `base`, rows that see no position.
+    __device__ __forceinline__ void write_empty_latent(int heads, int head0, size_t base,
+                                                       int latent_dim) const {
+        for (int j = 0; j < heads && head0 + j < n_rows; ++j) {
+            const size_t row = base + head0 + j;
+            for (int k = threadIdx.x; k < latent_dim; k += blockDim.x)
+                latent[row * latent_dim + k] = 0.f;
+            if (threadIdx.x == 0) lse[row] = -INFINITY;
+        }
     }
     __device__ __forceinline__ int rows() const { return n_rows; }
     // Request b's row of the table, rederived from the launch values at each lookup rather
