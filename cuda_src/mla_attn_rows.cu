@@ -269,10 +269,11 @@ attn_rows_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                 int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
                 int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
                 float* __restrict__ part_m, float* __restrict__ part_l, int target,
+                int batch, int* __restrict__ chunk_counts,
                 float* __restrict__ latent, float* __restrict__ lse) {
     PagedWalk<CacheT, rows::kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head,
                                         s_q, causal, max_pages, page_shift, max_chunks,
-                                        min_chunk, target, latent, lse};
+                                        min_chunk, target, batch, chunk_counts, latent, lse};
     attn_rows_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 

@@ -295,9 +295,10 @@ combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
     if (tid == 0) tickets[h] = 0;
 }
 
-// The paged launch: grid (n_rows, kColBlocks, B). `tile`, `min_chunk` and `target` are the
-// attention launch's (its instance's tile rows, the ChunkPlan's min_chunk and target), so n
-// is the number of chunks the attention programs of the request wrote.
+// The paged launch: grid (n_rows, kColBlocks, B). chunk_counts[b] is request b's chunk count
+// as the attention launch derived and wrote it (mla_walk.cuh, the chunk rule), so n is the
+// number of chunks the attention programs of the request wrote. (`tile`, `min_chunk`: the
+// attention launch's, unused here.)
 template <typename WvT, bool RESCALE>
 __global__ void __launch_bounds__(kCombineThreads)
 combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part_m,
@@ -305,10 +306,10 @@ combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part
               int n_rows, int n_head, int max_chunks, int min_chunk, int tile,
               const WvT* __restrict__ wv_b, int v_head, float* __restrict__ out,
               float* __restrict__ latent, float* __restrict__ lse, float* __restrict__ out_part,
-              unsigned int* __restrict__ tickets, int target) {
+              unsigned int* __restrict__ tickets, const int* __restrict__ chunk_counts) {
     const int r = blockIdx.x, b = blockIdx.z;
-    const ChunkSpan span = request_chunks(cache_seqlens, b, max_chunks, tile, min_chunk, target);
-    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, span.n, r, b}, part_acc,
+    const int n = __ldg(chunk_counts + b);  // as the attention launch derived it
+    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, n, r, b}, part_acc,
                                part_m, part_l, wv_b, v_head, out, latent, lse, out_part, tickets);
 }
 

@@ -418,10 +418,11 @@ mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
                int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
                float* __restrict__ part_m, float* __restrict__ part_l, int target,
+               int batch, int* __restrict__ chunk_counts,
                float* __restrict__ latent, float* __restrict__ lse) {
     PagedWalk<CacheT, kMmaTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
                                      causal, max_pages, page_shift, max_chunks, min_chunk,
-                                     target, latent, lse};
+                                     target, batch, chunk_counts, latent, lse};
     mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 

@@ -91,18 +91,54 @@ __device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths,
     }
     return lo;
 }
-// (n, chunk_len) of request b of the batch (gridDim.z requests in both the attention and the
-// combine launch). Called by whole warps.
-__device__ __forceinline__ ChunkSpan request_chunks(const int* __restrict__ lengths, int b,
-                                                    int max_chunks, int tile, int min_chunk,
-                                                    int target) {
-    const int u = batch_chunk_unit(lengths, static_cast<int>(gridDim.z), max_chunks, tile,
-                                   min_chunk, target);
-    const int len = __ldg(lengths + b);
+// (n, chunk_len) of one request of `len` positions, at the batch's unit u.
+__device__ __forceinline__ ChunkSpan request_span(int len, int u, int max_chunks, int tile) {
     const int t = (len + tile - 1) / tile;
     const int want = min(max_chunks, (t + u - 1) / u);
     const int chunk_len = max((t + max(want, 1) - 1) / max(want, 1), 1) * tile;
     return {(len + chunk_len - 1) / chunk_len, chunk_len};
+}
+
+// Where chunk program p of a row block lies (sandbox/chunks.py, program_chunks): the
+// requests' chunks numbered request by request, program p runs the p-th one, chunk c of
+// request b; b = -1 past the last (the program has nothing to do). `counts` not null: the
+// warp also writes every request's chunk count there (the combine reads them). Called by
+// whole warps; an exclusive prefix sum of the counts over 32 requests a round.
+struct ChunkSlot {
+    int b, c, n, len;
+};
+__device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ lengths, int batch,
+                                                  int p, int max_chunks, int tile,
+                                                  int min_chunk, int target,
+                                                  int* __restrict__ counts) {
+    const int lane = threadIdx.x & 31;
+    const int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target);
+    ChunkSlot slot{-1, 0, 0, tile};
+    int before = 0;  // chunks of the requests of earlier rounds
+    for (int r0 = 0; r0 < batch; r0 += 32) {
+        const int b = r0 + lane;
+        const ChunkSpan span = b < batch ? request_span(__ldg(lengths + b), u, max_chunks, tile)
+                                         : ChunkSpan{0, tile};
+        if (counts != nullptr && b < batch) counts[b] = span.n;
+        int incl = span.n;  // inclusive scan over the lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int start = before + incl - span.n;
+        const unsigned mine = __ballot_sync(0xffffffffu, p >= start && p < start + span.n);
+        if (mine != 0u) {
+            const int src = __ffs(mine) - 1;
+            slot.b = r0 + src;
+            slot.c = p - __shfl_sync(0xffffffffu, start, src);
+            slot.n = __shfl_sync(0xffffffffu, span.n, src);
+            slot.len = __shfl_sync(0xffffffffu, span.len, src);
+            if (counts == nullptr) break;
+        }
+        before += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    return slot;
 }
 
 // Asks for the 128-byte line at p to be brought into L2 (no register is written).
@@ -181,10 +217,13 @@ struct PagedWalk {
     const int* table;           // block_table [B, max_pages]
     const int* cache_seqlens;
     int n_rows, n_head, s_q, causal, max_pages, page_shift, max_chunks, min_chunk, target;
+    int batch;
+    int* chunk_counts;          // [B]: each request's chunk count, for the combine
     float* latent;              // [B][n_rows][512] and [B][n_rows]: written when max_chunks == 1
     float* lse;
     size_t q_row0 = 0;          // request b's first q row
     int visible0 = 0;           // row r sees positions < visible0 (+ r / n_head when causal)
+    int req = 0, chunk = 0;     // the program's request and chunk (begin)
     int page[kPagedMaxPasses] = {};  // the pages of this thread's rows of the next tile to copy
     int held_index = -1, held_page = 0;  // the table entry this thread looked up last
 
@@ -193,35 +232,50 @@ struct PagedWalk {
     __device__ __forceinline__ int visible(int r) const {
         return causal ? visible0 + r / n_head : visible0;
     }
-    // Chunk c = blockIdx.y of request b = blockIdx.z. A chunk past the request's last writes
-    // nothing (the combine merges chunks 0..n-1 only); a block none of whose rows sees a
-    // position of its chunk (causal) writes their neutral partials.
+    // Program p = blockIdx.y of row block blockIdx.x. Single pass (max_chunks 1, grid y = B):
+    // request p, chunk 0. Else (grid y = max(target, B)) the p-th chunk of the batch in
+    // request order (locate_chunk), nothing past the last. Row block 0's program 0 (single
+    // pass: each request's program of row block 0) publishes the chunk counts. A block none of
+    // whose rows sees a position of its chunk (causal) writes their neutral partials.
     __device__ __forceinline__ bool begin(int heads, int latent_dim, float* part_acc,
                                           float* part_m, float* part_l, BlockSlice& out) {
-        const int b = blockIdx.z, c = blockIdx.y;
-        // One line of the request's table into L2 per chunk program, before the length is
-        // known: line c of the row, so the first lookups of every program's chunk (whose
-        // start is c chunk lengths in) find their line in L2 rather than in memory. In the
-        // table's bounds; a prefetch reads nothing into the program.
-        if (threadIdx.x == 0 && c * 32 < max_pages)
-            prefetch_l2(table + static_cast<size_t>(b) * max_pages + c * 32);
-        const int len = __ldg(cache_seqlens + b);
+        const int p = blockIdx.y;
         const int head0 = static_cast<int>(blockIdx.x) * heads;
-        if (c * kTile >= len) {  // n <= ceil(len / tile): past the end for sure
-            // single pass (c == 0 only): an empty request's rows get latent 0, lse -inf here
-            if (single()) write_empty_latent(heads, head0, static_cast<size_t>(b) * n_rows,
-                                             latent_dim);
-            return false;
+        // One line of the table into L2 before the program knows its chunk: line p of
+        // gridDim.y spread over the table, where chunks in request order put program p's
+        // first lookups when the requests' page counts follow their lengths. In the table's
+        // bounds; a prefetch reads nothing into the program.
+        const size_t entries = static_cast<size_t>(batch) * max_pages;
+        if (threadIdx.x == 0) prefetch_l2(table + static_cast<size_t>(p) * entries / gridDim.y);
+        int len;
+        if (single()) {
+            req = p;
+            chunk = 0;
+            len = __ldg(cache_seqlens + p);
+            if (blockIdx.x == 0 && threadIdx.x == 0) chunk_counts[p] = len > 0;
+            if (len == 0) {  // an empty request's rows get latent 0, lse -inf here
+                write_empty_latent(heads, head0, static_cast<size_t>(p) * n_rows, latent_dim);
+                return false;
+            }
+            out = {head0, 0, 0, static_cast<size_t>(p) * n_rows};
+            out.row_end = len;
+        } else {
+            const bool publish = blockIdx.x == 0 && p == 0 && threadIdx.x < 32;
+            const ChunkSlot slot = locate_chunk(cache_seqlens, batch, p, max_chunks, kTile,
+                                                min_chunk, target,
+                                                publish ? chunk_counts : nullptr);
+            if (slot.b < 0) return false;
+            req = slot.b;
+            chunk = slot.c;
+            len = __ldg(cache_seqlens + req);
+            const int start = chunk * slot.len;
+            out = {head0, start, min(len, start + slot.len),
+                   (static_cast<size_t>(req) * max_chunks + chunk) * n_rows};
         }
-        const ChunkSpan span = request_chunks(cache_seqlens, b, max_chunks, kTile, min_chunk,
-                                              target);
-        if (c >= span.n) return false;
-        q_row0 = static_cast<size_t>(b) * n_rows;
+        q_row0 = static_cast<size_t>(req) * n_rows;
         visible0 = causal ? len - (s_q - 1) : len;
-        const int start = c * span.len;
-        const int end = min(min(len, start + span.len), visible(min(head0 + heads, n_rows) - 1));
-        out = {head0, start, max(end, start),
-               (static_cast<size_t>(b) * max_chunks + c) * n_rows};
+        out.row_end = max(min(out.row_end, visible(min(head0 + heads, n_rows) - 1)),
+                          out.row_start);
         if (out.row_start < out.row_end) return true;
         write_neutral(heads, n_rows, latent_dim, out, part_acc, part_m, part_l);
         if (single()) write_empty_latent(heads, head0, out.part_base, latent_dim);
@@ -239,10 +293,9 @@ struct PagedWalk {
         }
     }
     __device__ __forceinline__ int rows() const { return n_rows; }
-    // Request b's row of the table, rederived from the launch values at each lookup rather
-    // than held across the walk.
+    // The request's row of the table.
     __device__ __forceinline__ const int* request_pages() const {
-        return table + static_cast<size_t>(blockIdx.z) * max_pages;
+        return table + static_cast<size_t>(req) * max_pages;
     }
     template <typename QT> __device__ __forceinline__ const QT* q(const QT* q0) const {
         return q0 + q_row0 * (MLA_KV_LORA + MLA_ROPE);
@@ -313,7 +366,7 @@ struct PagedWalk {
         if (kPrefetch) fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
     }
     __device__ __forceinline__ size_t part_base() const {
-        return (static_cast<size_t>(blockIdx.z) * max_chunks + blockIdx.y) * n_rows;
+        return (static_cast<size_t>(req) * max_chunks + chunk) * n_rows;
     }
     // A row that has seen no position yet has m = -inf and every score -inf: p = 2^(s - 0) = 0
     // and alpha = 1 keep it at (m, l, acc) = (-inf, 0, 0), where 2^(-inf + inf) would be NaN.

@@ -29,9 +29,16 @@ when it sizes the grid (lengths live on the device and change between graph repl
   last chunk ends inside a tile), ``n = ceil(len_b / chunk_len) <= n0``. A program whose
   chunk index is >= n exits at once; an empty request (len 0) has n = 0 and its rows get
   latent 0, lse -inf.
+* The grid: (head_blocks, P, 1), P = max(target, batch) chunk programs a row block, at least
+  the chunks any lengths make. Program p runs the p-th chunk of the batch, the requests'
+  chunks numbered request by request (`ChunkPlan.program_chunks`, the kernels'
+  locate_chunk): no program waits on another's exit, and the chunks of a wave are all real.
+  Row block 0's program 0 writes every request's chunk count to a [B] buffer, which the
+  combine reads (it derives nothing itself).
 * Single pass: with max_chunks == 1 (`ChunkPlan.single_pass`) every request runs at most one
-  chunk; the attention kernel then also writes latent = acc / l and lse itself, so the
-  step needs no merge.
+  chunk, program p is request p (P = batch) and no rule runs; the attention kernel then
+  also writes latent = acc / l and lse itself (latent 0, lse -inf for an empty request), so
+  the step needs no merge.
 * The combine merges a request's n partials a tile of `combine_tile` chunks per step: the
   chunk cap rounded up to a power of two, at most COMBINE_TILE_MAX.
 """
@@ -74,13 +81,19 @@ class ChunkPlan:
             object.__setattr__(self, "target", max(1, self.slots // self.head_blocks))
 
     @property
+    def programs_per_block(self) -> int:
+        """Chunk programs of a row block: one a request in a single pass, else
+        max(target, batch), at least the chunks any set of lengths makes."""
+        return self.batch if self.single_pass else max(self.target, self.batch)
+
+    @property
     def grid(self) -> tuple[int, int, int]:
-        """(head blocks, chunk slots, requests): fixed for a batch size, whatever the lengths."""
-        return (self.head_blocks, self.max_chunks, self.batch)
+        """(head blocks, chunk programs, 1): fixed for a batch size, whatever the lengths."""
+        return (self.head_blocks, self.programs_per_block, 1)
 
     @property
     def programs(self) -> int:
-        return self.head_blocks * self.max_chunks * self.batch
+        return self.head_blocks * self.programs_per_block
 
     @property
     def single_pass(self) -> bool:
@@ -94,6 +107,19 @@ class ChunkPlan:
     def for_lengths(self, lengths):
         """(n_chunks [B], chunk_len [B]) for these lengths: what each request runs."""
         return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target)
+
+    def program_chunks(self, lengths):
+        """(request [P], chunk [P]) of each chunk program p of a row block, -1 past the last
+        chunk: the requests' chunks numbered request by request (the kernels' locate)."""
+        n, _ = self.for_lengths(lengths)
+        if self.single_pass:
+            b = np.arange(self.batch)
+            return np.where(n > 0, b, -1), np.zeros(self.batch, np.int64)
+        req = np.repeat(np.arange(len(n)), n)
+        chunk = np.concatenate([np.arange(k) for k in n]) if n.sum() else np.zeros(0, np.int64)
+        pad = self.programs_per_block - len(req)
+        return (np.concatenate([req, np.full(pad, -1)]),
+                np.concatenate([chunk, np.zeros(pad, np.int64)]))
 
 
 def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: int, tile: int,

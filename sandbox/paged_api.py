@@ -12,9 +12,10 @@
     graph.launch(stream)            # replays read the same table and length buffers
 
 The contract (shapes, causal rule, empty rows) is sandbox/paged.py's; the chunk rule is
-sandbox/chunks.py's. The grid is (head blocks, max_chunks, B) whatever the lengths: every
-program reads its request's length on the device and exits if its chunk is past the end, so
-changing the contents of `cache_seqlens` and `block_table` between replays needs no recapture.
+sandbox/chunks.py's. The grid is (head blocks, chunk programs, 1) whatever the lengths: every
+program derives its request and chunk from the lengths on the device and exits if it is
+past the batch's last chunk, so changing the contents of `cache_seqlens` and `block_table`
+between replays needs no recapture.
 
 `decode()` (batch 1, one contiguous cache) stays beside this path with its own kernels'
 machine code; batch 1 through the paged path agrees with it within the float64 tolerances.
@@ -177,9 +178,9 @@ class PagedDecodeStep:
         info = device_info(self.device_id)
         self.plan = plan_for(sh, self.attn_inst, num_sms=info.num_sms,
                              blocks_per_sm=blocks_per_sm(self.attn_inst), splits=splits)
-        if self.plan.max_chunks > info.max_grid_y:
-            raise ValueError(f"max_chunks={self.plan.max_chunks} exceeds the grid's y limit "
-                             f"{info.max_grid_y} on {info.name}")
+        if self.plan.programs_per_block > info.max_grid_y:
+            raise ValueError(f"{self.plan.programs_per_block} chunk programs a row block "
+                             f"exceed the grid's y limit {info.max_grid_y} on {info.name}")
         self.attn_kernel = get_kernel(self.attn_inst)
         self.combine_kernel = get_kernel(self.combine_inst)
         n = sh.batch * self.plan.max_chunks * self.n_rows
@@ -190,6 +191,7 @@ class PagedDecodeStep:
         self.out_part = scratch_for_device(
             dev, "out_part", sh.batch * self.n_rows * registry.COMBINE_COL_BLOCKS * d.v_head)
         self.tickets = scratch_for_device(dev, "tickets", sh.batch * self.n_rows, "uint32")
+        self.chunk_counts = scratch_for_device(dev, "chunk_counts", sh.batch, "int32")
 
     @property
     def n_rows(self) -> int:
@@ -225,7 +227,8 @@ class PagedDecodeStep:
                 np.int32(self.causal), np.int32(sh.max_pages), np.int32(self.page_shift),
                 np.int32(p.max_chunks), np.int32(p.min_chunk),
                 np.float32(self.scale * _LOG2E), self.part_acc, self.part_m, self.part_l,
-                np.int32(p.target), self.latent, self.lse)
+                np.int32(p.target), np.int32(sh.batch), self.chunk_counts, self.latent,
+                self.lse)
 
     def combine_args(self) -> tuple:
         """The paged combine's arguments, in the kernel's order (no wv_b: null pointers)."""
@@ -235,7 +238,7 @@ class PagedDecodeStep:
         return (self.part_acc, self.part_m, self.part_l, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(p.max_chunks),
                 np.int32(p.min_chunk), np.int32(p.tile), wv_b, np.int32(sh.dims.v_head), out,
-                self.latent, self.lse, self.out_part, self.tickets, np.int32(p.target))
+                self.latent, self.lse, self.out_part, self.tickets, self.chunk_counts)
 
     def run_attn(self) -> None:
         with self.caller.on(self._stream):

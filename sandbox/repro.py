@@ -57,10 +57,11 @@ COMBINE_ARGS = ("part_acc", "part_m", "part_l", "n_head", "splits", "wv_b", "v_h
 # The paged kernels' arguments (paged_api.PagedDecodeStep.attn_args / combine_args), in order.
 PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n_head", "s_q",
                    "causal", "max_pages", "page_shift", "max_chunks", "min_chunk",
-                   "scale_log2", "part_acc", "part_m", "part_l", "target", "latent", "lse")
+                   "scale_log2", "part_acc", "part_m", "part_l", "target", "batch",
+                   "chunk_counts", "latent", "lse")
 PAGED_COMBINE_ARGS = ("part_acc", "part_m", "part_l", "cache_seqlens", "n_rows", "n_head",
                       "max_chunks", "min_chunk", "tile", "wv_b", "v_head", "out", "latent",
-                      "lse", "out_part", "tickets", "target")
+                      "lse", "out_part", "tickets", "chunk_counts")
 PAGED_SPARE_PAGES = 2   # as make_paged_inputs' default
 # The registry's launch values go along, so the script's kernels static_assert them too.
 NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",

@@ -115,12 +115,16 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     part_l = cp.full((batch, max_chunks, n_rows), cp.nan, cp.float32)
     latent = cp.full((batch, n_rows, latent_dim), cp.nan, cp.float32)
     lse = cp.full((batch, n_rows), cp.nan, cp.float32)
-    grid = (-(-n_rows // att.heads), max_chunks, batch)
+    counts = cp.full(batch, -7, cp.int32)   # every entry must be written
+    programs = batch if max_chunks == 1 else max(target, batch)
+    grid = (-(-n_rows // att.heads), programs, 1)
     get_kernel(att)(grid, (att.threads,), (
         q, cache, table, seqlens, i32(n_rows), i32(n_head), i32(s_q), i32(inp.causal),
         i32(max_pages), i32(int(math.log2(page_size))), i32(max_chunks), i32(min_chunk),
-        np.float32(inp.scale * LOG2E), part_acc, part_m, part_l, i32(target), latent, lse),
-        shared_mem=att.smem_bytes)
+        np.float32(inp.scale * LOG2E), part_acc, part_m, part_l, i32(target), i32(batch),
+        counts, latent, lse), shared_mem=att.smem_bytes)
+    want = request_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target)[0]
+    assert (counts.get() == want).all(), "the published chunk counts are the rule's"
     shape = (batch, s_q, n_head)
     if not merge:
         cp.cuda.Device().synchronize()
@@ -135,7 +139,7 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     get_kernel(comb)((n_rows, registry.COMBINE_COL_BLOCKS, batch), (comb.threads,), (
         part_acc, part_m, part_l, seqlens, i32(n_rows), i32(n_head), i32(max_chunks),
         i32(min_chunk), i32(tile), wv_b, i32(v_head), out, latent, lse, out_part, tickets,
-        i32(target)))
+        counts))
     cp.cuda.Device().synchronize()
     assert int(tickets.sum()) == 0, "the combine leaves its tickets at 0 for the next launch"
     return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape),

@@ -238,7 +238,7 @@ def test_the_balance_fills_one_wave_and_long_requests_take_the_chunks():
     rng = np.random.default_rng(3)
     lengths = np.clip(np.round(rng.normal(8192, 4096, 32)), 0, None).astype(int)
     plan = plan_chunks(32, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert plan.max_chunks == 9 and plan.target == 132 and plan.grid == (1, 9, 32)
+    assert plan.max_chunks == 9 and plan.target == 132 and plan.grid == (1, 132, 1)
     n, clen = plan.for_lengths(lengths)
     assert n.sum() <= 132                                  # one wave of programs
     ideal = -(-(-(-lengths // 64)).sum() // 132)           # tiles a program at perfect balance
@@ -246,6 +246,19 @@ def test_the_balance_fills_one_wave_and_long_requests_take_the_chunks():
     order = np.argsort(lengths)
     assert n[order[-1]] > n[order[0]]                      # the longest takes more chunks
     assert (np.diff(n[order]) >= 0).all()                  # never fewer for a longer request
+    req, chunk = plan.program_chunks(lengths)              # program p: the p-th chunk
+    assert len(req) == 132 and (req[:n.sum()] >= 0).all() and (req[n.sum():] == -1).all()
+    for b in range(32):
+        assert sorted(chunk[req == b]) == list(range(n[b]))
+
+
+def test_a_single_pass_runs_request_p_on_program_p():
+    plan = plan_chunks(200, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert plan.single_pass and plan.grid == (1, 200, 1)
+    lengths = [0, 5, 70000] * 66 + [1, 0]
+    req, chunk = plan.program_chunks(lengths)
+    assert (req == np.where(np.asarray(lengths) > 0, np.arange(200), -1)).all()
+    assert (chunk == 0).all() and (plan.for_lengths(lengths)[0] <= 1).all()
 
 
 def test_a_request_past_the_skew_gets_longer_chunks_not_more():

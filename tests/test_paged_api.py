@@ -135,7 +135,7 @@ def test_the_plan_budgets_batch_by_row_blocks_by_chunks_on_the_slots():
     assert plan.head_blocks == 2 and plan.tile == 64 and plan.min_chunk == 64
     assert plan.target == (132 * 2) // 2              # 132 chunk programs a row block
     assert plan.max_chunks == -(-2 * 132 // 8)        # 33: twice the mean request's need
-    assert plan.grid == (2, 33, 8)
+    assert plan.grid == (2, 132, 1)                   # a row block's 132 chunk programs
     # a partial last row block still gets a block: 33 rows at 16 a block are 3 blocks
     plan = plan_for(_shape(batch=1, s_q=3, heads=11), FakeInstance(16, 64), num_sms=132,
                     blocks_per_sm=2)
@@ -172,7 +172,7 @@ def _bare_step(causal=True, wv_b=True):
     step.plan = plan_for(step.shape, FakeInstance(16, 64), num_sms=132, blocks_per_sm=2,
                          splits=5)
     for name in ("q", "kv_cache", "block_table", "cache_seqlens", "part_acc", "part_m",
-                 "part_l", "latent", "lse", "out_part", "tickets"):
+                 "part_l", "latent", "lse", "out_part", "tickets", "chunk_counts"):
         setattr(step, name, name)
     step.wv_b = "wv_b" if wv_b else None
     step.out = "out" if wv_b else None
@@ -191,8 +191,9 @@ def test_attn_args_follow_the_kernels_order_and_types():
     assert float(args[12]) == pytest.approx(step.scale * np.log2(np.e), rel=1e-7)
     assert args[13:16] == ("part_acc", "part_m", "part_l")
     assert isinstance(args[16], np.int32) and int(args[16]) == step.plan.target == 264
-    assert args[17:] == ("latent", "lse")
-    assert step.attn_grid == (1, 5, 3)
+    assert isinstance(args[17], np.int32) and int(args[17]) == 3   # batch
+    assert args[18:] == ("chunk_counts", "latent", "lse")
+    assert step.attn_grid == (1, 264, 1)
     assert step.combine_grid == (10, registry.COMBINE_COL_BLOCKS, 3)
     assert int(_bare_step(causal=False).attn_args()[7]) == 0
 
@@ -203,7 +204,7 @@ def test_combine_args_follow_the_kernels_order_with_null_pointers_without_wv_b()
     assert [int(a) for a in args[4:9]] == [10, 5, 5, 64, 64]  # n_rows..tile
     assert args[9] == "wv_b" and int(args[10]) == 128 and args[11] == "out"
     assert args[12:16] == ("latent", "lse", "out_part", "tickets")
-    assert isinstance(args[16], np.int32) and int(args[16]) == 264  # target: 2 blocks/SM x 132
+    assert args[16] == "chunk_counts"   # as the attention launch wrote them
     none = _bare_step(wv_b=False).combine_args()
     assert none[9] == np.uint64(0) and none[11] == np.uint64(0)
     assert none[9].dtype == np.uint64   # 8 bytes: a pointer-sized null
@@ -516,16 +517,17 @@ def _host_step_inputs(seed):
 def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     inp, args = _host_step_inputs(seeds.one())
     step = PagedDecodeStep(**args, variant="mma16", splits=4)
-    assert step.plan.grid == (2, 4, 3) and step.plan.min_chunk == 64
+    assert step.plan.grid[::2] == (2, 1) and step.plan.min_chunk == 64
     res = step.run()
     (a_name, a_grid, a_block, a_args, a_smem), (c_name, c_grid, c_block, c_args, _) = \
         fake_device.log
-    assert (a_name, a_grid, a_block, a_smem) == ("attn<paged=true>", (2, 4, 3), (256, 1, 1), 1000)
-    assert len(a_args) == 19
+    assert (a_name, a_grid, a_block, a_smem) == ("attn<paged=true>", step.plan.grid, (256, 1, 1),
+                                                 1000)
+    assert len(a_args) == 21
     assert all(x is y or x == y for x, y in zip(a_args, step.attn_args()))
     assert c_name == "combineTrue<paged=true>" and c_grid == (32, registry.COMBINE_COL_BLOCKS, 3)
     assert res.latent.shape == (3, 2, 16, 512) and res.out.shape == (3, 2, 16, 128)
-    assert [launch.grid for launch in step.launches()] == [(2, 4, 3), c_grid]
+    assert [launch.grid for launch in step.launches()] == [step.plan.grid, c_grid]
     assert step.guard.polls == 2 and step.guard.captured == 0
 
 

@@ -312,8 +312,8 @@ def test_the_paged_args_are_the_steps():
     and by the tail names the step passes as attributes)."""
     src = inspect.getsource(paged_api.PagedDecodeStep.attn_args)
     tail = re.findall(r"self\.(\w+)", src.split("scale * _LOG2E")[1])
-    assert [a for a in repro.PAGED_ATTN_ARGS[-6:] if a != "target"] == tail
-    assert src.count("np.int32(") + 1 + 4 + 5 == len(repro.PAGED_ATTN_ARGS)
+    assert [a for a in repro.PAGED_ATTN_ARGS[-8:] if a not in ("target", "batch")] == tail
+    assert src.count("np.int32(") + 1 + 4 + 6 == len(repro.PAGED_ATTN_ARGS)
     src = inspect.getsource(paged_api.PagedDecodeStep.combine_args)
     body = src[src.index("return ("):]
     assert body.count(",") + 1 == len(repro.PAGED_COMBINE_ARGS)
