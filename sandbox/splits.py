@@ -14,7 +14,7 @@ The rule (Flash-Decoding's split over context, budgeted against the SM count):
       cost(S) = waves(S) x (FIXED_TILES + tiles_per_slice(S)) + S x MERGE_TILES
 
   with waves = ceil(head_blocks x S / slots) (slots = blocks/SM x SMs, so the budget is on
-  the PRODUCT head_blocks x S, and S grows as the head blocks shrink), FIXED_TILES = 2 a
+  the PRODUCT head_blocks x S, and S grows as the head blocks shrink), FIXED_TILES = 3 a
   block's fixed cost (its start, q staged, the first tile's memory latency, the partial
   written) and MERGE_TILES = 1/256 what one more partial adds to the merge. Among S in
   1..cap (each slice at least `min_tiles` tiles, 1 by default) the plan takes the S of
@@ -37,12 +37,12 @@ from .registry import ATTN_TILE
 
 __all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "FIXED_TILES", "MERGE_TILES",
            "SplitPlan", "default_gate", "plan_splits", "slice_bounds", "LatencyModel",
-           "LATENCY_MODELS", "predict_us"]
+           "LATENCY_MODELS", "latency_model", "predict_us"]
 
 SPLIT_MIN_CTX = 4096
 SPLIT_CAP = 256
 MIN_TILES_PER_SPLIT = 1
-FIXED_TILES = 2.0      # a block's fixed cost, in tile-steps
+FIXED_TILES = 3.0      # a block's fixed cost, in tile-steps
 MERGE_TILES = 1 / 256  # one more partial to write and merge, in tile-steps
 _TIE = 1.02
 
@@ -152,34 +152,56 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
 
 @dataclass(frozen=True)
 class LatencyModel:
-    """The microseconds of a family's attention launch and of the merge, per the rule's
-    model: attn = launch + waves x (fixed + tiles x tile), the tile's time
-    max(tile_us, active blocks x tile bytes / bandwidth) (a lone block is latency-bound, a
-    full GPU bandwidth-bound); merge = merge_us + slices x merge_slice_us (the combine's
-    launch and projection, and its loads of the partials). Constants from the H200 bench
-    of 2026-12-01 (docs/schedule.md)."""
+    """Microseconds of a variant's attention launch and of the merge, per the rule's model:
 
-    launch_us: float      # the launch and drain of a kernel in a graph replay, cold L2
-    fixed_us: float       # a block's fixed cost: FIXED_TILES tiles
-    tile_us: float        # one tile of a lone block
-    merge_us: float       # the combine at one slice
-    merge_slice_us: float  # each further slice
+        attn    = launch + waves x (fixed + tiles_per_slice x tile)
+        tile    = max(tile_us, blocks on an SM x sm_tile_us, slices streaming x tile bytes
+                      / bandwidth)
+        combine = merge_us + heads x merge_head_us + (slices - 1) x merge_slice_us
+
+    A lone block is latency-bound (tile_us), blocks sharing an SM split its issue slots
+    (sm_tile_us each), a full GPU is bandwidth-bound on the rows it streams (head blocks of
+    one slice read the same rows, so the unique slices count). The constants are fit to the
+    H200 sweep of 2026-12-01 (results/h200-2026-12-01-b7ab969; docs/schedule.md): the table
+    shows how well the model's shape fits, not an out-of-sample forecast."""
+
+    launch_us: float       # the launch and drain of a kernel in a graph replay, cold L2
+    fixed_us: float        # a block's fixed cost: its start, q staged, its partial written
+    tile_us: float         # one tile of a lone block
+    sm_tile_us: float      # SM time one block's tile takes when blocks share the SM
+    merge_us: float = 11.4       # the combine at one slice (its launch, wv_b, the latent)
+    merge_head_us: float = 0.025  # each head
+    merge_slice_us: float = 0.017  # each further slice
 
 
-H200_BANDWIDTH = 3.6e12   # B/s the attention kernels reach streaming the cache (mma16, 131072)
-LATENCY_MODELS = {        # by kernel family
-    "mma": LatencyModel(2.0, 6.0, 2.5, 5.0, 0.05),
-    "batched": LatencyModel(2.0, 4.0, 1.5, 5.0, 0.05),
-    "split": LatencyModel(2.0, 3.0, 1.2, 5.0, 0.05),
+H200_BANDWIDTH = 4.2e12   # B/s the attention kernels reach streaming the cache (mma16, 131072)
+LATENCY_MODELS = {        # by (kernel family, heads per block)
+    ("mma", 16): LatencyModel(2.0, 7.5, 2.3, 2.3),
+    ("mma", 32): LatencyModel(2.0, 9.3, 3.4, 3.4),
+    ("batched", 16): LatencyModel(2.0, 7.0, 4.4, 4.35),
+    ("split", 1): LatencyModel(2.0, 3.7, 1.75, 0.52),
 }
+
+
+def latency_model(family: str, heads_per_block: int) -> LatencyModel:
+    """The fitted model of a family at this many heads per block, else the nearest fitted
+    one of the family (per_head is split's kernel)."""
+    family = "split" if family == "per_head" else family
+    fitted = [k for k in LATENCY_MODELS if k[0] == family]
+    if not fitted:
+        raise ValueError(f"no latency model for kernel family {family!r}")
+    return LATENCY_MODELS[min(fitted, key=lambda k: abs(k[1] - heads_per_block))]
 
 
 def predict_us(plan: SplitPlan, family: str, cache_bytes: int = 2, key_dim: int = 576,
                bandwidth: float = H200_BANDWIDTH) -> dict:
     """{"attn", "combine"} in microseconds for `plan` on kernel family `family`."""
-    m = LATENCY_MODELS[family]
+    m = latency_model(family, plan.heads_per_block)
     waves = math.ceil(plan.blocks / plan.slots)
     active = min(plan.blocks, plan.slots)
-    tile = max(m.tile_us, active * plan.tile * key_dim * cache_bytes / bandwidth * 1e6)
+    streaming = min(plan.splits, math.ceil(active / plan.head_blocks))
+    tile = max(m.tile_us, math.ceil(active / plan.num_sms) * m.sm_tile_us,
+               streaming * plan.tile * key_dim * cache_bytes / bandwidth * 1e6)
     attn = m.launch_us + waves * (m.fixed_us + plan.tiles_per_block() * tile)
-    return {"attn": attn, "combine": m.merge_us + (plan.splits - 1) * m.merge_slice_us}
+    combine = m.merge_us + plan.n_head * m.merge_head_us + (plan.splits - 1) * m.merge_slice_us
+    return {"attn": attn, "combine": combine}

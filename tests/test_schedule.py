@@ -313,15 +313,29 @@ def test_the_rule_takes_the_least_cost_and_the_old_floor_was_slower():
 
 
 def test_predict_us_follows_waves_and_the_bandwidth_bound():
-    from mlasandbox.splits import LATENCY_MODELS, predict_us
+    from mlasandbox.splits import H200_BANDWIDTH, latency_model, predict_us
 
-    m = LATENCY_MODELS["mma"]
+    m = latency_model("mma", 16)
     one = predict_us(plan_splits(64, 16, 16, num_sms=132, blocks_per_sm=1, tile=64), "mma")
     assert one["attn"] == pytest.approx(m.launch_us + m.fixed_us + m.tile_us)
-    assert one["combine"] == pytest.approx(m.merge_us)
+    assert one["combine"] == pytest.approx(m.merge_us + 16 * m.merge_head_us)
     long = predict_us(plan_splits(131072, 16, 16, num_sms=132, blocks_per_sm=1, tile=64),
                       "mma")
-    # 128 blocks stream 16 tiles of 64 x 576 x 2 bytes each: bandwidth-bound at 3.6 TB/s
-    bw_tile = 128 * 64 * 576 * 2 / 3.6e12 * 1e6
-    assert bw_tile > m.tile_us
-    assert long["attn"] == pytest.approx(m.launch_us + m.fixed_us + 16 * bw_tile)
+    # 128 blocks stream 16 tiles of 64 x 576 x 2 bytes each: at the bandwidth or the
+    # latency bound, whichever is slower; 4x the bytes a slice is bandwidth-bound
+    bw_tile = 128 * 64 * 576 * 2 / H200_BANDWIDTH * 1e6
+    assert long["attn"] == pytest.approx(m.launch_us + m.fixed_us + 16 * max(m.tile_us, bw_tile))
+    wide = predict_us(plan_splits(131072, 16, 16, num_sms=132, blocks_per_sm=1, tile=64),
+                      "mma", cache_bytes=8)
+    assert wide["attn"] == pytest.approx(m.launch_us + m.fixed_us + 16 * 4 * bw_tile)
+    # 16 heads of one slice read the same rows: split's 16 head blocks stream one slice's
+    # bytes, and 6 blocks an SM split its issue slots
+    s = latency_model("split", 1)
+    assert latency_model("per_head", 1) == s and latency_model("mma", 20) == m
+    plan = plan_splits(131072, 16, 1, num_sms=132, blocks_per_sm=6, tile=32)
+    got = predict_us(plan, "split")["attn"]
+    per_sm = -(-plan.blocks // 132)
+    assert got == pytest.approx(s.launch_us + s.fixed_us
+                                + plan.tiles_per_block() * per_sm * s.sm_tile_us)
+    with pytest.raises(ValueError, match="no latency model"):
+        latency_model("cublas", 1)
