@@ -14,8 +14,9 @@
 //
 // Launch: grid = (ceil(H / HPB), S), block = kThreads, dynamic smem = attn_smem_bytes(HPB).
 // mla::attn_paged<HPB, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
-// grid = (ceil(n_rows / HPB), max_chunks, B), same block and shared memory; a block's HPB
-// heads are HPB query rows r = i * H + h of its request, partials [B][max_chunks][n_rows].
+// grid = (ceil(n_rows / HPB), P, 1) (P chunk programs, mla_walk.cuh), same block and shared
+// memory; a block's HPB heads are HPB query rows r = i * H + h of its request, partials
+// [B][max_chunks][n_rows].
 // Block (g, s) serves heads g*HPB .. g*HPB+HPB-1 (heads >= H are masked, not dropped) over
 // the contiguous slice s of [0, n_ctx): [s*L, min(n_ctx, s*L + L)), L = ceil(n_ctx / S).
 // Contiguous, not strided, so each block's walk stays sequential for the prefetcher.
@@ -336,7 +337,7 @@ attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int
     attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
-// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HPB), max_chunks, B).
+// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HPB), P, 1).
 template <int HPB, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
 attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,

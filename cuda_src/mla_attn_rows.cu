@@ -12,8 +12,9 @@
 //
 // Launch: grid = (H, S), block = kThreads, dynamic smem = RowsSmem::bytes (36,864 B).
 // mla::attn_rows_paged<CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
-// grid = (n_rows, max_chunks, B), one query row r = i * H + h of request b per block, the
-// same block and shared memory, 5 resident blocks per SM (see the kernel).
+// grid = (n_rows, P, 1) (P chunk programs, mla_walk.cuh), one query row r = i * H + h of a
+// request per block, the same block and shared memory, 5 resident blocks per SM (see the
+// kernel).
 // Block (h, s) serves head h over the contiguous slice s of [0, n_ctx) (begin_slice) and writes
 // the partial of mla_attn.cu, in the log2 domain (q is pre-scaled by scale * log2(e)):
 //   l = sum_t 2^(s2[t] - m),  acc = sum_t 2^(s2[t] - m) * cache[t, :512]
@@ -258,7 +259,7 @@ attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head
     attn_rows_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
-// The paged launch (mla_walk.cuh, PagedWalk): grid (n_rows, max_chunks, B). ptxas gives it
+// The paged launch (mla_walk.cuh, PagedWalk): grid (n_rows, P, 1). ptxas gives it
 // 90 registers (at the 80 of kMinBlocks it spills: its slice bounds derive from a length in
 // device memory, not from launch arguments it can reread), so it allows 5 blocks per SM.
 enum : int { kPagedMinBlocks = 5 };

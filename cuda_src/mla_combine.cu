@@ -24,9 +24,9 @@
 // at batch 1 a merge that waits on one split's load at a time costs ~0.2 us a split.
 //
 // mla::combine_paged<WvT, RESCALE>, the paged launch: grid = (n_rows, kColBlocks, B). Block
-// (r, cb, b) merges row r of request b over chunks 0..n-1 of that request (n from its length
-// by the chunk rule, mla_walk.cuh), partials [B][max_chunks][n_rows]; latent [B][n_rows][512],
-// lse [B][n_rows], and when wv_b is not null out [B][n_rows][v_head] = wv_b[r % n_head] @
+// (r, cb, b) merges row r of request b over chunks 0..n-1 of that request (n as the attention
+// launch wrote it, chunk_counts[b]; the chunk rule is mla_walk.cuh's), partials
+// [B][max_chunks][n_rows]; latent [B][n_rows][512], lse [B][n_rows], and when wv_b is not null out [B][n_rows][v_head] = wv_b[r % n_head] @
 // latent, out_part [B][n_rows][kColBlocks][v_head] and tickets [B][n_rows]. A row with
 // l == 0 (an empty request, a causal row that sees nothing) gets latent 0, lse -inf, out 0.
 #include "mla_walk.cuh"

@@ -13,9 +13,10 @@
 // Same slices and same partial (m, l, acc[512]) in the log2 domain as mla_attn.cu, so the
 // same combine merges it.
 // mla::mma_attn_paged<HEADS, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
-// grid = (ceil(n_rows / HEADS), max_chunks, B), same block and shared memory; a block's
-// HEADS "heads" are HEADS query rows r = i * H + h of its request (16 heads x s_q 4 fill two
-// mma32 blocks or four mma16 ones), partials [B][max_chunks][n_rows].
+// grid = (ceil(n_rows / HEADS), P, 1) (P chunk programs, mla_walk.cuh), same block and
+// shared memory; a block's HEADS "heads" are HEADS query rows r = i * H + h of its request
+// (16 heads x s_q 4 fill two mma32 blocks or four mma16 ones), partials
+// [B][max_chunks][n_rows].
 //
 // Exact to f32 level although the tensor cores take 16-bit operands: q and p are split into
 // hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each product is
@@ -410,7 +411,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
-// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HEADS), max_chunks, B).
+// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HEADS), P, 1).
 template <int HEADS, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,

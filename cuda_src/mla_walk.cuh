@@ -8,9 +8,10 @@
 //                   spell exactly the expressions the batch-1 kernels always ran, so their
 //                   machine code does not depend on the paged path (tools/ptx_digest.py).
 //   PagedWalk       a batch of requests in a paged cache [num_pages, page_size, 576]:
-//                   program (x, c, b) serves query rows [x * heads, ...) of request b's
+//                   program (x, p) serves query rows [x * heads, ...) of request b's
 //                   n_rows = s_q * H rows (row r = i * H + h: query token i, head h) over chunk c
-//                   of that request (request_chunks, the arithmetic of sandbox/chunks.py).
+//                   of that request, (b, c) the p-th chunk of the batch in request order
+//                   (locate_chunk, the arithmetic of sandbox/chunks.py).
 //
 // What a body asks of its walk:
 //   w.begin(heads, latent, part_acc, part_m, part_l, slice)
@@ -204,10 +205,10 @@ struct ContiguousWalk {
 // Position t of the request is row t & (page_size - 1) of page table[t >> page_shift]; only
 // t < len is ever looked up, so a table entry past the request's pages is never read.
 // kPrefetch: the pages of a thread's rows of the next tile are looked up while this tile is
-// copied (fetch), so a copy never waits on a table read: one lookup per copied row per tile,
-// off the critical path, and nothing in the loops over a tile. Without it (attn_rows, at its
-// register limit) each copy looks its pages up first, and the SM's other resident blocks
-// cover the wait.
+// copied (fetch), so a copy never waits on a table read: one lookup per page a thread's rows
+// of a tile enter, off the critical path, and nothing in the loops over a tile. Without it
+// (attn_rows, at its register limit) each copy looks its pages up first (once per page, the
+// last entry kept across tiles), and the SM's other resident blocks cover the wait.
 enum : int { kPagedMaxPasses = 2 };  // copy passes of a tile per thread, at most (an enum:
                                      // NVRTC emits namespace constants into every PTX)
 

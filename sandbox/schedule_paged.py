@@ -5,8 +5,10 @@ It runs what the paged kernels run, in the order they run it, so the CPU suite r
 rule's corners (mixed lengths, empty requests, chunk slots past a request's end, causal
 queries that see nothing) without a GPU. What it models:
 
-* Chunks from `chunks.request_chunks`, the kernels' integer arithmetic; a chunk slot past a
-  request's chunk count does nothing (the program exits), so it writes no partial.
+* Chunks from `chunks.request_chunks`, the kernels' integer arithmetic, run program by
+  program (`ChunkPlan.program_chunks`: the p-th chunk of the batch in request order); a
+  program past the batch's last chunk does nothing, and the combine merges the n_b chunks
+  each request's count names (a missing one raises: the grid did not cover it).
 * Per chunk, an online softmax over tiles of `tile` positions, every (query, head) row at
   once: m_new = max(m, tile max), alpha = exp(m - m_new), l = l alpha + sum p,
   acc = acc alpha + p @ rows, in f32. Positions a row must not see (past the chunk, or past
@@ -106,19 +108,20 @@ def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, pl
 
     latent = np.zeros((shape.batch, s_q * H, d.kv_lora), np.float32)
     lse = np.full((shape.batch, s_q * H), -np.inf, np.float32)
-    for b in range(shape.batch):
+    slots = {}                             # (request, chunk) -> partial, as the grid writes
+    for b, c in zip(*plan.program_chunks(lengths)):   # every chunk program of a row block
+        if b < 0:
+            continue                       # past the batch's last chunk: nothing to do
         n = int(lengths[b])
-        if n == 0:
-            continue
         ids = np.asarray(table[b, :-(-n // shape.page_size)], dtype=np.int64)
         rows = as_f32(pages[ids].reshape(-1, d.key_dim)[:n])
-        parts = []
-        for c in range(plan.max_chunks):   # every chunk slot of the grid
-            if c >= n_chunks[b]:
-                continue                   # the program exits at once
-            start, end = chunk_bounds(n, int(chunk_len[b]), c)
-            parts.append(_chunk_partial(q32[b], rows, start, end, visible[b], plan.tile,
-                                        scale, d.kv_lora))
+        start, end = chunk_bounds(n, int(chunk_len[b]), int(c))
+        slots[int(b), int(c)] = _chunk_partial(q32[b], rows, start, end, visible[b],
+                                               plan.tile, scale, d.kv_lora)
+    for b in range(shape.batch):
+        parts = [slots[b, c] for c in range(int(n_chunks[b]))]   # the combine's n_b chunks
+        if not parts:
+            continue                       # an empty request: latent 0, lse -inf
         if plan.single_pass:               # the attention kernel's own latent and lse
             latent[b], lse[b] = _finish(*parts[0])
         else:
