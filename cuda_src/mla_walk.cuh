@@ -159,7 +159,7 @@ __device__ __forceinline__ void write_neutral(int heads, int rows, int latent, c
 }
 
 // ---- batch 1, contiguous -------------------------------------------------------------------
-// Single pass: the store helpers below, shared by both walks. With one slice / chunk for
+// Single pass: the two functions below, shared by both walks. With one slice / chunk for
 // every row the kernel also writes latent = acc / l and lse = (m + log2 l) ln 2 (latent 0,
 // lse -inf where l == 0) at entry part_base + row, which is then the row's latent index;
 // its partials are written as well, so a merge that does run gives the same words.
