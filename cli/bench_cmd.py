@@ -329,7 +329,8 @@ def _paged_cost(cfg, rep):
     p = rep["plans"][0] if rep["plans"] else None
     n_chunks = None
     if p is not None:
-        n_chunks, _ = request_chunks(cfg.lengths, p["max_chunks"], p["tile"], p["min_chunk"])
+        n_chunks, _ = request_chunks(cfg.lengths, p["max_chunks"], p["tile"], p["min_chunk"],
+                                     p["target"])
     return metrics.paged_step_cost(cfg.variants[0], cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
                                    cfg.cache_dtype, q_dtype_of(cfg.q_dtype, cfg.cache_dtype),
                                    n_chunks, p["grid"][0] if p else 1)

@@ -14,8 +14,9 @@
 //
 // Launch: grid = (ceil(H / HPB), S), block = kThreads, dynamic smem = attn_smem_bytes(HPB).
 // mla::attn_paged<HPB, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
-// grid = (ceil(n_rows / HPB), max_chunks, B), same block and shared memory; a block's HPB
-// heads are HPB query rows r = i * H + h of its request, partials [B][max_chunks][n_rows].
+// grid = (ceil(n_rows / HPB), P, 1) (P chunk programs, mla_walk.cuh), same block and shared
+// memory; a block's HPB heads are HPB query rows r = i * H + h of its request, partials
+// [B][max_chunks][n_rows].
 // Block (g, s) serves heads g*HPB .. g*HPB+HPB-1 (heads >= H are masked, not dropped) over
 // the contiguous slice s of [0, n_ctx): [s*L, min(n_ctx, s*L + L)), L = ceil(n_ctx / S).
 // Contiguous, not strided, so each block's walk stays sequential for the prefetcher.
@@ -305,17 +306,25 @@ __device__ __forceinline__ void attn_body(const QT* __restrict__ q, W& walk, flo
 #pragma unroll
             for (int e = 0; e < kCols; ++e) out_acc[j][e] += halves[j * kKvLora + col_group * kCols + e];
     }
+    const bool single = walk.single();  // also latent = acc / l and lse (mla_walk.cuh)
 #pragma unroll
     for (int j = 0; j < HPB; ++j) {
         if (head0 + j < n_head) {
-            float* dst = part_acc + (part_base + head0 + j) * kKvLora + col_group * kCols;
+            const size_t col0 = (part_base + head0 + j) * kKvLora + col_group * kCols;
+            float* dst = part_acc + col0;
 #pragma unroll
             for (int e = 0; e < kCols; ++e) dst[e] = out_acc[j][e];
+            if (single) {
+                const float inv_l = single_pass_inv_l(l_s[j]);
+#pragma unroll
+                for (int e = 0; e < kCols; ++e) walk.latent[col0 + e] = out_acc[j][e] * inv_l;
+            }
         }
     }
     if (tid < HPB && head0 + tid < n_head) {
         part_m[part_base + head0 + tid] = m_s[tid];
         part_l[part_base + head0 + tid] = l_s[tid];
+        if (single) walk.lse[part_base + head0 + tid] = single_pass_lse(m_s[tid], l_s[tid]);
     }
 }
 
@@ -323,23 +332,26 @@ template <int HPB, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
 attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
      int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
-     float* __restrict__ part_l) {
+     float* __restrict__ part_l, float* __restrict__ latent, float* __restrict__ lse) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
-    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
+    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits, latent, lse};
     attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
-// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HPB), max_chunks, B).
+// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HPB), P, 1).
 template <int HPB, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kThreads, attn_min_blocks<HPB>())
 attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
            const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
            int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
            int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
-           float* __restrict__ part_m, float* __restrict__ part_l) {
+           float* __restrict__ part_m, float* __restrict__ part_l, int target,
+           int batch, int* __restrict__ chunk_counts,
+           float* __restrict__ latent, float* __restrict__ lse) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     PagedWalk<CacheT, kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
-                                  causal, max_pages, page_shift, max_chunks, min_chunk};
+                                  causal, max_pages, page_shift, max_chunks, min_chunk,
+                                  target, batch, chunk_counts, latent, lse};
     attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 

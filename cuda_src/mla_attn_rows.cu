@@ -12,8 +12,9 @@
 //
 // Launch: grid = (H, S), block = kThreads, dynamic smem = RowsSmem::bytes (36,864 B).
 // mla::attn_rows_paged<CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
-// grid = (n_rows, max_chunks, B), one query row r = i * H + h of request b per block, the
-// same block and shared memory, 5 resident blocks per SM (see the kernel).
+// grid = (n_rows, P, 1) (P chunk programs, mla_walk.cuh), one query row r = i * H + h of a
+// request per block, the same block and shared memory, 5 resident blocks per SM (see the
+// kernel).
 // Block (h, s) serves head h over the contiguous slice s of [0, n_ctx) (begin_slice) and writes
 // the partial of mla_attn.cu, in the log2 domain (q is pre-scaled by scale * log2(e)):
 //   l = sum_t 2^(s2[t] - m),  acc = sum_t 2^(s2[t] - m) * cache[t, :512]
@@ -230,18 +231,22 @@ __device__ __forceinline__ void attn_rows_body(const QT* __restrict__ q, W& walk
     }
     __syncthreads();
     const size_t partial = walk.part_base() + blockIdx.x;  // + head, from blockIdx
+    float l = 0.f;  // the block's l, as every thread computes it (the same words)
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) l += merge_l[w] * exp2f(merge_m[w] - m_block);
+    const bool single = walk.single();  // also latent = acc / l and lse (mla_walk.cuh)
+    const float inv_l = single_pass_inv_l(l);
     for (int col = threadIdx.x; col < kKvLora; col += kThreads) {
         float sum = 0.f;
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) sum += merge_acc[w * kKvLora + col];
         part_acc[partial * kKvLora + col] = sum;
+        if (single) walk.latent[partial * kKvLora + col] = sum * inv_l;
     }
     if (threadIdx.x == 0) {
-        float l = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) l += merge_l[w] * exp2f(merge_m[w] - m_block);
         part_m[partial] = m_block;
         part_l[partial] = l;
+        if (single) walk.lse[partial] = single_pass_lse(m_block, l);
     }
 }
 
@@ -249,13 +254,13 @@ template <typename CacheT, typename QT>
 __global__ void __launch_bounds__(rows::kThreads, rows::kMinBlocks)
 attn_rows(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
           int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
-          float* __restrict__ part_l) {
+          float* __restrict__ part_l, float* __restrict__ latent, float* __restrict__ lse) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
-    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
+    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits, latent, lse};
     attn_rows_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
-// The paged launch (mla_walk.cuh, PagedWalk): grid (n_rows, max_chunks, B). ptxas gives it
+// The paged launch (mla_walk.cuh, PagedWalk): grid (n_rows, P, 1). ptxas gives it
 // 90 registers (at the 80 of kMinBlocks it spills: its slice bounds derive from a length in
 // device memory, not from launch arguments it can reread), so it allows 5 blocks per SM.
 enum : int { kPagedMinBlocks = 5 };
@@ -265,11 +270,13 @@ attn_rows_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                 const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
                 int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
                 int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
-                float* __restrict__ part_m, float* __restrict__ part_l) {
+                float* __restrict__ part_m, float* __restrict__ part_l, int target,
+                int batch, int* __restrict__ chunk_counts,
+                float* __restrict__ latent, float* __restrict__ lse) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     PagedWalk<CacheT, rows::kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head,
                                         s_q, causal, max_pages, page_shift, max_chunks,
-                                        min_chunk};
+                                        min_chunk, target, batch, chunk_counts, latent, lse};
     attn_rows_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 

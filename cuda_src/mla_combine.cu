@@ -35,9 +35,9 @@
 // kernel; it then lets the projection launch (pdl_launch_dependents).
 //
 // mla::combine_paged<WvT, RESCALE>, the paged launch: grid = (n_rows, column blocks, B).
-// Block (r, cb, b) merges row r of request b over chunks 0..n-1 of that request (n from its
-// length by the chunk rule, mla_walk.cuh), partials [B][max_chunks][n_rows]; latent
-// [B][n_rows][512], lse [B][n_rows], and with wv_b, out [B][n_rows][v_head] = wv_b[r % n_head]
+// Block (r, cb, b) merges row r of request b over chunks 0..n-1 of that request (n as the
+// attention launch wrote it, chunk_counts[b]; the chunk rule is mla_walk.cuh's), partials
+// [B][max_chunks][n_rows]; latent [B][n_rows][512], lse [B][n_rows], and with wv_b, out [B][n_rows][v_head] = wv_b[r % n_head]
 // @ latent, out_part [B][n_rows][gridDim.y][v_head] and tickets [B][n_rows]. A row with
 // l == 0 (an empty request, a causal row that sees nothing) gets latent 0, lse -inf, out 0.
 #include "mla_walk.cuh"
@@ -262,9 +262,10 @@ combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
                                out_part, tickets);
 }
 
-// The paged launch: grid (n_rows, column blocks, B). `tile` and `min_chunk` are the attention
-// launch's (its instance's tile rows and the ChunkPlan's min_chunk), so n is the number of
-// chunks the attention programs of the request wrote.
+// The paged launch: grid (n_rows, column blocks, B). chunk_counts[b] is request b's chunk count
+// as the attention launch derived and wrote it (mla_walk.cuh, the chunk rule), so n is the
+// number of chunks the attention programs of the request wrote. (`tile`, `min_chunk`: the
+// attention launch's, unused here.)
 template <typename WvT, bool RESCALE>
 __global__ void __launch_bounds__(kCombineThreads)
 combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part_m,
@@ -272,10 +273,11 @@ combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part
               int n_rows, int n_head, int max_chunks, int min_chunk, int tile,
               const WvT* __restrict__ wv_b, int v_head, float* __restrict__ out,
               float* __restrict__ latent, float* __restrict__ lse, float* __restrict__ out_part,
-              unsigned int* __restrict__ tickets) {
+              unsigned int* __restrict__ tickets, const int* __restrict__ chunk_counts) {
     const int r = blockIdx.x, b = blockIdx.z;
-    const ChunkSpan span = request_chunks(cache_seqlens[b], max_chunks, tile, min_chunk);
-    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, span.n, r, b}, part_acc,
+    pdl_wait();  // chunk_counts, like the partials, is the attention kernel's
+    const int n = chunk_counts[b];  // as the attention launch derived it
+    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, n, r, b}, part_acc,
                                part_m, part_l, wv_b, v_head, out, latent, lse, out_part, tickets);
 }
 

@@ -13,9 +13,10 @@
 // Same slices and same partial (m, l, acc[512]) in the log2 domain as mla_attn.cu, so the
 // same combine merges it.
 // mla::mma_attn_paged<HEADS, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
-// grid = (ceil(n_rows / HEADS), max_chunks, B), same block and shared memory; a block's
-// HEADS "heads" are HEADS query rows r = i * H + h of its request (16 heads x s_q 4 fill two
-// mma32 blocks or four mma16 ones), partials [B][max_chunks][n_rows].
+// grid = (ceil(n_rows / HEADS), P, 1) (P chunk programs, mla_walk.cuh), same block and
+// shared memory; a block's HEADS "heads" are HEADS query rows r = i * H + h of its request
+// (16 heads x s_q 4 fill two mma32 blocks or four mma16 ones), partials
+// [B][max_chunks][n_rows].
 //
 // Exact to f32 level although the tensor cores take 16-bit operands: q and p are split into
 // hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each product is
@@ -373,21 +374,31 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     }
 
     // acc[mt][t][0..1]: head 16mt + g, columns 64w + 8t + 2c4 + {0,1}; [2..3]: head + 8.
+    // (m, l) of the last softmax step are visible since the barrier before the value phase.
+    const bool single = walk.single();  // also latent = acc / l and lse (mla_walk.cuh)
 #pragma unroll
     for (int mt = 0; mt < HM; ++mt)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
             const int h = head0 + 16 * mt + g + 8 * hh;
             if (h >= n_head) continue;
-            float* dst = part_acc + (part_base + h) * kMmaLora + warp * 64 + 2 * c4;
+            const size_t col0 = (part_base + h) * kMmaLora + warp * 64 + 2 * c4;
+            float* dst = part_acc + col0;
 #pragma unroll
             for (int t = 0; t < 8; ++t)
                 *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
+            if (single) {
+                const float inv_l = single_pass_inv_l(l_s[16 * mt + g + 8 * hh]);
+#pragma unroll
+                for (int t = 0; t < 8; ++t)
+                    *reinterpret_cast<float2*>(walk.latent + col0 + 8 * t) =
+                        make_float2(acc[mt][t][2 * hh] * inv_l, acc[mt][t][2 * hh + 1] * inv_l);
+            }
         }
-    // (m, l) of the last softmax step are visible since the barrier before the value phase.
     if (tid < kHeads && head0 + tid < n_head) {
         part_m[part_base + head0 + tid] = m_s[tid];
         part_l[part_base + head0 + tid] = l_s[tid];
+        if (single) walk.lse[part_base + head0 + tid] = single_pass_lse(m_s[tid], l_s[tid]);
     }
 }
 
@@ -395,23 +406,26 @@ template <int HEADS, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
          int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
-         float* __restrict__ part_l) {
+         float* __restrict__ part_l, float* __restrict__ latent, float* __restrict__ lse) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
-    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits};
+    ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits, latent, lse};
     mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
-// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HEADS), max_chunks, B).
+// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HEADS), P, 1).
 template <int HEADS, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
                int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
                int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
-               float* __restrict__ part_m, float* __restrict__ part_l) {
+               float* __restrict__ part_m, float* __restrict__ part_l, int target,
+               int batch, int* __restrict__ chunk_counts,
+               float* __restrict__ latent, float* __restrict__ lse) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     PagedWalk<CacheT, kMmaTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
-                                     causal, max_pages, page_shift, max_chunks, min_chunk};
+                                     causal, max_pages, page_shift, max_chunks, min_chunk,
+                                     target, batch, chunk_counts, latent, lse};
     mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 

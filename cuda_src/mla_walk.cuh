@@ -8,9 +8,10 @@
 //                   spell exactly the expressions the batch-1 kernels always ran, so their
 //                   machine code does not depend on the paged path (tools/ptx_digest.py).
 //   PagedWalk       a batch of requests in a paged cache [num_pages, page_size, 576]:
-//                   program (x, c, b) serves query rows [x * heads, ...) of request b's
+//                   program (x, p) serves query rows [x * heads, ...) of request b's
 //                   n_rows = s_q * H rows (row r = i * H + h: query token i, head h) over chunk c
-//                   of that request (request_chunks, the arithmetic of sandbox/chunks.py).
+//                   of that request, (b, c) the p-th chunk of the batch in request order
+//                   (locate_chunk, the arithmetic of sandbox/chunks.py).
 //
 // What a body asks of its walk:
 //   w.begin(heads, latent, part_acc, part_m, part_l, slice)
@@ -31,19 +32,119 @@
 namespace mla {
 
 // ---- the chunk rule --------------------------------------------------------------------
-// (n, chunk_len) of a request of `len` positions, exactly sandbox/chunks.py's request_chunks:
-//   want = min(max_chunks, ceil(len / min_chunk)), per = ceil(len / max(want, 1)),
-//   chunk_len = max(ceil(per / tile) * tile, tile), n = ceil(len / chunk_len).
-// Chunks are whole tiles, so only a request's last chunk ends inside a tile; len 0 gives n 0.
+// Exactly sandbox/chunks.py (batch_chunk_unit, request_chunks): with t_b = ceil(len_b / tile)
+// tiles per request of the batch, count(u) = sum_b min(max_chunks, ceil(t_b / u)) programs
+// run at chunks of u tiles; u = the smallest u in [lo, hi] with count(u) <= target (binary
+// search, hi if none), lo = max(min_chunk / tile, ceil(W / target)), W = sum_b t_b,
+// hi = max(lo, min(max t_b, ceil(W / (target - B')))) (B' non-empty requests; max t_b when
+// target <= B'). Request b runs n0 = min(max_chunks, ceil(t_b / u)) chunks of
+// chunk_len = max(1, ceil(t_b / n0)) * tile positions, n = ceil(len_b / chunk_len) of them.
+// Every warp of a block computes it on its own (no shared memory, no barrier): each lane
+// reads the lengths b = lane, lane + 32, ..., and the sums are warp reductions.
 struct ChunkSpan {
     int n, len;
 };
-__device__ __forceinline__ ChunkSpan request_chunks(int len, int max_chunks, int tile,
-                                                    int min_chunk) {
-    const int want = min(max_chunks, (len + min_chunk - 1) / min_chunk);
-    const int per = (len + max(want, 1) - 1) / max(want, 1);
-    const int chunk_len = max((per + tile - 1) / tile * tile, tile);
+__device__ __forceinline__ long long warp_sum_ll(long long v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ int warp_sum_int(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+__device__ __forceinline__ int warp_max_int(int v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// u, the balanced chunk length in tiles, of the batch of `batch` lengths. Called by whole warps.
+__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
+                                                int max_chunks, int tile, int min_chunk,
+                                                int target) {
+    const int lane = threadIdx.x & 31;
+    long long total = 0;
+    int busy = 0, max_t = 0;
+    for (int i = lane; i < batch; i += 32) {
+        const int t = (__ldg(lengths + i) + tile - 1) / tile;
+        total += t;
+        busy += t > 0;
+        max_t = max(max_t, t);
+    }
+    total = warp_sum_ll(total);
+    busy = warp_sum_int(busy);
+    max_t = warp_max_int(max_t);
+    int lo = max(min_chunk / tile, static_cast<int>((total + target - 1) / target));
+    int hi = target <= busy
+                 ? max_t
+                 : static_cast<int>(min(static_cast<long long>(max_t),
+                                        (total + (target - busy) - 1) / (target - busy)));
+    hi = max(lo, hi);
+    while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        int count = 0;
+        for (int i = lane; i < batch; i += 32) {
+            const int t = (__ldg(lengths + i) + tile - 1) / tile;
+            count += min(max_chunks, (t + mid - 1) / mid);
+        }
+        if (warp_sum_int(count) <= target) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+// (n, chunk_len) of one request of `len` positions, at the batch's unit u.
+__device__ __forceinline__ ChunkSpan request_span(int len, int u, int max_chunks, int tile) {
+    const int t = (len + tile - 1) / tile;
+    const int want = min(max_chunks, (t + u - 1) / u);
+    const int chunk_len = max((t + max(want, 1) - 1) / max(want, 1), 1) * tile;
     return {(len + chunk_len - 1) / chunk_len, chunk_len};
+}
+
+// Where chunk program p of a row block lies (sandbox/chunks.py, program_chunks): the
+// requests' chunks numbered request by request, program p runs the p-th one, chunk c of
+// request b; b = -1 past the last (the program has nothing to do). `counts` not null: the
+// warp also writes every request's chunk count there (the combine reads them). Called by
+// whole warps; an exclusive prefix sum of the counts over 32 requests a round.
+struct ChunkSlot {
+    int b, c, n, len;
+};
+__device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ lengths, int batch,
+                                                  int p, int max_chunks, int tile,
+                                                  int min_chunk, int target,
+                                                  int* __restrict__ counts) {
+    const int lane = threadIdx.x & 31;
+    const int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target);
+    ChunkSlot slot{-1, 0, 0, tile};
+    int before = 0;  // chunks of the requests of earlier rounds
+    for (int r0 = 0; r0 < batch; r0 += 32) {
+        const int b = r0 + lane;
+        const ChunkSpan span = b < batch ? request_span(__ldg(lengths + b), u, max_chunks, tile)
+                                         : ChunkSpan{0, tile};
+        if (counts != nullptr && b < batch) counts[b] = span.n;
+        int incl = span.n;  // inclusive scan over the lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int start = before + incl - span.n;
+        const unsigned mine = __ballot_sync(0xffffffffu, p >= start && p < start + span.n);
+        if (mine != 0u) {
+            const int src = __ffs(mine) - 1;
+            slot.b = r0 + src;
+            slot.c = p - __shfl_sync(0xffffffffu, start, src);
+            slot.n = __shfl_sync(0xffffffffu, span.n, src);
+            slot.len = __shfl_sync(0xffffffffu, span.len, src);
+            if (counts == nullptr) break;
+        }
+        before += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    return slot;
+}
+
+// Asks for the 128-byte line at p to be brought into L2 (no register is written).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }
 
 // The neutral partial (m = -inf, l = 0, acc = 0) of rows [head0, head0 + heads) below `rows`,
@@ -58,10 +159,22 @@ __device__ __forceinline__ void write_neutral(int heads, int rows, int latent, c
 }
 
 // ---- batch 1, contiguous -------------------------------------------------------------------
+// Single pass: the two functions below, shared by both walks. With one slice / chunk for
+// every row the kernel also writes latent = acc / l and lse = (m + log2 l) ln 2 (latent 0,
+// lse -inf where l == 0) at entry part_base + row, which is then the row's latent index;
+// its partials are written as well, so a merge that does run gives the same words.
+__device__ __forceinline__ float single_pass_inv_l(float l) { return l > 0.f ? 1.f / l : 0.f; }
+__device__ __forceinline__ float single_pass_lse(float m, float l) {
+    return l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+}
+
 template <typename CacheT>
 struct ContiguousWalk {
     const CacheT* cache;
     int n_head, n_ctx, splits;
+    float* latent;  // [n_head][512] and [n_head]: written when splits == 1
+    float* lse;
+    __device__ __forceinline__ bool single() const { return splits == 1; }
 
     __device__ __forceinline__ bool begin(int heads, int latent, float* part_acc, float* part_m,
                                           float* part_l, BlockSlice& out) const {
@@ -92,10 +205,10 @@ struct ContiguousWalk {
 // Position t of the request is row t & (page_size - 1) of page table[t >> page_shift]; only
 // t < len is ever looked up, so a table entry past the request's pages is never read.
 // kPrefetch: the pages of a thread's rows of the next tile are looked up while this tile is
-// copied (fetch), so a copy never waits on a table read: one lookup per copied row per tile,
-// off the critical path, and nothing in the loops over a tile. Without it (attn_rows, at its
-// register limit) each copy looks its pages up first, and the SM's other resident blocks
-// cover the wait.
+// copied (fetch), so a copy never waits on a table read: one lookup per page a thread's rows
+// of a tile enter, off the critical path, and nothing in the loops over a tile. Without it
+// (attn_rows, at its register limit) each copy looks its pages up first (once per page, the
+// last entry kept across tiles), and the SM's other resident blocks cover the wait.
 enum : int { kPagedMaxPasses = 2 };  // copy passes of a tile per thread, at most (an enum:
                                      // NVRTC emits namespace constants into every PTX)
 
@@ -104,39 +217,86 @@ struct PagedWalk {
     const CacheT* cache;
     const int* table;           // block_table [B, max_pages]
     const int* cache_seqlens;
-    int n_rows, n_head, s_q, causal, max_pages, page_shift, max_chunks, min_chunk;
+    int n_rows, n_head, s_q, causal, max_pages, page_shift, max_chunks, min_chunk, target;
+    int batch;
+    int* chunk_counts;          // [B]: each request's chunk count, for the combine
+    float* latent;              // [B][n_rows][512] and [B][n_rows]: written when max_chunks == 1
+    float* lse;
     size_t q_row0 = 0;          // request b's first q row
     int visible0 = 0;           // row r sees positions < visible0 (+ r / n_head when causal)
+    int req = 0, chunk = 0;     // the program's request and chunk (begin)
     int page[kPagedMaxPasses] = {};  // the pages of this thread's rows of the next tile to copy
+    int held_index = -1, held_page = 0;  // the table entry this thread looked up last
+
+    __device__ __forceinline__ bool single() const { return max_chunks == 1; }
 
     __device__ __forceinline__ int visible(int r) const {
         return causal ? visible0 + r / n_head : visible0;
     }
-    // Chunk c = blockIdx.y of request b = blockIdx.z. A chunk past the request's last writes
-    // nothing (the combine merges chunks 0..n-1 only); a block none of whose rows sees a
-    // position of its chunk (causal) writes their neutral partials.
-    __device__ __forceinline__ bool begin(int heads, int latent, float* part_acc, float* part_m,
-                                          float* part_l, BlockSlice& out) {
-        const int b = blockIdx.z, c = blockIdx.y;
-        const int len = cache_seqlens[b];
-        const ChunkSpan span = request_chunks(len, max_chunks, kTile, min_chunk);
-        if (c >= span.n) return false;
-        q_row0 = static_cast<size_t>(b) * n_rows;
-        visible0 = causal ? len - (s_q - 1) : len;
+    // Program p = blockIdx.y of row block blockIdx.x. Single pass (max_chunks 1, grid y = B):
+    // request p, chunk 0. Else (grid y = max(target, B)) the p-th chunk of the batch in
+    // request order (locate_chunk), nothing past the last. Row block 0's program 0 (single
+    // pass: each request's program of row block 0) publishes the chunk counts. A block none of
+    // whose rows sees a position of its chunk (causal) writes their neutral partials.
+    __device__ __forceinline__ bool begin(int heads, int latent_dim, float* part_acc,
+                                          float* part_m, float* part_l, BlockSlice& out) {
+        const int p = blockIdx.y;
         const int head0 = static_cast<int>(blockIdx.x) * heads;
-        const int start = c * span.len;
-        const int end = min(min(len, start + span.len), visible(min(head0 + heads, n_rows) - 1));
-        out = {head0, start, max(end, start),
-               (static_cast<size_t>(b) * max_chunks + c) * n_rows};
+        // One line of the table into L2 before the program knows its chunk: line p of
+        // gridDim.y spread over the table, where chunks in request order put program p's
+        // first lookups when the requests' page counts follow their lengths. In the table's
+        // bounds; a prefetch reads nothing into the program.
+        const size_t entries = static_cast<size_t>(batch) * max_pages;
+        if (threadIdx.x == 0) prefetch_l2(table + static_cast<size_t>(p) * entries / gridDim.y);
+        int len;
+        if (single()) {
+            req = p;
+            chunk = 0;
+            len = __ldg(cache_seqlens + p);
+            if (blockIdx.x == 0 && threadIdx.x == 0) chunk_counts[p] = len > 0;
+            if (len == 0) {  // an empty request's rows get latent 0, lse -inf here
+                write_empty_latent(heads, head0, static_cast<size_t>(p) * n_rows, latent_dim);
+                return false;
+            }
+            out = {head0, 0, 0, static_cast<size_t>(p) * n_rows};
+            out.row_end = len;
+        } else {
+            const bool publish = blockIdx.x == 0 && p == 0 && threadIdx.x < 32;
+            const ChunkSlot slot = locate_chunk(cache_seqlens, batch, p, max_chunks, kTile,
+                                                min_chunk, target,
+                                                publish ? chunk_counts : nullptr);
+            if (slot.b < 0) return false;
+            req = slot.b;
+            chunk = slot.c;
+            len = __ldg(cache_seqlens + req);
+            const int start = chunk * slot.len;
+            out = {head0, start, min(len, start + slot.len),
+                   (static_cast<size_t>(req) * max_chunks + chunk) * n_rows};
+        }
+        q_row0 = static_cast<size_t>(req) * n_rows;
+        visible0 = causal ? len - (s_q - 1) : len;
+        out.row_end = max(min(out.row_end, visible(min(head0 + heads, n_rows) - 1)),
+                          out.row_start);
         if (out.row_start < out.row_end) return true;
-        write_neutral(heads, n_rows, latent, out, part_acc, part_m, part_l);
+        write_neutral(heads, n_rows, latent_dim, out, part_acc, part_m, part_l);
+        if (single()) write_empty_latent(heads, head0, out.part_base, latent_dim);
         return false;
     }
+    // Single pass: latent 0 and lse -inf for rows [head0, head0 + heads) below n_rows of the
+    // request whose first row is entry `base`, rows that see no position.
+    __device__ __forceinline__ void write_empty_latent(int heads, int head0, size_t base,
+                                                       int latent_dim) const {
+        for (int j = 0; j < heads && head0 + j < n_rows; ++j) {
+            const size_t row = base + head0 + j;
+            for (int k = threadIdx.x; k < latent_dim; k += blockDim.x)
+                latent[row * latent_dim + k] = 0.f;
+            if (threadIdx.x == 0) lse[row] = -INFINITY;
+        }
+    }
     __device__ __forceinline__ int rows() const { return n_rows; }
-    // Request b's row of the table, rederived from the launch values at each lookup rather
-    // than held across the walk.
+    // The request's row of the table.
     __device__ __forceinline__ const int* request_pages() const {
-        return table + static_cast<size_t>(blockIdx.z) * max_pages;
+        return table + static_cast<size_t>(req) * max_pages;
     }
     template <typename QT> __device__ __forceinline__ const QT* q(const QT* q0) const {
         return q0 + q_row0 * (MLA_KV_LORA + MLA_ROPE);
@@ -152,11 +312,27 @@ struct PagedWalk {
         static_assert(kPasses <= kPagedMaxPasses, "a thread copies at most 2 rows a tile");
         const int row0 = row_start + tile_index * kRows + static_cast<int>(threadIdx.x >> 3);
         const int* pages = request_pages();
+        // A pass whose row lies in the page of the pass before reuses its entry, so a
+        // thread reads one entry per page its rows of the tile enter (one a tile when the
+        // page holds the whole tile, as 64-row tiles at page size 64).
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const int row = row0 + pass * kRowsPerPass;
-            page[pass] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
+            const int index = row >> page_shift;
+            if (pass > 0 && index == ((row - kRowsPerPass) >> page_shift))
+                page[pass] = row < row_end ? page[pass - 1] : 0;
+            else
+                page[pass] = row < row_end ? __ldg(pages + index) : 0;
         }
+    }
+    // Table entry `index` of the request, for the copies that look their pages up when they
+    // copy (no kPrefetch): read once per page the thread's rows enter, across tiles too.
+    __device__ __forceinline__ int lookup(const int* pages, int index) {
+        if (index != held_index) {
+            held_page = __ldg(pages + index);
+            held_index = index;
+        }
+        return held_page;
     }
     // cp_async_tile's copy, each row's address through the pages of this tile (fetched one
     // copy ago with kPrefetch, else now); with kPrefetch, then the next tile's pages. A loop
@@ -180,7 +356,7 @@ struct PagedWalk {
             const int row = row0 + pass * kRowsPerPass + copy_row;
             const bool valid = row < row_end;
             const int pg = kPrefetch ? page[pass]
-                         : valid   ? __ldg(request_pages() + (row >> page_shift)) : 0;
+                         : valid   ? lookup(request_pages(), row >> page_shift) : 0;
             const size_t cache_row = (static_cast<size_t>(pg) << page_shift) + (row & in_page);
             const CacheT* src = cache + cache_row * (kChunks * 8) + copy_lane * 8;
 #pragma unroll
@@ -191,7 +367,7 @@ struct PagedWalk {
         if (kPrefetch) fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
     }
     __device__ __forceinline__ size_t part_base() const {
-        return (static_cast<size_t>(blockIdx.z) * max_chunks + blockIdx.y) * n_rows;
+        return (static_cast<size_t>(req) * max_chunks + chunk) * n_rows;
     }
     // A row that has seen no position yet has m = -inf and every score -inf: p = 2^(s - 0) = 0
     // and alpha = 1 keep it at (m, l, acc) = (-inf, 0, 0), where 2^(-inf + inf) would be NaN.

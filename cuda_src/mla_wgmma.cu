@@ -11,10 +11,12 @@
 // Needs sm_90a (wgmma.mma_async); any other target is refused by the #error below.
 //
 // Launch (the paged contract of mla_walk.cuh, PagedWalk, as mma_attn_paged):
-// grid = (ceil(n_rows / 64), max_chunks, B), block = 256, dynamic smem = WgmmaSmem::bytes;
-// a block's 64 rows are query rows r = i * H + h of its request (16 heads x s_q 4, or 64 of
-// 128 heads), partials (m, l, acc[512]) in the log2 domain [B][max_chunks][n_rows], merged
-// by the paged combine.
+// grid = (ceil(n_rows / 64), chunk programs, 1), block = 256, dynamic smem =
+// WgmmaSmem::bytes; program p runs the p-th chunk of the batch (the balanced chunk rule,
+// PagedWalk::begin); a block's 64 rows are query rows r = i * H + h of its request (16 heads
+// x s_q 4, or 64 of 128 heads), partials (m, l, acc[512]) in the log2 domain
+// [B][max_chunks][n_rows], merged by the paged combine even under a single-pass plan (this
+// kernel writes no latent itself).
 //
 // Shared memory, every operand in the 128-byte-swizzle layout wgmma reads: a matrix of 64
 // rows is stored as column blocks of 64 16-bit elements (128 bytes), block after block, each
@@ -447,17 +449,20 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     }
 }
 
-// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / 64), max_chunks, B), the
-// arguments of mma_attn_paged.
+// The paged launch (mla_walk.cuh, PagedWalk): the grid and the arguments of mma_attn_paged.
 template <typename CacheT, typename QT>
 __global__ void __launch_bounds__(kWgThreads, 1)
 wgmma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                  const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
                  int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
                  int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
-                 float* __restrict__ part_m, float* __restrict__ part_l) {
+                 float* __restrict__ part_m, float* __restrict__ part_l, int target,
+                 int batch, int* __restrict__ chunk_counts, float* __restrict__ latent,
+                 float* __restrict__ lse) {
+    pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     PagedWalk<CacheT, kWgTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
-                                    causal, max_pages, page_shift, max_chunks, min_chunk};
+                                    causal, max_pages, page_shift, max_chunks, min_chunk,
+                                    target, batch, chunk_counts, latent, lse};
     wgmma_attn_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 

@@ -149,7 +149,7 @@ class DecodeStep:
             "attn", self.attn_kernel, (p.head_blocks, p.splits, 1), (self.attn_inst.threads, 1, 1),
             (self.q, self.cache, np.int32(self.dims.n_head), np.int32(self.n_ctx),
              np.int32(p.splits), np.float32(self.scale * _LOG2E), self.part_acc, self.part_m,
-             self.part_l),
+             self.part_l, self.latent, self.lse),
             smem_bytes=self.attn_inst.smem_bytes, kernel_name=self.attn_inst.name)
 
     def run_combine(self) -> None:

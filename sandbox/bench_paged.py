@@ -249,6 +249,7 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
             rows.append({"variant": v.name, "rows_per_block": inst.heads,
                          "tile": inst.tile_rows, "grid": list(plan.grid),
                          "max_chunks": plan.max_chunks, "min_chunk": plan.min_chunk,
+                         "target": plan.target,
                          "programs": plan.programs, "programs_run": int(
                              (n_chunks * plan.head_blocks).sum()),
                          "chunks_min": int(n_chunks.min()), "chunks_max": int(n_chunks.max()),

@@ -1,26 +1,44 @@
-"""How a batch of requests of different lengths is cut into chunks: one rule for every length,
-so one captured CUDA graph serves every set of lengths.
+"""How a batch of requests of different lengths is cut into chunks: one rule for every set of
+lengths, balanced across the whole batch, so one captured CUDA graph serves every set.
 
 Flash-Decoding over a batch: each request's positions are cut into contiguous chunks, every
 (head block, chunk, request) is one program of the attention kernel writing partials
 (m, l, acc), and the combine merges a request's chunks. The host knows only the batch size
 when it sizes the grid (lengths live on the device and change between graph replays), so:
 
-* On the host, `plan_chunks`: the most chunks any request may take at this batch,
-  ``max_chunks = clamp(floor(slots / (batch x head_blocks)), 1, cap)``, with
-  ``slots = blocks_per_sm x SMs``. The budget is on batch x head blocks x chunks against the
-  resident-block slots, so the grid fills the GPU once when every request is long, and shrinks
-  per request as the batch or the head blocks grow (head sharding makes head_blocks small and
-  the chunks many). The grid is (head_blocks, max_chunks, batch) for every length.
-* On the device, per request (`request_chunks`, the same integer arithmetic the kernels and
-  the combine run): ``n0 = min(max_chunks, ceil(len / min_chunk))`` chunks would do, each
-  ``chunk_len = ceil(ceil(len / n0) / tile) x tile`` positions (whole tiles, so only a
-  request's last chunk has a partial tile), which covers the request in
-  ``n = ceil(len / chunk_len) <= n0`` chunks. A program whose chunk index is >= n exits at
-  once; an empty request (len 0) has n = 0 and its rows get latent 0, lse -inf.
-* ``min_chunk = min_tiles x tile`` keeps a chunk long enough that its partial (a 512-wide
-  row per head to write and merge) costs little against the rows it reads; short requests
-  in a batch stay coarse.
+* On the host, `plan_chunks`: the wave target ``target = max(1, slots // head_blocks)``
+  (``slots = blocks_per_sm x SMs``: chunk programs of one head block that are resident at
+  once) and the grid's chunk slots per request
+  ``max_chunks = clamp(ceil(skew x target / batch), 1, min(cap, target))``: `skew` (2) times
+  what a request of the mean length needs, so a request up to `skew` times the mean still
+  gets chunks of the balanced length; 1 when batch >= target (requests alone fill the wave,
+  and once the non-empty ones reach the target the rule below gives each one chunk).
+  The grid is (head_blocks, max_chunks, batch).
+* On the device, from every request's length (`batch_chunk_unit` and `request_chunks`, the
+  integer arithmetic the attention programs and the combine both run): with t_b =
+  ceil(len_b / tile) tiles per request, ``count(u) = sum_b min(max_chunks, ceil(t_b / u))``
+  programs run at a chunk length of u tiles; u is the smallest u in [lo, hi] with
+  count(u) <= target (binary search; hi if none), where
+  ``lo = max(min_tiles, ceil(W / target))``, W = sum_b t_b, and
+  ``hi = max(lo, min(max t_b, ceil(W / (target - B'))))`` (B' non-empty requests; max t_b when
+  target <= B'), since each request wastes less than one chunk. So the programs fill one
+  wave (the longest chunk, the critical path, is as short as one wave allows) and a long
+  request takes more chunks, a short one fewer.
+  Request b then runs ``n0 = min(max_chunks, ceil(t_b / u))`` chunks of
+  ``chunk_len = max(1, ceil(t_b / n0)) x tile`` positions (equal whole-tile chunks; only its
+  last chunk ends inside a tile), ``n = ceil(len_b / chunk_len) <= n0``. A program whose
+  chunk index is >= n exits at once; an empty request (len 0) has n = 0 and its rows get
+  latent 0, lse -inf.
+* The grid: (head_blocks, P, 1), P = max(target, batch) chunk programs a row block, at least
+  the chunks any lengths make. Program p runs the p-th chunk of the batch, the requests'
+  chunks numbered request by request (`ChunkPlan.program_chunks`, the kernels'
+  locate_chunk): no program waits on another's exit, and the chunks of a wave are all real.
+  Row block 0's program 0 writes every request's chunk count to a [B] buffer, which the
+  combine reads (it derives nothing itself).
+* Single pass: with max_chunks == 1 (`ChunkPlan.single_pass`) every request runs at most one
+  chunk, program p is request p (P = batch) and no rule runs; the attention kernel then
+  also writes latent = acc / l and lse itself (latent 0, lse -inf for an empty request), so
+  the step needs no merge.
 * The combine merges a request's n partials a tile of `combine_tile` chunks per step: the
   chunk cap rounded up to a power of two, at most COMBINE_TILE_MAX.
 """
@@ -30,11 +48,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CHUNK_CAP", "COMBINE_TILE_MAX", "ChunkPlan", "plan_chunks", "request_chunks",
-           "chunk_bounds"]
+__all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "ChunkPlan",
+           "plan_chunks", "batch_chunk_unit", "request_chunks", "chunk_bounds"]
 
 CHUNK_CAP = 256          # chunks of one request, at most (as the batch-1 split cap)
-MIN_TILES_PER_CHUNK = 4  # a chunk is at least this many tiles long, unless the request is
+CHUNK_SKEW = 2           # chunk slots per request: this many times the mean request's need
+MIN_TILES_PER_CHUNK = 1  # a chunk is at least this many tiles long, unless the request is
 COMBINE_TILE_MAX = 64    # chunk partials the combine merges in one step, at most
 
 
@@ -55,15 +74,31 @@ class ChunkPlan:
     tile: int
     min_chunk: int
     reason: str
+    target: int = 0      # chunk programs of a head block in one wave; 0: slots // head_blocks
+
+    def __post_init__(self):
+        if self.target == 0:
+            object.__setattr__(self, "target", max(1, self.slots // self.head_blocks))
+
+    @property
+    def programs_per_block(self) -> int:
+        """Chunk programs of a row block: one a request in a single pass, else
+        max(target, batch), at least the chunks any set of lengths makes."""
+        return self.batch if self.single_pass else max(self.target, self.batch)
 
     @property
     def grid(self) -> tuple[int, int, int]:
-        """(head blocks, chunk slots, requests): fixed for a batch size, whatever the lengths."""
-        return (self.head_blocks, self.max_chunks, self.batch)
+        """(head blocks, chunk programs, 1): fixed for a batch size, whatever the lengths."""
+        return (self.head_blocks, self.programs_per_block, 1)
 
     @property
     def programs(self) -> int:
-        return self.head_blocks * self.max_chunks * self.batch
+        return self.head_blocks * self.programs_per_block
+
+    @property
+    def single_pass(self) -> bool:
+        """Every request runs at most one chunk: the attention kernel writes latent and lse."""
+        return self.max_chunks == 1
 
     @property
     def combine_tile(self) -> int:
@@ -71,40 +106,80 @@ class ChunkPlan:
 
     def for_lengths(self, lengths):
         """(n_chunks [B], chunk_len [B]) for these lengths: what each request runs."""
-        return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk)
+        return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target)
+
+    def program_chunks(self, lengths):
+        """(request [P], chunk [P]) of each chunk program p of a row block, -1 past the last
+        chunk: the requests' chunks numbered request by request (the kernels' locate)."""
+        n, _ = self.for_lengths(lengths)
+        if self.single_pass:
+            b = np.arange(self.batch)
+            return np.where(n > 0, b, -1), np.zeros(self.batch, np.int64)
+        req = np.repeat(np.arange(len(n)), n)
+        chunk = np.concatenate([np.arange(k) for k in n]) if n.sum() else np.zeros(0, np.int64)
+        pad = self.programs_per_block - len(req)
+        return (np.concatenate([req, np.full(pad, -1)]),
+                np.concatenate([chunk, np.zeros(pad, np.int64)]))
 
 
 def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: int, tile: int,
                 min_tiles: int = MIN_TILES_PER_CHUNK, cap: int = CHUNK_CAP,
-                chunks: int | None = None) -> ChunkPlan:
-    """The chunk plan of a batch. `chunks` overrides the budget: every request may take up to
-    that many chunks (still cut by `min_chunk` and its length)."""
+                chunks: int | None = None, skew: int = CHUNK_SKEW) -> ChunkPlan:
+    """The chunk plan of a batch. `chunks` overrides the chunk slots: every request may take
+    up to that many chunks (still balanced on the wave target and cut by its length)."""
     batch, head_blocks = _positive_int("batch", batch), _positive_int("head_blocks", head_blocks)
     num_sms, blocks_per_sm = (_positive_int("num_sms", num_sms),
                               _positive_int("blocks_per_sm", blocks_per_sm))
     tile, min_tiles, cap = (_positive_int("tile", tile), _positive_int("min_tiles", min_tiles),
                             _positive_int("cap", cap))
+    skew = _positive_int("skew", skew)
     slots = num_sms * blocks_per_sm
+    target = max(1, slots // head_blocks)
     if chunks is not None:
         max_chunks = _positive_int("chunks", chunks)
         if max_chunks > cap:
             raise ValueError(f"chunks must be at most the chunk cap {cap}, got {max_chunks}")
-        why = f"override: up to {max_chunks} chunks a request"
+        why = f"override: up to {max_chunks} chunks a request, balanced on {target} programs"
     else:
-        max_chunks = max(1, min(cap, slots // (batch * head_blocks)))
-        why = (f"budget: {batch} requests x {head_blocks} head blocks x {max_chunks} chunks "
-               f"on {slots} slots ({blocks_per_sm}/SM x {num_sms} SMs)")
-    return ChunkPlan(batch, head_blocks, max_chunks, slots, tile, min_tiles * tile, why)
+        max_chunks = 1 if batch >= target else max(1, min(cap, target,
+                                                            -(-skew * target // batch)))
+        why = (f"balanced: {head_blocks} head blocks x {target} chunk programs on {slots} "
+               f"slots ({blocks_per_sm}/SM x {num_sms} SMs), up to {max_chunks} chunks a "
+               f"request ({skew}x the mean of {batch} requests)")
+    return ChunkPlan(batch, head_blocks, max_chunks, slots, tile, min_tiles * tile, why, target)
 
 
-def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int):
-    """(n_chunks, chunk_len) per request, in the kernels' integer arithmetic. Vectorized."""
-    n = np.asarray(lengths, dtype=np.int64)
+def _tiles(lengths, tile):
+    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if (n < 0).any():
         raise ValueError(f"lengths must be >= 0, got {int(n.min())}")
-    want = np.minimum(max_chunks, -(-n // min_chunk))           # 0 for an empty request
-    per = -(-n // np.maximum(want, 1))
-    chunk_len = np.maximum(-(-per // tile) * tile, tile)
+    return n, -(-n // tile)
+
+
+def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target: int) -> int:
+    """u, the balanced chunk length in tiles of this batch: the kernels' binary search."""
+    _, t = _tiles(lengths, tile)
+    total, busy = int(t.sum()), int((t > 0).sum())
+    max_t = int(t.max()) if t.size else 0
+    lo = max(min_chunk // tile, -(-total // target))
+    hi = max_t if target <= busy else min(max_t, -(-total // (target - busy)))
+    hi = max(lo, hi)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int(np.minimum(max_chunks, -(-t // mid)).sum()) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int):
+    """(n_chunks, chunk_len) per request of the batch `lengths`, in the kernels' integer
+    arithmetic (the module docstring). Vectorized over the batch."""
+    n, t = _tiles(lengths, tile)
+    u = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
+    want = np.minimum(max_chunks, -(-t // u))                  # 0 for an empty request
+    chunk_len = np.maximum(-(-t // np.maximum(want, 1)), 1) * tile
     return -(-n // chunk_len), chunk_len
 
 

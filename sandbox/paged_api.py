@@ -13,9 +13,10 @@
     graph.launch(stream)            # replays read the same table and length buffers
 
 The contract (shapes, causal rule, empty rows) is sandbox/paged.py's; the chunk rule is
-sandbox/chunks.py's. The grid is (head blocks, max_chunks, B) whatever the lengths: every
-program reads its request's length on the device and exits if its chunk is past the end, so
-changing the contents of `cache_seqlens` and `block_table` between replays needs no recapture.
+sandbox/chunks.py's. The grid is (head blocks, chunk programs, 1) whatever the lengths: every
+program derives its request and chunk from the lengths on the device and exits if it is
+past the batch's last chunk, so changing the contents of `cache_seqlens` and `block_table`
+between replays needs no recapture.
 
 The combine phase is two launches: the merge of each row's chunks (combine_paged, merge only,
 one block per row and column block) and, with wv_b, the output projection of every
@@ -52,6 +53,9 @@ __all__ = ["decode_paged", "PagedDecodeStep", "PagedResult", "PAGE_SIZES",
 PAGE_SIZES = (1, 16, 64)
 # The kernel families that take the paged contract; per_head and tiled16 stay batch 1.
 PAGED_FAMILIES = ("split", "batched", "mma")
+# The families whose attention kernels write latent and lse themselves under a single-pass
+# plan (ChunkPlan.single_pass); wgmma64 and user kernels always leave the merge to the combine.
+SINGLE_PASS_FAMILIES = ("split", "batched", "mma")
 MAX_GRID_Z = 65535   # CUDA's grid z limit: requests of one launch
 _LOG2E = math.log2(math.e)
 _NULL = np.uint64(0)  # a null pointer argument: the merge takes no wv_b (the projection does)
@@ -198,9 +202,9 @@ class PagedDecodeStep:
         bps = user.blocks_per_sm(self.attn_inst) if user else blocks_per_sm(self.attn_inst)
         self.plan = plan_for(sh, self.attn_inst, num_sms=info.num_sms, blocks_per_sm=bps,
                              splits=1 if user and user.kind == "step" else splits)
-        if self.plan.max_chunks > info.max_grid_y:
-            raise ValueError(f"max_chunks={self.plan.max_chunks} exceeds the grid's y limit "
-                             f"{info.max_grid_y} on {info.name}")
+        if self.plan.programs_per_block > info.max_grid_y:
+            raise ValueError(f"{self.plan.programs_per_block} chunk programs a row block "
+                             f"exceed the grid's y limit {info.max_grid_y} on {info.name}")
         self.attn_kernel = user.kernel(self.attn_inst) if user else get_kernel(self.attn_inst)
         self.combine_kernel = get_kernel(self.combine_inst)
         self.project_inst = self.project_kernel = None
@@ -214,6 +218,7 @@ class PagedDecodeStep:
         self.part_acc = scratch_for_device(dev, "part_acc", n * d.kv_lora)
         self.part_m = scratch_for_device(dev, "part_m", n)
         self.part_l = scratch_for_device(dev, "part_l", n)
+        self.chunk_counts = scratch_for_device(dev, "chunk_counts", sh.batch, "int32")
 
     @property
     def n_rows(self) -> int:
@@ -251,16 +256,20 @@ class PagedDecodeStep:
     def single_pass(self) -> bool:
         """Whether the attention kernel writes the latent and lse itself (every request in
         one chunk): then the merge is skipped and only the projection runs."""
-        return bool(getattr(self.plan, "single_pass", False))
+        return (bool(getattr(self.plan, "single_pass", False))
+                and self.variant.family in SINGLE_PASS_FAMILIES)
 
     def attn_args(self) -> tuple:
-        """The paged attention kernel's arguments, in the kernels' order."""
+        """The paged attention kernel's arguments, in the kernels' order. latent and lse
+        come last: with a single-pass plan (ChunkPlan.single_pass) the kernel writes them."""
         sh, p = self.shape, self.plan
         return (self.q, self.kv_cache, self.block_table, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(sh.s_q),
                 np.int32(self.causal), np.int32(sh.max_pages), np.int32(self.page_shift),
                 np.int32(p.max_chunks), np.int32(p.min_chunk),
-                np.float32(self.scale * _LOG2E), self.part_acc, self.part_m, self.part_l)
+                np.float32(self.scale * _LOG2E), self.part_acc, self.part_m, self.part_l,
+                np.int32(p.target), np.int32(sh.batch), self.chunk_counts, self.latent,
+                self.lse)
 
     def combine_args(self) -> tuple:
         """The merge's arguments, in the paged combine's order: merge only, so wv_b, out,
@@ -269,7 +278,7 @@ class PagedDecodeStep:
         return (self.part_acc, self.part_m, self.part_l, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(p.max_chunks),
                 np.int32(p.min_chunk), np.int32(p.tile), _NULL, np.int32(sh.dims.v_head), _NULL,
-                self.latent, self.lse, _NULL, _NULL)
+                self.latent, self.lse, _NULL, _NULL, self.chunk_counts)
 
     def project_args(self) -> tuple:
         """The projection's arguments: latent [B*s_q][H][512] in, out [B*s_q][H][v_head]."""
@@ -285,7 +294,7 @@ class PagedDecodeStep:
                 with self.guard.phase("attn"):
                     self._cublas_attention()
                 return
-            args = self.attn_args() + ((self.latent, self.lse) if self.whole_step else ())
+            args = self.attn_args()
             self.guard.launch("attn", self.attn_kernel, self.attn_grid,
                               (self.attn_inst.threads, 1, 1), args,
                               smem_bytes=self.attn_inst.smem_bytes,

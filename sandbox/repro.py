@@ -51,16 +51,17 @@ REPRO_CONTEXTS = (4095, 4096, 20000)
 # script maps each name to an array or a scalar). tests/test_repro.py parses api.py and
 # fails if these drift from it.
 ATTN_ARGS = ("q", "cache", "n_head", "n_ctx", "splits", "scale", "part_acc", "part_m",
-             "part_l")
+             "part_l", "latent", "lse")
 COMBINE_ARGS = ("part_acc", "part_m", "part_l", "n_head", "splits", "wv_b", "v_head", "out",
                 "latent", "lse", "out_part", "tickets")
 # The paged kernels' arguments (paged_api.PagedDecodeStep.attn_args / combine_args), in order.
 PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n_head", "s_q",
                    "causal", "max_pages", "page_shift", "max_chunks", "min_chunk",
-                   "scale_log2", "part_acc", "part_m", "part_l")
+                   "scale_log2", "part_acc", "part_m", "part_l", "target", "batch",
+                   "chunk_counts", "latent", "lse")
 PAGED_COMBINE_ARGS = ("part_acc", "part_m", "part_l", "cache_seqlens", "n_rows", "n_head",
                       "max_chunks", "min_chunk", "tile", "wv_b", "v_head", "out", "latent",
-                      "lse", "out_part", "tickets")
+                      "lse", "out_part", "tickets", "chunk_counts")
 PAGED_SPARE_PAGES = 2   # as make_paged_inputs' default
 # The registry's launch values go along, so the script's kernels static_assert them too.
 NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",
@@ -390,7 +391,7 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
         variant=var.name, dims=dims, lengths=lens, lengths_spec=str(lengths), s_q=int(s_q),
         causal=bool(causal), page_size=int(page_size), cache_dtype=cache, q_dtype=q,
         plan={"max_chunks": plan.max_chunks, "min_chunk": plan.min_chunk, "tile": plan.tile,
-              "rows_per_block": attn.heads},
+              "rows_per_block": attn.heads, "target": plan.target},
         plan_from=f"{plan.reason}; {how}", seed=int(seed), scale=dims.default_scale,
         negative_control=bool(negative_control), command=command)
 

@@ -458,7 +458,8 @@ PAGE_SIZE = @@PAGE_SIZE@@
 SPARE_PAGES = @@SPARE_PAGES@@      # unused (NaN) pages besides the requests' own
 SEED = @@SEED@@                    # draws q, wv_b, the cache and the table permutation
 SCALE = @@SCALE@@
-PLAN = @@PLAN@@                    # the chunk plan: max_chunks, min_chunk, tile, rows per block
+PLAN = @@PLAN@@                    # the chunk plan: max_chunks, min_chunk, tile, rows per block,
+                                   # target (chunk programs of one wave per row block)
 PLAN_FROM = @@PLAN_FROM@@
 NEGATIVE_CONTROL = @@NEGATIVE@@
 TOLERANCE = @@TOLERANCE@@          # relL2 for out and latent, max |error| for lse (live rows)
@@ -552,7 +553,7 @@ def reference(q, cache, table, lengths, wv_b):
 
 # ==== launch (the CUDA kernels) ================================================================
 def run_cuda(kernels, q, cache, table, lengths, wv_b):
-    """attn over (row blocks, MAX_CHUNKS, B), then the combine over (n_rows, col blocks, B),
+    """attn over (row blocks, chunk programs, 1), then the combine over (n_rows, col blocks, B),
     the launches of mlasandbox.PagedDecodeStep. Outputs and partials start as NaN (an
     element a kernel fails to write shows up); the combine's tickets start at 0."""
     import cupy
@@ -569,7 +570,9 @@ def run_cuda(kernels, q, cache, table, lengths, wv_b):
         "s_q": np.int32(S_Q), "causal": np.int32(CAUSAL),
         "max_pages": np.int32(table.shape[1]), "page_shift": np.int32(page_shift),
         "max_chunks": np.int32(mc), "min_chunk": np.int32(PLAN["min_chunk"]),
-        "tile": np.int32(PLAN["tile"]), "scale_log2": np.float32(SCALE * LOG2E),
+        "tile": np.int32(PLAN["tile"]), "target": np.int32(PLAN["target"]),
+        "batch": np.int32(batch), "chunk_counts": cupy.full(batch, -1, cupy.int32),
+        "scale_log2": np.float32(SCALE * LOG2E),
         "v_head": np.int32(V_HEAD),
         "part_acc": cupy.full(n_part * KV_LORA, nan, cupy.float32),
         "part_m": cupy.full(n_part, nan, cupy.float32),
@@ -581,7 +584,8 @@ def run_cuda(kernels, q, cache, table, lengths, wv_b):
                               cupy.float32),
         "tickets": cupy.zeros(batch * n_rows, cupy.uint32),
     }
-    grid = (-(-n_rows // PLAN["rows_per_block"]), mc, batch)
+    programs = batch if mc == 1 else max(PLAN["target"], batch)   # chunk programs a row block
+    grid = (-(-n_rows // PLAN["rows_per_block"]), programs, 1)
     block, smem = (ATTN["threads"], 1, 1), ATTN["smem_bytes"]
     with phase("attn", f"kernel {ATTN['name']}, grid {grid}, block {block}, dynamic shared "
                        f"memory {smem} B"):

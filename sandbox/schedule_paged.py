@@ -5,13 +5,18 @@ It runs what the paged kernels run, in the order they run it, so the CPU suite r
 rule's corners (mixed lengths, empty requests, chunk slots past a request's end, causal
 queries that see nothing) without a GPU. What it models:
 
-* Chunks from `chunks.request_chunks`, the kernels' integer arithmetic; a chunk slot past a
-  request's chunk count does nothing (the program exits), so it writes no partial.
+* Chunks from `chunks.request_chunks`, the kernels' integer arithmetic, run program by
+  program (`ChunkPlan.program_chunks`: the p-th chunk of the batch in request order); a
+  program past the batch's last chunk does nothing, and the combine merges the n_b chunks
+  each request's count names (a missing one raises: the grid did not cover it).
 * Per chunk, an online softmax over tiles of `tile` positions, every (query, head) row at
   once: m_new = max(m, tile max), alpha = exp(m - m_new), l = l alpha + sum p,
   acc = acc alpha + p @ rows, in f32. Positions a row must not see (past the chunk, or past
   its causal limit) have score -inf, so p = 0 there; a row that has seen nothing keeps
   m = -inf, l = 0, acc = 0 (never NaN).
+* Single pass (`plan.single_pass`, one chunk slot a request): latent = acc / l and
+  lse = m + log l straight from the chunk's partial, as the attention kernel writes them,
+  no merge.
 * The combine, per request: the partials merged `combine_tile` at a time, each step one
   online-softmax update with the tile's max, then latent = acc / l and lse = m + log l; a
   row with l = 0 gets latent 0 and lse -inf. `rescale=False` drops every exp(m_i - m)
@@ -54,6 +59,15 @@ def _chunk_partial(q_rows, rows, start, end, visible, tile, scale, kv_lora):
     return m, l, acc
 
 
+def _finish(m, l, acc):
+    """(latent, lse) of merged (m, l, acc): a row with l == 0 gets latent 0, lse -inf."""
+    live = l > 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        latent = np.where(live[:, None], acc / l[:, None], np.float32(0))
+        lse = np.where(live, m + np.log(l), np.float32(-np.inf))
+    return latent.astype(np.float32), lse.astype(np.float32)
+
+
 def _combine(parts, combine_tile, rescale, kv_lora, n_rows):
     """Merge the chunk partials of one request, `combine_tile` at a time."""
     m = np.full(n_rows, -np.inf, np.float32)
@@ -73,11 +87,7 @@ def _combine(parts, combine_tile, rescale, kv_lora, n_rows):
         l = l * alpha + (w * np.stack([p[1] for p in tile])).sum(axis=0)
         acc = acc * alpha[:, None] + (w[:, :, None] * np.stack([p[2] for p in tile])).sum(axis=0)
         m = m_new
-    live = l > 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        latent = np.where(live[:, None], acc / l[:, None], np.float32(0))
-        lse = np.where(live, m + np.log(l), np.float32(-np.inf))
-    return latent.astype(np.float32), lse.astype(np.float32)
+    return _finish(m, l, acc)
 
 
 def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, plan: ChunkPlan,
@@ -98,20 +108,24 @@ def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, pl
 
     latent = np.zeros((shape.batch, s_q * H, d.kv_lora), np.float32)
     lse = np.full((shape.batch, s_q * H), -np.inf, np.float32)
-    for b in range(shape.batch):
+    slots = {}                             # (request, chunk) -> partial, as the grid writes
+    for b, c in zip(*plan.program_chunks(lengths)):   # every chunk program of a row block
+        if b < 0:
+            continue                       # past the batch's last chunk: nothing to do
         n = int(lengths[b])
-        if n == 0:
-            continue
         ids = np.asarray(table[b, :-(-n // shape.page_size)], dtype=np.int64)
         rows = as_f32(pages[ids].reshape(-1, d.key_dim)[:n])
-        parts = []
-        for c in range(plan.max_chunks):   # every chunk slot of the grid
-            if c >= n_chunks[b]:
-                continue                   # the program exits at once
-            start, end = chunk_bounds(n, int(chunk_len[b]), c)
-            parts.append(_chunk_partial(q32[b], rows, start, end, visible[b], plan.tile,
-                                        scale, d.kv_lora))
-        latent[b], lse[b] = _combine(parts, plan.combine_tile, rescale, d.kv_lora, s_q * H)
+        start, end = chunk_bounds(n, int(chunk_len[b]), int(c))
+        slots[int(b), int(c)] = _chunk_partial(q32[b], rows, start, end, visible[b],
+                                               plan.tile, scale, d.kv_lora)
+    for b in range(shape.batch):
+        parts = [slots[b, c] for c in range(int(n_chunks[b]))]   # the combine's n_b chunks
+        if not parts:
+            continue                       # an empty request: latent 0, lse -inf
+        if plan.single_pass:               # the attention kernel's own latent and lse
+            latent[b], lse[b] = _finish(*parts[0])
+        else:
+            latent[b], lse[b] = _combine(parts, plan.combine_tile, rescale, d.kv_lora, s_q * H)
     latent = latent.reshape(shape.batch, s_q, H, d.kv_lora)
     lse = lse.reshape(shape.batch, s_q, H)
     out = None

@@ -7,17 +7,26 @@ The rule (Flash-Decoding's split over context, budgeted against the SM count):
   more than the parallelism buys, and below it `split` runs per_head's kernel on one slice,
   the same code (the A/A pair). Blocks that serve several heads (batched, tiled, mma) are
   few, 6 at 96 heads for 16 per block, and one slice leaves most SMs idle, so they have no
-  gate: the sizing rule's `min_tiles` alone keeps their slices long enough (at n_ctx 4095
-  and 96 heads one slice is several times slower for mma16 and batched16; docs/ has the
-  measurement).
-  `min_ctx=` sets the gate for any variant.
-* Above it, the budget is on the PRODUCT head_blocks x S against the resident-block slots of
-  the GPU (blocks/SM x SMs), so S grows as the number of head blocks shrinks (head sharding,
-  larger HPB) instead of needing to be re-tuned. Among S in 1..cap, each slice at least
-  `min_tiles` tiles long, the plan takes the S with the fewest estimated tile-steps
-  (waves x tiles per slice), and the smallest S within 2% of that minimum, since every
-  extra split adds a partial to write and merge.
+  gate. `min_ctx=` sets the gate for any variant.
+* Above it, S minimises a latency model of the attention phase, in tile-steps (the time a
+  lone block takes to stream and score one tile of cache rows):
+
+      cost(S) = waves(S) x (FIXED_TILES + tiles_per_slice(S)) + S x MERGE_TILES
+
+  with waves = ceil(head_blocks x S / slots) (slots = blocks/SM x SMs, so the budget is on
+  the PRODUCT head_blocks x S, and S grows as the head blocks shrink), FIXED_TILES = 3 a
+  block's fixed cost (its start, q staged, the first tile's memory latency, the partial
+  written) and MERGE_TILES = 1/256 what one more partial adds to the merge. Among S in
+  1..cap (each slice at least `min_tiles` tiles, 1 by default) the plan takes the S of
+  least cost, and the smallest S within 2% of it. So a short cache gets enough blocks to
+  cover the SMs with one or two tiles each (1024 positions at 16 heads: 16 slices of one
+  64-row tile, not 4 of four), a long one one wave of equal slices, and a cache of one tile
+  one slice: a single pass (`SplitPlan.single_pass`), where the attention kernel writes
+  latent and lse itself and no merge is needed.
 * `splits=` overrides the rule (any S >= 1, S > n_ctx included: empty slices are neutral).
+
+`predict_us` turns the model into microseconds for a variant (docs/schedule.md has the
+constants and the predicted-vs-measured table).
 """
 from __future__ import annotations
 
@@ -26,12 +35,15 @@ from dataclasses import dataclass
 
 from .registry import ATTN_TILE
 
-__all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "SplitPlan", "default_gate",
-           "plan_splits", "slice_bounds"]
+__all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "FIXED_TILES", "MERGE_TILES",
+           "SplitPlan", "default_gate", "plan_splits", "slice_bounds", "LatencyModel",
+           "LATENCY_MODELS", "latency_model", "predict_us"]
 
 SPLIT_MIN_CTX = 4096
 SPLIT_CAP = 256
-MIN_TILES_PER_SPLIT = 4
+MIN_TILES_PER_SPLIT = 1
+FIXED_TILES = 3.0      # a block's fixed cost, in tile-steps
+MERGE_TILES = 1 / 256  # one more partial to write and merge, in tile-steps
 _TIE = 1.02
 
 
@@ -73,9 +85,19 @@ class SplitPlan:
     def tiles_per_block(self) -> int:
         return math.ceil(min(self.slice_len, self.n_ctx) / self.tile)
 
+    @property
+    def single_pass(self) -> bool:
+        """One slice: the attention kernel writes latent and lse, no merge is needed."""
+        return self.splits == 1
+
     def estimated_steps(self) -> int:
         """Tile-steps on the critical path: full waves times tiles per slice."""
         return math.ceil(self.blocks / self.slots) * self.tiles_per_block()
+
+    def cost(self) -> float:
+        """The rule's latency model, in tile-steps (the module docstring)."""
+        waves = math.ceil(self.blocks / self.slots)
+        return waves * (FIXED_TILES + self.tiles_per_block()) + self.splits * MERGE_TILES
 
 
 def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
@@ -121,8 +143,65 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
     if n_ctx < gate:
         return make(1, f"below the split gate (n_ctx {n_ctx} < {gate})")
     max_s = max(1, min(cap, n_ctx // (min_tiles * tile)))
-    cost = {s: make(s, "").estimated_steps() for s in range(1, max_s + 1)}
+    cost = {s: make(s, "").cost() for s in range(1, max_s + 1)}
     best = min(cost.values())
     s = min(k for k, v in cost.items() if v <= best * _TIE)
     return make(s, f"auto: {head_blocks} head blocks x {s} splits on {slots} slots "
                    f"({blocks_per_sm}/SM x {num_sms} SMs)")
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Microseconds of a variant's attention launch and of the merge, per the rule's model:
+
+        attn    = launch + waves x (fixed + tiles_per_slice x tile)
+        tile    = max(tile_us, blocks on an SM x sm_tile_us, slices streaming x tile bytes
+                      / bandwidth)
+        combine = merge_us + heads x merge_head_us + (slices - 1) x merge_slice_us
+
+    A lone block is latency-bound (tile_us), blocks sharing an SM split its issue slots
+    (sm_tile_us each), a full GPU is bandwidth-bound on the rows it streams (head blocks of
+    one slice read the same rows, so the unique slices count). The constants are fit to the
+    H200 sweep of 2026-12-01 (results/h200-2026-12-01-b7ab969; docs/schedule.md): the table
+    shows how well the model's shape fits, not an out-of-sample forecast."""
+
+    launch_us: float       # the launch and drain of a kernel in a graph replay, cold L2
+    fixed_us: float        # a block's fixed cost: its start, q staged, its partial written
+    tile_us: float         # one tile of a lone block
+    sm_tile_us: float      # SM time one block's tile takes when blocks share the SM
+    merge_us: float = 11.4       # the combine at one slice (its launch, wv_b, the latent)
+    merge_head_us: float = 0.025  # each head
+    merge_slice_us: float = 0.017  # each further slice
+
+
+H200_BANDWIDTH = 4.2e12   # B/s the attention kernels reach streaming the cache (mma16, 131072)
+LATENCY_MODELS = {        # by (kernel family, heads per block)
+    ("mma", 16): LatencyModel(2.0, 7.5, 2.3, 2.3),
+    ("mma", 32): LatencyModel(2.0, 9.3, 3.4, 3.4),
+    ("batched", 16): LatencyModel(2.0, 7.0, 4.4, 4.35),
+    ("split", 1): LatencyModel(2.0, 3.7, 1.75, 0.52),
+}
+
+
+def latency_model(family: str, heads_per_block: int) -> LatencyModel:
+    """The fitted model of a family at this many heads per block, else the nearest fitted
+    one of the family (per_head is split's kernel)."""
+    family = "split" if family == "per_head" else family
+    fitted = [k for k in LATENCY_MODELS if k[0] == family]
+    if not fitted:
+        raise ValueError(f"no latency model for kernel family {family!r}")
+    return LATENCY_MODELS[min(fitted, key=lambda k: abs(k[1] - heads_per_block))]
+
+
+def predict_us(plan: SplitPlan, family: str, cache_bytes: int = 2, key_dim: int = 576,
+               bandwidth: float = H200_BANDWIDTH) -> dict:
+    """{"attn", "combine"} in microseconds for `plan` on kernel family `family`."""
+    m = latency_model(family, plan.heads_per_block)
+    waves = math.ceil(plan.blocks / plan.slots)
+    active = min(plan.blocks, plan.slots)
+    streaming = min(plan.splits, math.ceil(active / plan.head_blocks))
+    tile = max(m.tile_us, math.ceil(active / plan.num_sms) * m.sm_tile_us,
+               streaming * plan.tile * key_dim * cache_bytes / bandwidth * 1e6)
+    attn = m.launch_us + waves * (m.fixed_us + plan.tiles_per_block() * tile)
+    combine = m.merge_us + plan.n_head * m.merge_head_us + (plan.splits - 1) * m.merge_slice_us
+    return {"attn": attn, "combine": combine}

@@ -251,8 +251,8 @@ class Arg:
 # The C types of the contract's pointer arguments, by the name attn_args() reads them from.
 _POINTER_TYPES = {"q": "const MLA_Q_T*", "kv_cache": "const MLA_CACHE_T*",
                   "block_table": "const int*", "cache_seqlens": "const int*",
-                  "part_acc": "float*", "part_m": "float*", "part_l": "float*"}
-_STEP_ARGS = (Arg("latent", "float*"), Arg("lse", "float*"))
+                  "part_acc": "float*", "part_m": "float*", "part_l": "float*",
+                  "chunk_counts": "int*", "latent": "float*", "lse": "float*"}
 _SCALAR_NAMES = {"scale": "scale_log2"}   # attn_args passes scale * log2(e)
 
 
@@ -292,8 +292,6 @@ def contract_args(kind: str = "attn") -> tuple:
                                "_POINTER_TYPES")
         if out[-1].name is None:
             raise RuntimeError(f"cannot name the argument {ast.unparse(elt)} of attn_args()")
-    if kind == "step":
-        out.extend(_STEP_ARGS)
     return tuple(out)
 
 

@@ -132,10 +132,10 @@ def test_plan_report_runs_the_chunk_rule_per_variant():
     rep = plan_report(cfg, num_sms=132, blocks_per_sm=2)
     assert not rep["problems"] and [r["variant"] for r in rep["plans"]] == list(cfg.variants)
     mma16 = rep["plans"][0]
-    assert mma16["grid"] == [1, 264 // 3, 3] and mma16["tile"] == 64
+    assert mma16["grid"] == [1, 264, 1] and mma16["tile"] == 64   # 264 chunk programs
     assert mma16["chunks_min"] == 0            # the empty request runs nothing
-    # 5000 tokens at min_chunk 256: ceil(5000/256) = 20 chunks; 300 -> 2
-    assert mma16["chunks_max"] == 20 and mma16["programs_run"] == 22
+    # 84 tiles in all on 264 programs: a tile a chunk, 5000 -> 79 chunks, 300 -> 5
+    assert mma16["chunks_max"] == 79 and mma16["programs_run"] == 84
 
 
 # ---------------------------------------------------------------------------- a fake run

@@ -104,7 +104,7 @@ def test_a_launch_with_too_little_shared_memory_traps_instead_of_computing_garba
         try:
             step.guard.launch('attn', step.attn_kernel, p.grid + (1,), (step.attn_inst.threads, 1, 1),
                 (step.q, step.cache, np.int32(12), np.int32(100), np.int32(p.splits),
-                 np.float32(0.1), step.part_acc, step.part_m, step.part_l),
+                 np.float32(0.1), step.part_acc, step.part_m, step.part_l, step.latent, step.lse),
                 smem_bytes=step.attn_inst.smem_bytes - 1024, kernel_name=step.attn_inst.name)
             print('NO ERROR')
         except PhaseError as e:

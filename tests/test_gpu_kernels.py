@@ -109,6 +109,34 @@ def test_variant_at_131072(variant):
 
 
 @gpu
+@pytest.mark.parametrize("variant", ["per_head", "split", "batched16", "mma16", "mma32"])
+def test_one_slice_writes_latent_and_lse_without_the_merge(variant):
+    """A single pass (S = 1, SplitPlan.single_pass): the attention kernel writes latent =
+    acc / l and lse itself, so with the merge not run they match the reference; with two
+    slices it writes neither (they stay NaN: the check has power). Tolerance: the default
+    (relL2 1e-4, lse 1e-4 absolute), f32 over 129 positions."""
+    import cupy as cp
+
+    from mlasandbox.api import DecodeStep
+
+    inp, seed = device_inputs(Dims(n_head=13), 129, "f16", "f32")
+    ref = reference.decode(**inp.decode_args())
+    for splits in (1, 2) if variant != "per_head" else (None,):
+        step = DecodeStep(**inp.decode_args(), variant=variant, splits=splits,
+                          sync_check=True)
+        assert step.plan.single_pass == (splits != 2)
+        step.latent.fill(cp.nan)
+        step.lse.fill(cp.nan)
+        step.run_attn()
+        cp.cuda.Device().synchronize()
+        if splits == 2:
+            assert np.isnan(step.latent.get()).all() and np.isnan(step.lse.get()).all()
+            continue
+        assert rel_l2(step.latent, ref.latent) < 1e-4, f"{variant} seed={seed}"
+        assert np.abs(step.lse.get() - ref.lse).max() < 1e-4, f"{variant} seed={seed}"
+
+
+@gpu
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 33, 64, 129, 200])
 @pytest.mark.parametrize("variant", ["split", "batched12", "batched16", "tiled16", "mma16",
                                      "mma32"])

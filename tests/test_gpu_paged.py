@@ -189,9 +189,10 @@ def split_data(module_seeds):
 @pytest.mark.parametrize("splits", [1, 2, 7, 64, CHUNK_CAP])
 @pytest.mark.parametrize("variant", PAGED_CUDA)
 def test_every_split_count_matches_one_reference(split_data, variant, splits):
-    """splits=N caps every request at N chunks; each request still takes whole chunks of
-    at least min_chunk positions, so past its need a request's extra chunk programs exit at
-    once and write nothing the combine reads."""
+    """splits=N caps every request at N chunks; the balance gives each request whole
+    chunks of at least one tile, so past its need a request's extra chunk programs exit at
+    once and write nothing the combine reads. splits=1 is a single pass: the attention
+    kernel writes latent and lse (the merge of one partial gives the same words)."""
     from mlasandbox.paged_api import PagedDecodeStep
 
     dev, ref, seed, host = split_data
@@ -201,6 +202,7 @@ def test_every_split_count_matches_one_reference(split_data, variant, splits):
     n_chunks, _ = step.plan.for_lengths(host.cache_seqlens)
     assert n_chunks[0] == 0 and n_chunks.max() <= splits
     assert (n_chunks[2] > 1) == (splits > 1), "the long request must be merged from chunks"
+    assert step.plan.single_pass == (splits == 1)
     check_step(step, ref, Tolerance(), f"{variant} splits={splits} seed={seed}")
 
 

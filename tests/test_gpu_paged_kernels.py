@@ -43,6 +43,7 @@ class Case:
     causal: bool = False
     page_size: int = 64
     max_chunks: int = 4
+    target: int = 132    # chunk programs of one wave per row block (the balance, chunks.py)
     cache: str = "f16"
     q: str = "f32"
     wv_b: bool = True
@@ -50,7 +51,8 @@ class Case:
     def __str__(self):
         lens = "-".join(map(str, self.lengths))
         return (f"{self.variant}-H{self.heads}-sq{self.s_q}{'c' if self.causal else ''}-"
-                f"p{self.page_size}-k{self.max_chunks}-{self.cache}-q{self.q}-L{lens}"
+                f"p{self.page_size}-k{self.max_chunks}-t{self.target}-{self.cache}-q{self.q}-"
+                f"L{lens}"
                 f"{'' if self.wv_b else '-nowv'}")
 
 
@@ -70,18 +72,27 @@ CASES = [
     Case("mma32", 16, (141, 4000), s_q=2, causal=True, page_size=64, max_chunks=3),
     Case("mma32", 63, (2, 700), s_q=1, page_size=16, max_chunks=2, cache="bf16", q="bf16",
          wv_b=False),
-    # A last chunk of 1 or 2 positions (1026 = 4 x 256 + 2 at the mma tile of 64, 514 =
-    # 4 x 128 + 2 at the tile of 32): the early causal rows see nothing of it but see earlier
+    # A last chunk of 1 or 2 positions (1026 = 8 x 128 + 2 at the mma tile of 64, 514 =
+    # 8 x 64 + 2 at the tile of 32): the early causal rows see nothing of it but see earlier
     # chunks, so a block mixes rows with a neutral partial and rows with a live one.
     Case("mma16", 4, (1026, 1025), s_q=4, causal=True, page_size=16, max_chunks=16),
     Case("mma32", 8, (1026,), s_q=4, causal=True, page_size=64, max_chunks=16, cache="bf16"),
     Case("batched8", 2, (514,), s_q=4, causal=True, page_size=64, max_chunks=16),
     Case("split", 2, (514,), s_q=3, causal=True, page_size=16, max_chunks=16),
+    # the balance: a small wave target, so long requests take the chunks and short ones one,
+    # and requests past max_chunks x the balanced length (their chunks grow instead)
+    Case("mma16", 16, (20000, 1, 0, 300, 4097, 64), page_size=64, max_chunks=5, target=7),
+    Case("batched8", 3, (9000, 65, 4096, 0), s_q=2, causal=True, page_size=16, max_chunks=3,
+         target=4),
+    Case("split", 5, (3000, 20, 1), page_size=1, max_chunks=6, target=2),
+    Case("mma32", 16, (140, 8193, 2), s_q=2, page_size=64, max_chunks=12, target=9),
 ]
 
 
-def run_paged(inp, variant: str, max_chunks: int, *, rescale: bool = True):
-    """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l)."""
+def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale: bool = True,
+              merge: bool = True):
+    """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l).
+    merge=False: the attention launch alone, its latent and lse (a single-pass plan)."""
     import cupy as cp
 
     from mlasandbox.kernels import get_kernel
@@ -102,14 +113,23 @@ def run_paged(inp, variant: str, max_chunks: int, *, rescale: bool = True):
     part_acc = cp.full((batch, max_chunks, n_rows, latent_dim), cp.nan, cp.float32)
     part_m = cp.full((batch, max_chunks, n_rows), cp.nan, cp.float32)
     part_l = cp.full((batch, max_chunks, n_rows), cp.nan, cp.float32)
-    grid = (-(-n_rows // att.heads), max_chunks, batch)
+    latent = cp.full((batch, n_rows, latent_dim), cp.nan, cp.float32)
+    lse = cp.full((batch, n_rows), cp.nan, cp.float32)
+    counts = cp.full(batch, -7, cp.int32)   # every entry must be written
+    programs = batch if max_chunks == 1 else max(target, batch)
+    grid = (-(-n_rows // att.heads), programs, 1)
     get_kernel(att)(grid, (att.threads,), (
         q, cache, table, seqlens, i32(n_rows), i32(n_head), i32(s_q), i32(inp.causal),
         i32(max_pages), i32(int(math.log2(page_size))), i32(max_chunks), i32(min_chunk),
-        np.float32(inp.scale * LOG2E), part_acc, part_m, part_l), shared_mem=att.smem_bytes)
+        np.float32(inp.scale * LOG2E), part_acc, part_m, part_l, i32(target), i32(batch),
+        counts, latent, lse), shared_mem=att.smem_bytes)
+    want = request_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target)[0]
+    assert (counts.get() == want).all(), "the published chunk counts are the rule's"
+    shape = (batch, s_q, n_head)
+    if not merge:
+        cp.cuda.Device().synchronize()
+        return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape), None), part_l
 
-    latent = cp.full((batch, n_rows, latent_dim), cp.nan, cp.float32)
-    lse = cp.full((batch, n_rows), cp.nan, cp.float32)
     has_wv = inp.wv_b is not None
     out = cp.full((batch, n_rows, v_head), cp.nan, cp.float32)
     out_part = cp.full((batch, n_rows, registry.COMBINE_COL_BLOCKS, v_head), cp.nan,
@@ -118,10 +138,10 @@ def run_paged(inp, variant: str, max_chunks: int, *, rescale: bool = True):
     wv_b = inp.wv_b if has_wv else np.uint64(0)  # a null pointer: no out
     get_kernel(comb)((n_rows, registry.COMBINE_COL_BLOCKS, batch), (comb.threads,), (
         part_acc, part_m, part_l, seqlens, i32(n_rows), i32(n_head), i32(max_chunks),
-        i32(min_chunk), i32(tile), wv_b, i32(v_head), out, latent, lse, out_part, tickets))
+        i32(min_chunk), i32(tile), wv_b, i32(v_head), out, latent, lse, out_part, tickets,
+        counts))
     cp.cuda.Device().synchronize()
     assert int(tickets.sum()) == 0, "the combine leaves its tickets at 0 for the next launch"
-    shape = (batch, s_q, n_head)
     return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape),
                        out.reshape(*shape, v_head) if has_wv else None), part_l
 
@@ -140,17 +160,51 @@ def _inputs(case, seed):
 def test_paged_kernels_match_the_float64_reference(case):
     seed = fresh_seed()
     inp = _inputs(case, seed)
-    res, part_l = run_paged(inp, case.variant, case.max_chunks)
+    res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target)
     ref = decode_paged(**inp.decode_args())
     cmp = compare_paged(res, ref)
     assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
     # the programs past a request's last chunk wrote nothing (their l is still NaN), and the
     # ones before it wrote every row
     tile = registry.paged_attention_instance(case.variant).tile_rows
-    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile)
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
+                          case.target)
     written = ~np.isnan(part_l.get())                      # [B, max_chunks, n_rows]
     want = np.arange(case.max_chunks)[None, :] < n[:, None]  # [B, max_chunks]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
+
+
+# One chunk per request (max_chunks 1): the attention launch writes latent and lse itself,
+# with the merge not run, for every family; empty requests and a causal row that sees
+# nothing get latent 0, lse -inf.
+SINGLE_PASS = [
+    Case("split", 3, (0, 1, 140, 4097), s_q=2, causal=True, page_size=16, max_chunks=1),
+    Case("batched16", 16, (20, 0, 4095), page_size=64, max_chunks=1, cache="bf16", q="bf16"),
+    Case("mma16", 16, (4097, 0, 1, 140), page_size=64, max_chunks=1),
+    Case("mma32", 8, (1, 700, 2000), s_q=4, causal=True, page_size=1, max_chunks=1),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", SINGLE_PASS, ids=str)
+def test_a_single_pass_writes_latent_and_lse_without_the_merge(case):
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, _ = run_paged(inp, case.variant, 1, target=case.target, merge=False)
+    cmp = compare_paged(res, decode_paged(**{**inp.decode_args(), "wv_b": None}))
+    assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
+
+
+@gpu
+def test_the_single_pass_check_has_power():
+    # with two chunks a request the attention launch writes no latent: it stays NaN, the
+    # comparison must fail
+    case = Case("mma16", 16, (4097,), max_chunks=2)
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, _ = run_paged(inp, case.variant, 2, merge=False)
+    assert np.isnan(res.latent.get()).all()
+    assert not compare_paged(res, decode_paged(**{**inp.decode_args(), "wv_b": None})).ok
 
 
 @gpu

@@ -7,12 +7,13 @@ import math
 import numpy as np
 import pytest
 
-from mlasandbox.chunks import CHUNK_CAP, chunk_bounds, plan_chunks, request_chunks
+from mlasandbox.chunks import (CHUNK_CAP, batch_chunk_unit, chunk_bounds, plan_chunks,
+                               request_chunks)
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
 from mlasandbox.paged_inputs import make_paged_inputs, parse_lengths
-from mlasandbox.reference import decode
+from mlasandbox.reference import decode, to_host
 from mlasandbox.reference import decode_paged
 from mlasandbox.schedule_paged import run_paged_schedule
 
@@ -191,12 +192,24 @@ def test_parse_lengths():
 
 # -- the chunk rule ---------------------------------------------------------------------
 
+def _brute_unit(lengths, max_chunks, tile, min_chunk, target):
+    """The smallest u in the rule's [lo, hi] with count(u) <= target, by trying every u."""
+    t = -(-np.asarray(lengths, np.int64) // tile)
+    total, busy = int(t.sum()), int((t > 0).sum())
+    lo = max(min_chunk // tile, -(-total // target))
+    hi = int(t.max()) if target <= busy else min(int(t.max()), -(-total // (target - busy)))
+    hi = max(lo, hi)
+    ok = [u for u in range(lo, hi + 1) if np.minimum(max_chunks, -(-t // u)).sum() <= target]
+    return ok[0] if ok else hi
+
+
 def test_chunks_cover_each_request_once_in_whole_tiles():
     rng = np.random.default_rng(0)
     lengths = np.concatenate([[0, 1, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097, 131072],
                               rng.integers(0, 200_000, 200)])
-    for max_chunks in (1, 2, 7, 22, 132, CHUNK_CAP):
-        n, clen = request_chunks(lengths, max_chunks, 64, 256)
+    for max_chunks, target in ((1, 132), (2, 264), (7, 50), (22, 132), (132, 132),
+                               (CHUNK_CAP, 1000)):
+        n, clen = request_chunks(lengths, max_chunks, 64, 64, target)
         assert (n <= max_chunks).all() and (clen % 64 == 0).all()
         for length, k, c in zip(lengths, n, clen):
             spans = [chunk_bounds(int(length), int(c), j) for j in range(max_chunks)]
@@ -208,33 +221,85 @@ def test_chunks_cover_each_request_once_in_whole_tiles():
             assert length == 0 or (k - 1) * c < length <= k * c
 
 
-def test_short_requests_stay_coarse():
-    n, clen = request_chunks([100, 256, 511, 512], 64, 64, 256)
-    assert n.tolist() == [1, 1, 2, 2]
+@pytest.mark.parametrize("seed", range(6))
+def test_the_binary_search_finds_the_smallest_balanced_unit(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 80))
+    lengths = np.clip(rng.normal(8192, 6000, batch), 0, None).astype(int)
+    lengths[rng.random(batch) < 0.2] = 0                  # empty requests among them
+    for max_chunks, target in ((1, 132), (3, 40), (9, 132), (64, 132), (256, 264)):
+        got = batch_chunk_unit(lengths, max_chunks, 64, 64, target)
+        assert got == _brute_unit(lengths, max_chunks, 64, 64, target)
 
 
-def test_budget_fills_the_slots_once_and_shrinks_with_the_batch():
+def test_the_balance_fills_one_wave_and_long_requests_take_the_chunks():
+    # B = 32, lengths N(8192, 4096), 16 heads on 132 SMs: the case the per-request cap left
+    # at twice the ideal critical path (every request cut into 4, the longest's chunks long)
+    rng = np.random.default_rng(3)
+    lengths = np.clip(np.round(rng.normal(8192, 4096, 32)), 0, None).astype(int)
+    plan = plan_chunks(32, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert plan.max_chunks == 9 and plan.target == 132 and plan.grid == (1, 132, 1)
+    n, clen = plan.for_lengths(lengths)
+    assert n.sum() <= 132                                  # one wave of programs
+    ideal = -(-(-(-lengths // 64)).sum() // 132)           # tiles a program at perfect balance
+    assert clen.max() // 64 <= 1.2 * ideal
+    order = np.argsort(lengths)
+    assert n[order[-1]] > n[order[0]]                      # the longest takes more chunks
+    assert (np.diff(n[order]) >= 0).all()                  # never fewer for a longer request
+    req, chunk = plan.program_chunks(lengths)              # program p: the p-th chunk
+    assert len(req) == 132 and (req[:n.sum()] >= 0).all() and (req[n.sum():] == -1).all()
+    for b in range(32):
+        assert sorted(chunk[req == b]) == list(range(n[b]))
+
+
+def test_a_single_pass_runs_request_p_on_program_p():
+    plan = plan_chunks(200, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert plan.single_pass and plan.grid == (1, 200, 1)
+    lengths = [0, 5, 70000] * 66 + [1, 0]
+    req, chunk = plan.program_chunks(lengths)
+    assert (req == np.where(np.asarray(lengths) > 0, np.arange(200), -1)).all()
+    assert (chunk == 0).all() and (plan.for_lengths(lengths)[0] <= 1).all()
+
+
+def test_a_request_past_the_skew_gets_longer_chunks_not_more():
+    lengths = [100_000] + [1000] * 31
+    plan = plan_chunks(32, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    n, clen = plan.for_lengths(lengths)
+    assert n[0] == plan.max_chunks and clen[0] * n[0] >= 100_000
+
+
+def test_short_batches_cut_into_single_tiles_and_batch_one_fills_the_gpu():
     one = plan_chunks(1, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert one.max_chunks == 132 and one.grid == (1, 132, 1)
+    assert one.max_chunks == 132 and one.grid == (1, 132, 1) and not one.single_pass
     n, clen = one.for_lengths([131072])
-    assert n[0] * clen[0] >= 131072 and n[0] <= 132
-    for batch, head_blocks in ((2, 1), (8, 6), (32, 1), (128, 8), (1, 300)):
+    assert n[0] == 128 and clen[0] == 1024                 # 16 tiles, one wave
+    n, clen = one.for_lengths([1024])
+    assert n[0] == 16 and clen[0] == 64                    # a tile a program
+    n, clen = one.for_lengths([64])
+    assert n[0] == 1
+
+
+def test_the_grid_is_skew_times_the_mean_need_and_single_pass_at_one():
+    for batch, head_blocks in ((2, 1), (8, 6), (32, 1), (128, 8), (1, 300), (4000, 1)):
         plan = plan_chunks(batch, head_blocks, num_sms=132, blocks_per_sm=2, tile=64)
-        assert plan.programs <= max(264, batch * head_blocks)
-        assert plan.max_chunks == max(1, 264 // (batch * head_blocks))
-    assert plan_chunks(1, 1, num_sms=132, blocks_per_sm=2, tile=64).max_chunks == \
-        min(CHUNK_CAP, 264)
+        target = max(1, 264 // head_blocks)
+        assert plan.target == target
+        want = 1 if batch >= target else min(CHUNK_CAP, target, -(-2 * target // batch))
+        assert plan.max_chunks == want
+        assert plan.single_pass == (plan.max_chunks == 1)
+    assert plan_chunks(4000, 1, num_sms=132, blocks_per_sm=1, tile=64).single_pass
+    assert plan_chunks(1, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=1).single_pass
 
 
 def test_combine_tile_is_the_cap_rounded_up_to_a_power_of_two():
     plan = plan_chunks(6, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert plan.max_chunks == 22 and plan.combine_tile == 32
-    assert plan_chunks(1, 1, num_sms=132, blocks_per_sm=1, tile=64).combine_tile == 64
+    assert plan.max_chunks == 44 and plan.combine_tile == 64
+    assert plan_chunks(12, 1, num_sms=132, blocks_per_sm=1, tile=64).combine_tile == 32
     assert plan_chunks(64, 4, num_sms=132, blocks_per_sm=1, tile=64).combine_tile == 1
 
 
 @pytest.mark.parametrize("bad", [{"batch": 0}, {"head_blocks": 1.5}, {"chunks": 0},
-                                 {"chunks": CHUNK_CAP + 1}, {"tile": True}])
+                                 {"chunks": CHUNK_CAP + 1}, {"tile": True}, {"skew": 0}])
 def test_plan_chunks_rejects_bad_values(bad):
     kwargs = {"batch": 2, "head_blocks": 1, "num_sms": 132, "blocks_per_sm": 1, "tile": 64}
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -253,24 +318,44 @@ def mixed_batch(module_seeds):
     return dims, inp, decode_paged(**inp.decode_args())
 
 
-@pytest.mark.parametrize("chunks", [None, 1, 3, 200])
-def test_paged_schedule_matches_the_reference(mixed_batch, chunks):
+@pytest.mark.parametrize("num_sms,chunks", [(132, None), (132, 1), (132, 3), (132, 200),
+                                            (5, None), (2, 4), (40, None)])
+def test_paged_schedule_matches_the_reference(mixed_batch, num_sms, chunks):
     # The default tolerances (compare.py) bound f32 accumulation over up to 131072 terms;
     # here a chunk holds at most 20000 positions, well inside them. A bug in the chunk
     # bounds, the causal mask or the merge moves relL2 by 1e-3 or more (the negative control
-    # below measures the merge's).
+    # below measures the merge's). Few SMs make a small wave target: the balance then gives
+    # the long requests the chunks and caps them (132 SMs: 20000 is 5x the mean and hits
+    # the 38 slots; 5 SMs: batch 7 >= the target, one slot a request, a single pass; 2 SMs
+    # with 4 slots: more requests than the wave, every request one chunk).
     dims, inp, want = mixed_batch
-    plan = plan_chunks(7, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=chunks)
+    plan = plan_chunks(7, 1, num_sms=num_sms, blocks_per_sm=1, tile=64, chunks=chunks)
+    n, _ = plan.for_lengths(to_host(inp.cache_seqlens))
+    assert n[0] == 0 and (n <= plan.max_chunks).all()
     got = run_paged_schedule(**inp.decode_args(), plan=plan)
     result = compare_paged(got, want)
     assert result.ok, result.summary()
     assert result.empty_rows == 2 * 16 + 16  # request 0, and query 0 of request 1
 
 
+def test_the_balance_puts_the_chunks_on_the_long_request(mixed_batch):
+    dims, inp, want = mixed_batch
+    lengths = to_host(inp.cache_seqlens)                # 0, 1, 20, 140, 4095, 4097, 20000
+    plan = plan_chunks(7, 1, num_sms=40, blocks_per_sm=1, tile=64)
+    n, clen = plan.for_lengths(lengths)
+    assert n.sum() <= plan.target == 40 and n[-1] == plan.max_chunks == 12
+    assert n[1] == n[2] == 1 and n[4] < n[-1]           # short ones one chunk, never split
+    # chunk slots past a request's count do nothing: the model's result is the same with
+    # every chunk slot the grid has (max_chunks) and with the chunks the requests need
+    got = run_paged_schedule(**inp.decode_args(), plan=plan)
+    assert compare_paged(got, want).ok
+
+
 def test_paged_schedule_without_rescale_fails(mixed_batch):
     dims, inp, want = mixed_batch
     plan = plan_chunks(7, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert plan.for_lengths([20000])[0][0] > 1  # the merge has chunks to rescale
+    lengths = to_host(inp.cache_seqlens)
+    assert plan.for_lengths(lengths)[0][-1] > 1  # the merge has chunks to rescale
     got = run_paged_schedule(**inp.decode_args(), plan=plan, rescale=False)
     result = compare_paged(got, want)
     assert not result.ok

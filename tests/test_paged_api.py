@@ -132,9 +132,10 @@ def _shape(**kw):
 def test_the_plan_budgets_batch_by_row_blocks_by_chunks_on_the_slots():
     shape = _shape(batch=8, s_q=2, heads=16)         # 32 query rows a request
     plan = plan_for(shape, FakeInstance(16, 64), num_sms=132, blocks_per_sm=2)
-    assert plan.head_blocks == 2 and plan.tile == 64 and plan.min_chunk == 4 * 64
-    assert plan.max_chunks == (132 * 2) // (8 * 2)   # 16
-    assert plan.grid == (2, 16, 8)
+    assert plan.head_blocks == 2 and plan.tile == 64 and plan.min_chunk == 64
+    assert plan.target == (132 * 2) // 2              # 132 chunk programs a row block
+    assert plan.max_chunks == -(-2 * 132 // 8)        # 33: twice the mean request's need
+    assert plan.grid == (2, 132, 1)                   # a row block's 132 chunk programs
     # a partial last row block still gets a block: 33 rows at 16 a block are 3 blocks
     plan = plan_for(_shape(batch=1, s_q=3, heads=11), FakeInstance(16, 64), num_sms=132,
                     blocks_per_sm=2)
@@ -171,7 +172,7 @@ def _bare_step(causal=True, wv_b=True):
     step.plan = plan_for(step.shape, FakeInstance(16, 64), num_sms=132, blocks_per_sm=2,
                          splits=5)
     for name in ("q", "kv_cache", "block_table", "cache_seqlens", "part_acc", "part_m",
-                 "part_l", "latent", "lse"):
+                 "part_l", "latent", "lse", "chunk_counts"):
         setattr(step, name, name)
     step.col_blocks = registry.combine_col_blocks(3 * 10, 132)
     step.wv_b = "wv_b" if wv_b else None
@@ -185,12 +186,15 @@ def test_attn_args_follow_the_kernels_order_and_types():
     assert args[:4] == ("q", "kv_cache", "block_table", "cache_seqlens")
     ints = [int(a) for a in args[4:12]]
     # n_rows, n_head, s_q, causal, max_pages, page_shift, max_chunks, min_chunk
-    assert ints == [10, 5, 2, 1, 7, 4, 5, 256]
+    assert ints == [10, 5, 2, 1, 7, 4, 5, 64]
     assert all(isinstance(a, np.int32) for a in args[4:12])
     assert isinstance(args[12], np.float32)
     assert float(args[12]) == pytest.approx(step.scale * np.log2(np.e), rel=1e-7)
-    assert args[13:] == ("part_acc", "part_m", "part_l")
-    assert step.attn_grid == (1, 5, 3)
+    assert args[13:16] == ("part_acc", "part_m", "part_l")
+    assert isinstance(args[16], np.int32) and int(args[16]) == step.plan.target == 264
+    assert isinstance(args[17], np.int32) and int(args[17]) == 3   # batch
+    assert args[18:] == ("chunk_counts", "latent", "lse")
+    assert step.attn_grid == (1, 264, 1)
     # 30 rows: 16 column blocks (480 blocks) where 8 would give 240 < 2 x 132 SMs
     assert step.col_blocks == 16 and step.combine_grid == (10, 16, 3)
     assert step.project_grid == (5, 4, 1)  # 5 heads, 128 / 32 wv_b rows, 6 <= 16 latent rows
@@ -201,10 +205,11 @@ def test_the_merge_takes_null_pointers_for_wv_b_and_the_projection_applies_it():
     for wv_b in (True, False):
         args = _bare_step(wv_b=wv_b).combine_args()
         assert args[:4] == ("part_acc", "part_m", "part_l", "cache_seqlens")
-        assert [int(a) for a in args[4:9]] == [10, 5, 5, 256, 64]  # n_rows..tile
+        assert [int(a) for a in args[4:9]] == [10, 5, 5, 64, 64]  # n_rows..tile
         assert int(args[10]) == 128 and args[12:14] == ("latent", "lse")
         for i in (9, 11, 14, 15):  # wv_b, out, out_part, tickets: the merge-only launch
             assert args[i] == np.uint64(0) and args[i].dtype == np.uint64  # pointer-sized
+        assert args[16] == "chunk_counts"   # as the attention launch wrote them
     proj = _bare_step().project_args()
     assert proj[:2] == ("latent", "wv_b") and proj[-1] == "out"
     assert [int(a) for a in proj[2:5]] == [5, 6, 128]  # n_head, B * s_q rows, v_head
@@ -520,12 +525,13 @@ def _host_step_inputs(seed):
 def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     inp, args = _host_step_inputs(seeds.one())
     step = PagedDecodeStep(**args, variant="mma16", splits=4)
-    assert step.plan.grid == (2, 4, 3) and step.plan.min_chunk == 256
+    assert step.plan.grid[::2] == (2, 1) and step.plan.min_chunk == 64
     res = step.run()
     (a_name, a_grid, a_block, a_args, a_smem), (c_name, c_grid, c_block, c_args, _), \
         (p_name, p_grid, p_block, p_args, _) = fake_device.log
-    assert (a_name, a_grid, a_block, a_smem) == ("attn<paged=true>", (2, 4, 3), (256, 1, 1), 1000)
-    assert len(a_args) == 16
+    assert (a_name, a_grid, a_block, a_smem) == ("attn<paged=true>", step.plan.grid, (256, 1, 1),
+                                                 1000)
+    assert len(a_args) == 21
     assert all(x is y or x == y for x, y in zip(a_args, step.attn_args()))
     # 96 rows: 4 column blocks (384 blocks >= 2 x 132 SMs)
     assert c_name == "combineTrue<paged=true>" and c_grid == (32, 4, 3)
@@ -533,7 +539,7 @@ def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     assert p_name == "project<paged=true>" and p_grid == (16, 4, 1)  # 6 latent rows a head
     assert p_args[0] is step.latent and p_args[1] is step.wv_b and p_args[-1] is step.out
     assert res.latent.shape == (3, 2, 16, 512) and res.out.shape == (3, 2, 16, 128)
-    assert [launch.grid for launch in step.launches()] == [(2, 4, 3), c_grid, p_grid]
+    assert [launch.grid for launch in step.launches()] == [step.plan.grid, c_grid, p_grid]
     assert not any(launch.pdl for launch in step.launches())  # the fake device has no PDL
     assert step.guard.polls == 3 and step.guard.captured == 0
 

@@ -304,7 +304,8 @@ def test_the_paged_script_pins_the_plan_and_the_launch(tmp_path, paged_registry)
     ns, _ = paged_ns(tmp_path, case)
     assert ns["PLAN"] == {"max_chunks": 3, "min_chunk": case.plan["min_chunk"],
                           "tile": registry.attention_instance(
-                              registry.variant("batched16")).tile_rows, "rows_per_block": 16}
+                              registry.variant("batched16")).tile_rows, "rows_per_block": 16,
+                          "target": case.plan["target"]}
     assert ns["ATTN"]["args"] == repro.PAGED_ATTN_ARGS
     assert ns["COMBINE"]["args"] == repro.PAGED_COMBINE_ARGS
     assert (ns["S_Q"], ns["CAUSAL"], ns["PAGE_SIZE"]) == (2, True, 16)
@@ -315,18 +316,18 @@ def test_the_paged_args_are_the_steps():
     and by the tail names the step passes as attributes)."""
     src = inspect.getsource(paged_api.PagedDecodeStep.attn_args)
     tail = re.findall(r"self\.(\w+)", src.split("scale * _LOG2E")[1])
-    assert list(repro.PAGED_ATTN_ARGS[-3:]) == tail
-    assert src.count("np.int32(") + 1 + 4 + 3 == len(repro.PAGED_ATTN_ARGS)
+    assert [a for a in repro.PAGED_ATTN_ARGS[-8:] if a not in ("target", "batch")] == tail
+    assert src.count("np.int32(") + 1 + 4 + 6 == len(repro.PAGED_ATTN_ARGS)
     src = inspect.getsource(paged_api.PagedDecodeStep.combine_args)
     body = src[src.index("return ("):]
     assert body.count(",") + 1 == len(repro.PAGED_COMBINE_ARGS)
 
 
 def test_the_paged_negative_control_needs_a_split_request(paged_registry):
-    # min_chunk is 4 tiles of 64 = 256 positions: no request of these runs two chunks
+    # a chunk is at least one tile of 64 positions: no request of these runs two chunks
     with pytest.raises(ValueError, match="at least 2 chunks"):
         repro.make_paged_case("mma16", negative_control=True,
-                              **{**PAGED, "lengths": "0,1,20,140,63,256"})
+                              **{**PAGED, "lengths": "0,1,20,63,64"})
     case = repro.make_paged_case("mma16", negative_control=True, splits=4,
                                  **{**PAGED, "lengths": "5000"})
     assert case.negative_control and case.plan["max_chunks"] == 4

@@ -271,12 +271,71 @@ def test_run_schedule_rejects_bad_arguments_by_name(kw, match, seeds):
 
 def test_the_split_gate_is_split_s_alone():
     # one head per block (split) keeps the split gate, or the one given; blocks serving
-    # several heads have none, and the sizing rule's 4 tiles per slice bound them instead
+    # several heads have none, and the latency model sizes their slices instead
     from mlasandbox.splits import SPLIT_MIN_CTX, default_gate, plan_splits
 
     assert default_gate(1) == SPLIT_MIN_CTX and default_gate(1, 8192) == 8192
     assert default_gate(16) == default_gate(16, 8192) == 1
     assert plan_splits(4095, 96, 1, num_sms=132, blocks_per_sm=5).splits == 1
     batched = plan_splits(4095, 96, 16, num_sms=132, blocks_per_sm=2)
-    assert batched.splits > 1 and batched.slice_len >= 4 * batched.tile
+    assert batched.splits > 1 and batched.blocks <= batched.slots   # one wave
     assert plan_splits(4095, 96, 16, num_sms=132, blocks_per_sm=2, min_ctx=4096).splits == 1
+
+
+# ---- the short-context rule and its latency model ------------------------------------------
+
+@pytest.mark.parametrize("n_ctx,heads,hpb,splits", [
+    (64, 16, 16, 1),         # one tile: a single pass
+    (1024, 16, 16, 16),      # 16 tiles: one a block, 16 of 132 SMs busy for one tile-step
+    (4096, 16, 16, 64),      # 64 tiles: still one a block
+    (4096, 128, 32, 32),     # 4 head blocks: 33 slices would be 132 blocks of 2 tiles too,
+                             # the smallest within 2% wins
+    (131072, 16, 16, 128),   # one wave of 16-tile slices
+])
+def test_short_caches_cover_the_sms_with_one_or_two_tiles_a_block(n_ctx, heads, hpb, splits):
+    plan = plan_splits(n_ctx, heads, hpb, num_sms=132, blocks_per_sm=1, tile=64)
+    assert plan.splits == splits
+    assert plan.single_pass == (splits == 1)
+    assert plan.blocks <= plan.slots or plan.tiles_per_block() <= 2
+
+
+def test_the_rule_takes_the_least_cost_and_the_old_floor_was_slower():
+    # at 1024 positions the 4-tile floor gave 4 slices; the model prices them above 16
+    from mlasandbox.splits import FIXED_TILES, MERGE_TILES
+
+    best = plan_splits(1024, 16, 16, num_sms=132, blocks_per_sm=1, tile=64)
+    floor = plan_splits(1024, 16, 16, num_sms=132, blocks_per_sm=1, tile=64, min_tiles=4)
+    assert floor.splits == 4 and best.cost() < floor.cost()
+    assert best.cost() == pytest.approx(FIXED_TILES + 1 + 16 * MERGE_TILES)
+    for s in range(1, 257):
+        other = plan_splits(1024, 16, 16, num_sms=132, blocks_per_sm=1, tile=64, splits=s)
+        assert other.cost() >= best.cost() or s > 16
+
+
+def test_predict_us_follows_waves_and_the_bandwidth_bound():
+    from mlasandbox.splits import H200_BANDWIDTH, latency_model, predict_us
+
+    m = latency_model("mma", 16)
+    one = predict_us(plan_splits(64, 16, 16, num_sms=132, blocks_per_sm=1, tile=64), "mma")
+    assert one["attn"] == pytest.approx(m.launch_us + m.fixed_us + m.tile_us)
+    assert one["combine"] == pytest.approx(m.merge_us + 16 * m.merge_head_us)
+    long = predict_us(plan_splits(131072, 16, 16, num_sms=132, blocks_per_sm=1, tile=64),
+                      "mma")
+    # 128 blocks stream 16 tiles of 64 x 576 x 2 bytes each: at the bandwidth or the
+    # latency bound, whichever is slower; 4x the bytes a slice is bandwidth-bound
+    bw_tile = 128 * 64 * 576 * 2 / H200_BANDWIDTH * 1e6
+    assert long["attn"] == pytest.approx(m.launch_us + m.fixed_us + 16 * max(m.tile_us, bw_tile))
+    wide = predict_us(plan_splits(131072, 16, 16, num_sms=132, blocks_per_sm=1, tile=64),
+                      "mma", cache_bytes=8)
+    assert wide["attn"] == pytest.approx(m.launch_us + m.fixed_us + 16 * 4 * bw_tile)
+    # 16 heads of one slice read the same rows: split's 16 head blocks stream one slice's
+    # bytes, and 6 blocks an SM split its issue slots
+    s = latency_model("split", 1)
+    assert latency_model("per_head", 1) == s and latency_model("mma", 20) == m
+    plan = plan_splits(131072, 16, 1, num_sms=132, blocks_per_sm=6, tile=32)
+    got = predict_us(plan, "split")["attn"]
+    per_sm = -(-plan.blocks // 132)
+    assert got == pytest.approx(s.launch_us + s.fixed_us
+                                + plan.tiles_per_block() * per_sm * s.sm_tile_us)
+    with pytest.raises(ValueError, match="no latency model"):
+        latency_model("cublas", 1)

@@ -244,6 +244,60 @@ def serving_section(files: list, out_dir: Path) -> list[str]:
                          "GB/s (step)", "file"], rows, right_from=2) + [""]
 
 
+def _predicted(plan: dict, doc: dict):
+    """(attn, combine) us the split rule's latency model (splits.predict_us) gives the plan
+    of one bench row, or None where the row has no batch-1 split plan."""
+    from mlasandbox import registry
+    from mlasandbox.splits import plan_splits, predict_us
+
+    if not plan.get("splits") or not plan.get("slots"):
+        return None
+    var = registry.variant(plan["variant"])
+    if var.family not in ("split", "per_head", "batched", "mma"):
+        return None
+    sms = doc.get("meta", {}).get("num_sms") or 132
+    cfg = doc["config"]
+    p = plan_splits(plan["n_ctx"], cfg["dims"]["n_head"], plan["heads_per_block"], num_sms=sms,
+                    blocks_per_sm=max(1, plan["slots"] // sms), splits=plan["splits"],
+                    tile=registry.attention_instance(var).tile_rows)
+    pred = predict_us(p, "split" if var.family == "per_head" else var.family,
+                      cache_bytes=2, key_dim=cfg["dims"]["kv_lora"] + cfg["dims"]["rope"])
+    return pred["attn"], pred["combine"]
+
+
+def plan_section(files: list, out_dir: Path) -> list[str]:
+    """Predicted (the split rule's model) against measured, per variant and context."""
+    out = []
+    for path, doc in sorted(files, key=lambda f: _heads(f[1])):
+        rows = []
+        for plan in doc.get("plans", []):
+            pred = _predicted(plan, doc)
+            if pred is None:
+                continue
+            v, n = plan["variant"], plan["n_ctx"]
+            attn, comb = _median(doc, v, "attn", n), _median(doc, v, "combine", n)
+            rows.append([v, f"{n:,}", str(plan["splits"]), fmt_us(pred[0]), fmt_us(attn),
+                         fmt_us(pred[0] + pred[1]),
+                         fmt_us(None if attn is None or comb is None else attn + comb),
+                         fmt_us(_median(doc, v, "step", n))])
+        if not rows:
+            continue
+        out += [f"### Split plan, predicted vs measured, {_heads(doc)} heads (us, "
+                f"{_link(path, out_dir)})", "",
+                "Predicted: sandbox/splits.py predict_us at the run's plan (S), the phases the "
+                "split rule sizes; the whole step (q_absorb + attn + combine, one graph) as "
+                "measured.", ""]
+        out += _table(["variant", "n_ctx", "S", "attn pred", "attn meas", "attn+comb pred",
+                       "attn+comb meas", "step meas"], rows, right_from=1)
+        out += [""]
+    return out
+
+
+def plan_files(run: dict) -> list:
+    """The batch-1 bench files of a run (phases and depth), for the plan table."""
+    return run["files"].get("phases", []) + run["files"].get("depth", [])
+
+
 SECTIONS = (("phases", phases_section), ("depth", depth_section), ("sweep", sweep_section),
             ("ablate", ablate_section), ("vs", vs_section), ("serving", serving_section))
 
@@ -265,6 +319,8 @@ def run_section(run: dict, out_dir: Path) -> list[str]:
     for kind, fn in SECTIONS:
         if kind in run["files"]:
             out += fn(run["files"][kind], out_dir)
+    if plan_files(run):
+        out += plan_section(plan_files(run), out_dir)
     return out
 
 
