@@ -34,6 +34,10 @@ NULL_PTR = np.uint64(0)  # a null pointer argument: the merge-only combine takes
 # variant="batched" without heads_per_block: the fastest of the heads-per-block sweep on the
 # H200 at 131072 context, the largest HPB that keeps two blocks per SM.
 DEFAULT_BATCHED_HPB = 16
+# The families whose attention kernels write latent and lse themselves under a single-pass
+# plan (SplitPlan / ChunkPlan .single_pass); tiled16, wgmma64 and user kernels write partials
+# only and are always merged.
+SINGLE_PASS_FAMILIES = ("per_head", "split", "batched", "mma")
 
 
 # Scratch for the split partials, one pool per device: a single static pointer allocated by
@@ -182,8 +186,10 @@ class DecodeStep:
     @property
     def single_pass(self) -> bool:
         """Whether the attention kernel writes the latent and lse itself (one slice a head
-        block): then the combine phase is the projection alone."""
-        return bool(getattr(self.plan, "single_pass", False))
+        block): then the combine phase is the projection alone. tiled16 writes partials only,
+        so its one slice is still merged."""
+        return (bool(getattr(self.plan, "single_pass", False))
+                and self.variant.family in SINGLE_PASS_FAMILIES)
 
     @property
     def combine_grid(self) -> tuple:

@@ -35,7 +35,8 @@ import math
 import numpy as np
 
 from . import interop, registry
-from .api import DEFAULT_BATCHED_HPB, check_device_array, scratch_for_device
+from .api import (DEFAULT_BATCHED_HPB, SINGLE_PASS_FAMILIES, check_device_array,
+                  scratch_for_device)
 from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
 from .cublas_engine import cublas_paged_attention, cublas_projection
 from .guard import Launch, PhaseGuard
@@ -53,9 +54,6 @@ __all__ = ["decode_paged", "PagedDecodeStep", "PagedResult", "PAGE_SIZES",
 PAGE_SIZES = (1, 16, 64)
 # The kernel families that take the paged contract; per_head and tiled16 stay batch 1.
 PAGED_FAMILIES = ("split", "batched", "mma")
-# The families whose attention kernels write latent and lse themselves under a single-pass
-# plan (ChunkPlan.single_pass); wgmma64 and user kernels always leave the merge to the combine.
-SINGLE_PASS_FAMILIES = ("split", "batched", "mma")
 MAX_GRID_Z = 65535   # CUDA's grid z limit: requests of one launch
 _LOG2E = math.log2(math.e)
 _NULL = np.uint64(0)  # a null pointer argument: the merge takes no wv_b (the projection does)

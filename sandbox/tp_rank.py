@@ -314,8 +314,8 @@ extern "C" __global__ void planted_oob(float* p) { p[threadIdx.x + (1ll << 38)] 
             return {}
         s = self.step
         named = {"latent": s.latent, "lse": s.lse, "out": s.out, "part_acc": s.part_acc,
-                 "part_m": s.part_m, "part_l": s.part_l, "out_part": s.out_part,
-                 "tickets": s.tickets, "send": self.send, "recv": self.recv}
+                 "part_m": s.part_m, "part_l": s.part_l, "chunk_counts": s.chunk_counts,
+                 "send": self.send, "recv": self.recv}
         if self.y is not None:
             named |= {"w_o": self.w_o, "y": self.y}
         return named

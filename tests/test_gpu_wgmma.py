@@ -113,14 +113,15 @@ def _tolerance(inp, ref, cache: str) -> Tolerance:
 def test_wgmma_matches_the_float64_reference(case):
     seed = fresh_seed()
     inp = _inputs(case, seed)
-    res, part_l = run_paged(inp, case.variant, case.max_chunks)
+    res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target)
     ref = decode_paged(**inp.decode_args())
     tol = _tolerance(inp, ref, case.cache)
     cmp = compare_paged(res, ref, tol)
     assert cmp.ok, f"{case} seed={seed} tolerance={tol}\n{cmp.summary()}"
     # the programs past a request's last chunk wrote nothing (l still NaN), the others all rows
     tile = registry.WGMMA_TILE
-    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile)
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
+                          case.target)
     written = ~np.isnan(part_l.get())
     want = np.arange(case.max_chunks)[None, :] < n[:, None]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"

@@ -66,18 +66,22 @@ def test_check_tp_names_the_visible_gpus():
 # ---- the budget, re-derived per band ----------------------------------------------------
 
 def test_the_band_budget_keeps_the_grid_full_where_the_unsharded_one_starves_it():
-    # B=4 requests x 131072, 128 heads on 132 SMs x 1 block. All heads on one GPU: mma32,
-    # 128 rows / 32 = 4 head blocks, floor(132 / (4 x 4)) = 8 chunks a request. A band of 16
-    # heads (TP 8): mma16, 1 head block, floor(132 / (4 x 1)) = 33 chunks; with the 8
-    # inherited chunks instead the grid is 1 x 8 x 4 = 32 programs: 24% of the slots.
-    assert unsharded_chunks(4, 1, 128, AUTO, num_sms=132) == 8
+    # B=4 requests x 131072, 128 heads on 132 SMs x 1 block, under the balanced chunk rule.
+    # All heads on one GPU: mma32, 128 rows / 32 = 4 head blocks, a wave target of 132 / 4 =
+    # 33 programs and ceil(2 x 33 / 4) = 17 chunks a request. A band of 16 heads (TP 8):
+    # mma16, 1 head block, a target of 132 and up to 66 chunks, so 4 equal requests run 33
+    # chunks each: 132 programs, one full wave. With the 17 inherited chunks a request the
+    # band runs 4 x 17 = 68 of its 132 programs: 52% of the slots.
+    assert unsharded_chunks(4, 1, 128, AUTO, num_sms=132) == 17
     band = rank_plans(4, 1, 128, 8, AUTO, num_sms=132, budget="band")
     flat = rank_plans(4, 1, 128, 8, AUTO, num_sms=132, budget="unsharded")
+    lengths = [131072] * 4
     for b, u in zip(band, flat):
-        assert b.plan.grid == (1, 33, 4) and b.plan.programs == 132 and b.fill == 1.0
-        assert u.plan.grid == (1, 8, 4) and u.plan.programs == 32
-        assert u.fill == pytest.approx(32 / 132)
-        assert "as if not sharded" in u.plan.reason and "budget:" in b.plan.reason
+        assert b.plan.grid == u.plan.grid == (1, 132, 1) and b.fill == 1.0
+        assert b.plan.max_chunks == 66 and u.plan.max_chunks == 17
+        assert b.plan.for_lengths(lengths)[0].sum() == 132
+        assert u.plan.for_lengths(lengths)[0].sum() == 68
+        assert "as if not sharded" in u.plan.reason and "balanced:" in b.plan.reason
 
 
 @pytest.mark.parametrize("n_head", [96, 128])
@@ -111,9 +115,9 @@ def test_splits_override_both_budgets():
 
 
 def test_fixed_facts_is_one_instance_for_every_band():
-    # s_q 2 x 4 heads = 8 rows per band, one 16-row block; 264 slots, the chunk cap 256
+    # s_q 2 x 4 heads = 8 rows per band, one 16-row block: a wave target of the 264 slots
     rp = rank_plans(1, 2, 12, 3, fixed_facts(16, 64, 2), num_sms=132)
-    assert [r.plan.grid for r in rp] == [(1, 256, 1)] * 3
+    assert [r.plan.grid for r in rp] == [(1, 264, 1)] * 3
     rp = rank_plans(1, 2, 12, 3, fixed_facts(16, 64, 1), num_sms=132)
     assert [r.plan.grid for r in rp] == [(1, 132, 1)] * 3
 
