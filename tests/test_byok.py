@@ -101,10 +101,12 @@ def test_contract_is_read_from_attn_args():
     src = inspect.getsource(PagedDecodeStep.attn_args)
     assert len(names) == src.count("np.int32(") + src.count("np.float32(") + sum(
         f"self.{n}" in src for n in ("q", "kv_cache", "block_table", "cache_seqlens",
-                                     "part_acc", "part_m", "part_l"))
+                                     "part_acc", "part_m", "part_l", "chunk_counts",
+                                     "latent", "lse"))
     assert names[:4] == ["q", "kv_cache", "block_table", "cache_seqlens"]
-    assert names[-3:] == ["part_acc", "part_m", "part_l"] and "scale_log2" in names
-    assert [a.name for a in uk.contract_args("step")][-2:] == ["latent", "lse"]
+    assert names[13:16] == ["part_acc", "part_m", "part_l"] and "scale_log2" in names
+    assert names[-5:] == ["target", "batch", "chunk_counts", "latent", "lse"]
+    assert uk.contract_args("step") == uk.contract_args()
 
 
 def test_docs_list_the_contract():
