@@ -198,6 +198,10 @@ def test_repro_embeds_the_source(tmp_path):
     text = out.read_text()
     assert "Lane l owns latent columns" in text and "-DMLA_PARAM_ROWS=4" in text
     assert "ATTN = {'source': 'byok_warp_rows.cu', 'expression': 'warp_rows'" in text
+    # the script sizes the grid (row blocks, max(target, B), 1) from the plan's target
+    plan = re.search(r"^PLAN = (\{.*?\})", text, re.M)
+    assert plan and set(eval(plan.group(1))) >= {"max_chunks", "min_chunk", "tile",
+                                                 "rows_per_block", "target"}, text[:2000]
 
 
 def test_includes_resolve_and_keep_line_numbers(tmp_path):
