@@ -7,9 +7,10 @@ made it. The inputs are make_paged_inputs' (a permuted block table; NaN in every
 and past each length in its last page; INVALID_PAGE in every table entry past a request's
 pages) from a fresh seed per run, printed so a failure can be rerun. Before the launch the
 partials and the outputs are poisoned with NaN: a partial the combine reads but the kernel
-never wrote, or an output row never written, fails. out, latent and lse are compared with the
-float64 reference (reference.decode_paged) by compare_paged: relL2 1e-4 for out and latent,
-1e-4 absolute for lse (compare.py derives them: a correct f32 kernel errs by 1e-6 .. 5e-6 at
+never wrote, or an output row never written, fails; the chunk counts with -1, so counts the
+kernel never published fail every row that sees a position. out, latent and lse are compared
+with the float64 reference (reference.decode_paged) by compare_paged: relL2 1e-4 for out and
+latent, 1e-4 absolute for lse (compare.py derives them: a correct f32 kernel errs by 1e-6 .. 5e-6 at
 these depths, one skipped 32-row tile by 1e-3 or more), rows that see nothing exactly latent 0
 and lse -inf, NaN never passing.
 
@@ -157,6 +158,10 @@ def run_case(variant, case: Case, seed: int) -> CaseResult:
                 "part_acc", "part_m", "part_l", "out_part"))):
             if buf is not None:
                 buf.fill(cp.nan)
+        # the chunk counts the attention kernel must publish: -1 merges no chunk, so a count
+        # left unwritten (or one from an earlier step's scratch) fails every live row
+        if getattr(step, "chunk_counts", None) is not None:
+            step.chunk_counts.fill(-1)
         res = step.run()
         cp.cuda.Device().synchronize()
     except Exception as exc:   # a fault, named by the guard (phase, kernel, launch)

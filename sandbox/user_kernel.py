@@ -10,8 +10,10 @@ what the sandbox needs to plan, launch and check the kernel; docs/byok.md is the
   `ns::attn<HPB, MLA_CACHE_T, MLA_Q_T>`); parameter names and MLA_CACHE_T / MLA_Q_T in it
   are replaced by their values.
 * `kind`: `attn` (default): the attention phase of the paged step, writing the partials
-  (m, l, acc) the built-in combine merges; `step`: the whole step, writing latent and lse
-  itself (two more arguments; one chunk per request; wv_b in an f32 matmul).
+  (m, l, acc) the built-in combine merges, one program per chunk of the batch
+  (mla_user::program_chunk places it and publishes the chunk counts); `step`: the whole step,
+  a single pass (program p is request p) writing latent and lse itself (wv_b in an f32
+  matmul).
 * `threads`, `tile_rows` (the chunk rule's unit: chunks are whole tiles), `heads_per_block`
   (query rows per block) and `smem` (dynamic shared memory, bytes): integer expressions of
   the parameters and KV_LORA, ROPE, KEY_DIM (and, for smem, THREADS, TILE_ROWS,
@@ -60,7 +62,7 @@ CONTRACT_FILE = "<mlasandbox contract>"
 _IDENT = re.compile(r"^[A-Za-z_]\w*$")
 _ENTRY = re.compile(r"^(::)?[A-Za-z_]\w*(::[A-Za-z_]\w*)*(<[^;{}()]*>)?$")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_]\w*)\s*=(?!=)")
-_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(//.*|/\*.*\*/\s*)?$')
 
 
 class HeaderError(ValueError):
@@ -269,7 +271,8 @@ def _leaf(node) -> str | None:
 def contract_args(kind: str = "attn") -> tuple:
     """The entry's arguments, (name, C type) in order: the tuple PagedDecodeStep.attn_args()
     returns, read from paged_api.py's source (parsed, not imported: paged_api loads user
-    kernels), plus latent and lse for a whole-step kernel."""
+    kernels). The same list for both kinds: it ends with latent and lse, which a whole-step
+    kernel writes."""
     tree = ast.parse(Path(__file__).with_name("paged_api.py").read_text(encoding="utf-8"))
     fn = next((n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)
                and n.name == "attn_args"), None)

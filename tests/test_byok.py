@@ -101,10 +101,12 @@ def test_contract_is_read_from_attn_args():
     src = inspect.getsource(PagedDecodeStep.attn_args)
     assert len(names) == src.count("np.int32(") + src.count("np.float32(") + sum(
         f"self.{n}" in src for n in ("q", "kv_cache", "block_table", "cache_seqlens",
-                                     "part_acc", "part_m", "part_l"))
+                                     "part_acc", "part_m", "part_l", "chunk_counts",
+                                     "latent", "lse"))
     assert names[:4] == ["q", "kv_cache", "block_table", "cache_seqlens"]
-    assert names[-3:] == ["part_acc", "part_m", "part_l"] and "scale_log2" in names
-    assert [a.name for a in uk.contract_args("step")][-2:] == ["latent", "lse"]
+    assert names[13:16] == ["part_acc", "part_m", "part_l"] and "scale_log2" in names
+    assert names[-5:] == ["target", "batch", "chunk_counts", "latent", "lse"]
+    assert uk.contract_args("step") == uk.contract_args()
 
 
 def test_docs_list_the_contract():
@@ -196,6 +198,10 @@ def test_repro_embeds_the_source(tmp_path):
     text = out.read_text()
     assert "Lane l owns latent columns" in text and "-DMLA_PARAM_ROWS=4" in text
     assert "ATTN = {'source': 'byok_warp_rows.cu', 'expression': 'warp_rows'" in text
+    # the script sizes the grid (row blocks, max(target, B), 1) from the plan's target
+    plan = re.search(r"^PLAN = (\{.*?\})", text, re.M)
+    assert plan and set(eval(plan.group(1))) >= {"max_chunks", "min_chunk", "tile",
+                                                 "rows_per_block", "target"}, text[:2000]
 
 
 def test_includes_resolve_and_keep_line_numbers(tmp_path):

@@ -6,7 +6,7 @@
 // domain. Lane l owns latent columns 16l..16l+15 and rope columns 2l, 2l+1.
 // The planted wrong kernels of tests/data/byok_bad_*.cu include this file with one BYOK_BUG_*;
 // byok_step.cu with BYOK_WHOLE_STEP, as a whole-step kernel (kind=step).
-#include "mla_walk.cuh"
+#include "mla_user.cuh"   // mla_user::program_chunk; mla_walk.cuh (mla::to_f32)
 
 namespace {
 
@@ -25,14 +25,22 @@ __global__ void __launch_bounds__(MLA_THREADS)
 warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
           const int* cache_seqlens, int n_rows, int n_head, int s_q, int causal, int max_pages,
           int page_shift, int max_chunks, int min_chunk, float scale_log2, float* part_acc,
-          float* part_m, float* part_l
-#ifdef BYOK_WHOLE_STEP
-          , float* latent, float* lse
-#endif
-          ) {
+          float* part_m, float* part_l, int target, int batch, int* chunk_counts,
+          float* latent, float* lse) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int b = blockIdx.z, c = blockIdx.y;
     const int row = blockIdx.x * MLA_HEADS_PER_BLOCK + warp;
+#ifdef BYOK_WHOLE_STEP
+    // a single pass (kind=step): program p is request p, its one chunk the whole request
+    const int b = blockIdx.y, len = cache_seqlens[b];
+    const mla_user::Chunk ch{b, 0, 0, len, len, static_cast<size_t>(b) * n_rows};
+#else
+    // every warp, before any returns: the rule runs on warp shuffles, and row block 0's
+    // program 0 publishes the chunk counts here
+    const mla_user::Chunk ch = mla_user::program_chunk(cache_seqlens, batch, n_rows, max_chunks,
+                                                       min_chunk, target, chunk_counts);
+    if (ch.request < 0) return;                    // no chunk: the combine reads nothing here
+    const int b = ch.request, len = cache_seqlens[b];
+#endif
 #ifdef BYOK_BUG_RACE
     // q staged through shared memory by the whole block, read without a barrier
     __shared__ float q_stage[MLA_HEADS_PER_BLOCK][kKey];
@@ -47,24 +55,17 @@ warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
     if ((blockIdx.x + 1) * MLA_HEADS_PER_BLOCK > n_rows) return;  // serves full groups only
 #endif
     if (row >= n_rows) return;
-    const int len = cache_seqlens[b];
-#ifdef BYOK_WHOLE_STEP
-    const mla::ChunkSpan span{1, len};              // one chunk: the whole request
-#else
-    const mla::ChunkSpan span = mla::request_chunks(len, max_chunks, MLA_TILE_ROWS, min_chunk);
-    if (c >= span.n) return;                       // the combine merges chunks 0..n-1 only
-#endif
     const int visible = causal ? len - (s_q - 1 - row / n_head) : len;
-    const int start = c * span.len;
+    const int start = ch.start;
 #if defined(BYOK_BUG_PAST_PAGES)
     // runs every chunk to its full length, past the request's pages into invalid entries
-    const int end = start + span.len;
+    const int end = start + ch.chunk_len;
 #elif defined(BYOK_BUG_PAST_LENGTH)
     // runs to the end of the request's last page, not to its length
     const int page = 1 << page_shift;
-    const int end = min(start + span.len, (len + page - 1) / page * page);
+    const int end = min(start + ch.chunk_len, (len + page - 1) / page * page);
 #else
-    const int end = min(min(start + span.len, len), visible);
+    const int end = min(ch.end, visible);
 #endif
 
     const size_t q_row = (static_cast<size_t>(b) * n_rows + row) * kKey;
@@ -113,7 +114,7 @@ warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
     }
 #ifdef BYOK_WHOLE_STEP
     // latent = acc / l and lse in the natural log; a row that sees nothing: 0 and -inf
-    const size_t out_row = static_cast<size_t>(b) * n_rows + row;
+    const size_t out_row = ch.part_base + row;
     const float inv = l > 0.f ? 1.f / l : 0.f;
 #pragma unroll
     for (int e = 0; e < 16; ++e) latent[out_row * kLatent + 16 * lane + e] = acc[e] * inv;
@@ -121,7 +122,7 @@ warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
     return;
 #endif
     // a row that sees nothing of its chunk writes the neutral partial (m -inf, l 0, acc 0)
-    const size_t partial = (static_cast<size_t>(b) * max_chunks + c) * n_rows + row;
+    const size_t partial = ch.part_base + row;
 #pragma unroll
     for (int e = 0; e < 16; ++e) part_acc[partial * kLatent + 16 * lane + e] = acc[e];
     if (lane == 0) {
