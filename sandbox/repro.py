@@ -293,14 +293,17 @@ def _fill(template: str, values: dict, attn_src: str, combine_src: str) -> str:
     return text
 
 
-def write_script(case: ReproCase, path: str | None = None) -> str:
-    """Write the script (executable); return its path."""
-    path = path or default_filename(case)
-    text = render_script(case, os.path.basename(path))
+def _write_executable(path: str, text: str) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     os.chmod(path, 0o755)
     return path
+
+
+def write_script(case: ReproCase, path: str | None = None) -> str:
+    """Write the script (executable); return its path."""
+    path = path or default_filename(case)
+    return _write_executable(path, render_script(case, os.path.basename(path)))
 
 
 # ---------------------------------------------------------------------------- batched, paged
@@ -449,9 +452,6 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
 
 
 def write_paged_script(case: PagedReproCase, path: str | None = None) -> str:
+    """Write the paged script (executable); return its path."""
     path = path or default_paged_filename(case)
-    text = render_paged_script(case, os.path.basename(path))
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(path, 0o755)
-    return path
+    return _write_executable(path, render_paged_script(case, os.path.basename(path)))

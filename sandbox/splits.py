@@ -162,7 +162,7 @@ class LatencyModel:
     A lone block is latency-bound (tile_us), blocks sharing an SM split its issue slots
     (sm_tile_us each), a full GPU is bandwidth-bound on the rows it streams (head blocks of
     one slice read the same rows, so the unique slices count). The constants are fit to the
-    H200 sweep of 2026-12-01 (results/h200-2026-12-01-b7ab969; docs/schedule.md): the table
+    H200 sweep of 2026-12-01 (docs/schedule.md, docs/results.md): the table
     shows how well the model's shape fits, not an out-of-sample forecast."""
 
     launch_us: float       # the launch and drain of a kernel in a graph replay, cold L2
