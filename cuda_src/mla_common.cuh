@@ -266,6 +266,55 @@ __device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int
     }
 }
 
+// The same, 8 key columns at a time, for families whose layout keeps 8 consecutive columns
+// of a head in one 16-byte chunk: store8(j, c, v) gets q[head0 + j, 8c .. 8c + 7] times
+// `scale` (0 for heads >= n_head). One vector load per chunk (two float4s of an f32 q, one
+// 16-byte word of a 16-bit one) where stage_q issues one load, one index division and one
+// store per value: the prologue of a one-tile block was half its instructions.
+// kQ8Batch chunks (40 floats) a thread are in flight per memory round trip.
+constexpr int kQ8Batch = 5;
+__device__ __forceinline__ void load8_f32(const float* p, float (&v)[8]) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <typename T>
+__device__ __forceinline__ void load8_f32(const T* p, float (&v)[8]) {
+    unpack_f32<T>(__ldg(reinterpret_cast<const uint4*>(p)), v);
+}
+template <int kHeadsT, int kKey, int kThreadsT, typename QT, typename Store8>
+__device__ __forceinline__ void stage_q8(const QT* __restrict__ q, int head0, int n_head,
+                                         float scale, Store8 store8) {
+    static_assert(kKey % 8 == 0, "whole 8-column chunks");
+    constexpr int kChunks = kKey / 8;
+    constexpr int kTotal = kHeadsT * kChunks;
+    constexpr int kPerThread = (kTotal + kThreadsT - 1) / kThreadsT;
+    constexpr int kBatch = kPerThread < kQ8Batch ? kPerThread : kQ8Batch;
+#pragma unroll 1
+    for (int first = 0; first < kPerThread; first += kBatch) {
+        float v[kBatch][8];
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+            const int idx = threadIdx.x + (first + i) * kThreadsT;
+            const int j = idx / kChunks, c = idx - j * kChunks;
+            if (idx < kTotal && head0 + j < n_head) {
+                load8_f32(q + static_cast<size_t>(head0 + j) * kKey + 8 * c, v[i]);
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) v[i][e] = 0.f;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < kBatch; ++i) {
+            const int idx = threadIdx.x + (first + i) * kThreadsT;
+            const int j = idx / kChunks, c = idx - j * kChunks;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) v[i][e] *= scale;
+            if (idx < kTotal) store8(j, c, v[i]);
+        }
+    }
+}
+
 // ---- the registry's launch values ---------------------------------------------------------
 // sandbox/registry.py launches each kernel with a block size, a tile and an amount of dynamic
 // shared memory it computes itself, and passes those values to every compile it makes, with

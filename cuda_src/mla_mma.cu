@@ -166,12 +166,21 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
 
     // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
     const QT* q_rows = walk.q(q);
-    stage_q<kHeads, kMmaKey, kMmaThreads>(q_rows, head0, n_head, scale_log2, [&](int j, int k, float x) {
-        CacheT hi, lo;
-        split_hi_lo(x, hi, lo);
-        const int off = swizzled_chunk(j, k >> 3, kMmaChunks) * 8 + (k & 7);
-        q_hl[off] = hi;
-        q_hl[kHeads * kMmaKey + off] = lo;
+    stage_q8<kHeads, kMmaKey, kMmaThreads>(q_rows, head0, n_head, scale_log2,
+                                           [&](int j, int c, const float (&x)[8]) {
+        unsigned hi_w[4], lo_w[4];  // pairs of 16-bit halves
+#pragma unroll
+        for (int e = 0; e < 8; e += 2) {
+            CacheT hi0, lo0, hi1, lo1;
+            split_hi_lo(x[e], hi0, lo0);
+            split_hi_lo(x[e + 1], hi1, lo1);
+            hi_w[e / 2] = bits16(hi0) | (bits16(hi1) << 16);
+            lo_w[e / 2] = bits16(lo0) | (bits16(lo1) << 16);
+        }
+        const int off = swizzled_chunk(j, c, kMmaChunks) * 8;
+        *reinterpret_cast<uint4*>(q_hl + off) = make_uint4(hi_w[0], hi_w[1], hi_w[2], hi_w[3]);
+        *reinterpret_cast<uint4*>(q_hl + kHeads * kMmaKey + off) =
+            make_uint4(lo_w[0], lo_w[1], lo_w[2], lo_w[3]);
     });
     for (int j = tid; j < kHeads; j += kMmaThreads) { m_s[j] = -INFINITY; l_s[j] = 0.f; }
 
