@@ -21,14 +21,16 @@
 // The split groups are summed in a fixed order, so the latent is deterministic run to run
 // (for one launch geometry: another column-block count sums in another order).
 //
-// wv_b == nullptr: the merge only. The decode steps launch it so, then the batched projection
+// wv_b == nullptr: the merge only. The paged steps launch it so, then the batched projection
 // (mla_project.cu) over every row: out = wv_b[h] @ latent after the merge, since it is a
 // function of the merged latent and cannot run per slice.
 // wv_b != nullptr: the block also projects its columns into out_part[row][cb][:], and the
 // last of the row's gridDim.y blocks to finish (a ticket per row) adds the parts in a fixed
-// order into out and resets the ticket for the next launch. A one-kernel step for scripts
-// (mlasandbox repro) and the kernel tests; each warp reads its wv_b rows one after another,
-// so it is the slow path, not the steps'.
+// order into out and resets the ticket for the next launch. Its wv_b words (a thread pair
+// per wv_b row, half of the block's columns each) are loaded before the wait, so they overlap
+// the attention kernel's tail. The batch-1 step launches this form (one kernel where the
+// merge-only form and the projection are two); a paged batch has many rows a head, and the
+// tensor-core projection reads wv_b once per 32 of them (mla_project.cu).
 //
 // Programmatic dependent launch: the kernel waits (mla::pdl_wait) before it reads any
 // partial, so it may be launched with programmatic stream serialization behind the attention
@@ -49,6 +51,9 @@ constexpr int kMaxColBlocks = 16;
 constexpr int kMinBlockCols = MLA_KV_LORA / kMaxColBlocks;  // 32
 constexpr int kSplitTile = 256;
 constexpr int kPrefetch = 8;  // float4s of partials a thread loads before the max is known
+constexpr int kWPrefetch = 4;  // 16-byte words of wv_b a thread loads before the wait (cols <= 128)
+static_assert(kCombineThreads / 2 >= 1 && MLA_KV_LORA / kMaxColBlocks % 16 == 0,
+              "thread pairs per wv_b row, whole 16-byte words of a half of the columns");
 static_assert(kMinBlockCols % 4 == 0 && kCombineThreads % (kMinBlockCols / 4) == 0,
               "a split group is a whole number of float4 threads");
 static_assert(MLA_KV_LORA / 4 <= kCombineThreads, "one column block fits a block's threads");
@@ -118,6 +123,22 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
     const int groups = kCombineThreads / tpr, group = tid / tpr, col4 = tid % tpr;
     const auto fmax_op = [](float a, float b) { return fmaxf(a, b); };
     const auto sum_op = [](float a, float b) { return a + b; };
+
+    // The projection's wv_b slice is a weight no kernel of the step writes: with wv_b, each
+    // thread loads its first row's words now, before the wait, so the loads overlap the
+    // attention kernel's tail (programmatic launch) and the merge.
+    uint4 w_pre[kWPrefetch];
+    const int w_words = cols / 16;  // 16-byte words of a thread's half of a wv_b row
+    const int w_v = tid >> 1, w_half = tid & 1;
+    if (wv_b != nullptr && w_words <= kWPrefetch) {
+        const uint4* row = reinterpret_cast<const uint4*>(
+            wv_b + (static_cast<size_t>(merge.head()) * v_head + min(w_v, v_head - 1)) *
+                       MLA_KV_LORA + cb * cols +
+            w_half * (cols / 2));
+#pragma unroll
+        for (int i = 0; i < kWPrefetch; ++i)
+            if (i < w_words) w_pre[i] = __ldg(row + i);
+    }
 
     pdl_wait();  // the partials are the attention kernel's: nothing above reads them
     pdl_launch_dependents();
@@ -214,25 +235,42 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
     if (wv_b == nullptr) return;  // the merge only: the projection is mla_project.cu's
     __syncthreads();
 
-    // This block's share of out[row, :] = wv_b[head, :, cols] . latent[cols]: a warp per row
-    // of wv_b, its lanes over the block's float4 columns.
-    const int lane = tid & 31, warp = tid >> 5;
+    // This block's share of out[row, :] = wv_b[head, :, cols] . latent[cols]: thread pairs
+    // per wv_b row (v = tid / 2 + 128 i), each thread half of the block's columns as 16-byte
+    // words of wv_b against float4s of the merged latent (a pair reads two addresses of
+    // group_acc a step: broadcasts), the pair's halves added by one shuffle.
     float* my_part = out_part + (merge.row() * col_blocks + cb) * v_head;
-    for (int v = warp; v < v_head; v += kCombineThreads / 32) {
-        const WvT* row = wv_b + (static_cast<size_t>(merge.head()) * v_head + v) * MLA_KV_LORA +
-                         cb * cols;
+    const float4* lat_half = group_acc + w_half * (tpr / 2);
+    for (int v0 = 0; v0 < v_head; v0 += kCombineThreads / 2) {  // every thread, every trip
+        const int v = min(v0 + w_v, v_head - 1);  // past v_head: row v_head - 1, not stored
+        const uint4* row = reinterpret_cast<const uint4*>(
+            wv_b + (static_cast<size_t>(merge.head()) * v_head + v) * MLA_KV_LORA + cb * cols +
+            w_half * (cols / 2));
+        const bool pre = v0 == 0 && w_words <= kWPrefetch;
         float sum = 0.f;
-        for (int c4 = lane; c4 < tpr; c4 += 32) {
-            const uint2 raw = *reinterpret_cast<const uint2*>(row + 4 * c4);
-            const float2 a = pair_to_f32<WvT>(raw.x), b = pair_to_f32<WvT>(raw.y);
-            const float4 lat = group_acc[c4];
-            sum = fmaf(a.x, lat.x, sum);
-            sum = fmaf(a.y, lat.y, sum);
-            sum = fmaf(b.x, lat.z, sum);
-            sum = fmaf(b.y, lat.w, sum);
+#pragma unroll
+        for (int i = 0; i < kWPrefetch; ++i) {
+            if (i >= w_words) break;
+            const uint4 w = pre ? w_pre[i] : __ldg(row + i);
+            float x[8];
+            unpack_f32<WvT>(w, x);
+            const float4 a = lat_half[2 * i], b = lat_half[2 * i + 1];
+            sum = fmaf(x[0], a.x, sum); sum = fmaf(x[1], a.y, sum);
+            sum = fmaf(x[2], a.z, sum); sum = fmaf(x[3], a.w, sum);
+            sum = fmaf(x[4], b.x, sum); sum = fmaf(x[5], b.y, sum);
+            sum = fmaf(x[6], b.z, sum); sum = fmaf(x[7], b.w, sum);
         }
-        sum = warp_sum(sum);
-        if (lane == 0) my_part[v] = sum;
+        for (int i = kWPrefetch; i < w_words; ++i) {  // wide column blocks (cols > 128)
+            float x[8];
+            unpack_f32<WvT>(__ldg(row + i), x);
+            const float4 a = lat_half[2 * i], b = lat_half[2 * i + 1];
+            sum = fmaf(x[0], a.x, sum); sum = fmaf(x[1], a.y, sum);
+            sum = fmaf(x[2], a.z, sum); sum = fmaf(x[3], a.w, sum);
+            sum = fmaf(x[4], b.x, sum); sum = fmaf(x[5], b.y, sum);
+            sum = fmaf(x[6], b.z, sum); sum = fmaf(x[7], b.w, sum);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        if (w_half == 0 && v0 + w_v < v_head) my_part[v] = sum;
     }
 
     // The last block of the row to get here adds the col_blocks parts, in order.

@@ -53,6 +53,42 @@ template <typename CacheT> __device__ __forceinline__ void unpack_f32(uint4 w, f
     unpack_f32<CacheT>(w.z, x + 4); unpack_f32<CacheT>(w.w, x + 6);
 }
 
+// ---- mma.sync (sm_80+) -------------------------------------------------------------------
+// D += A B for one m16n8k16 tile, A row-major and B column-major 16-bit operands of type T,
+// f32 accumulators; and the split of an f32 into two 16-bit parts that keep it to ~2^-22
+// (f16) or ~2^-16 (bf16) relative, so a product on 16-bit tensor cores stays near f32.
+template <typename T> struct MmaType;
+template <> struct MmaType<__half> {
+    __device__ static void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+template <> struct MmaType<__nv_bfloat16> {
+    __device__ static void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+};
+
+// x = hi + lo in the 16-bit type T, each part rounded to nearest.
+template <typename T>
+__device__ __forceinline__ void split_hi_lo(float x, T& hi, T& lo) {
+    hi = from_f32<T>(x);
+    lo = from_f32<T>(x - to_f32(hi));
+}
+// The 16 bits of a half or bfloat16, in the low half of a word.
+template <typename T>
+__device__ __forceinline__ unsigned bits16(T x) {
+    unsigned short u;
+    memcpy(&u, &x, sizeof u);
+    return u;
+}
+
 // ---- cp.async (sm_80+) -----------------------------------------------------------------
 // The 32-bit shared-state-space address of a generic pointer into shared memory, the operand
 // form of cp.async, ldmatrix and mbarrier.

@@ -91,38 +91,6 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned addr, unsigned (&r)[4]) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-template <typename T> struct MmaType;
-template <> struct MmaType<__half> {
-    __device__ static void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-template <> struct MmaType<__nv_bfloat16> {
-    __device__ static void mma(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-};
-
-// x = hi + lo in the 16-bit type T, each part rounded to nearest.
-template <typename T>
-__device__ __forceinline__ void split_hi_lo(float x, T& hi, T& lo) {
-    hi = from_f32<T>(x);
-    lo = from_f32<T>(x - to_f32(hi));
-}
-// The 16 bits of a half or bfloat16, in the low half of a word.
-template <typename T>
-__device__ __forceinline__ unsigned bits16(T x) {
-    unsigned short u;
-    memcpy(&u, &x, sizeof u);
-    return u;
-}
-
 // The kernel body, on the walk W of its launch (mla_walk.cuh).
 template <int HEADS, typename CacheT, typename QT, typename W>
 __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk, float scale_log2,

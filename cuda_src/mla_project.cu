@@ -1,20 +1,38 @@
-// mla_project.cu: the output projection out = wv_b[h] @ latent of every row, batched.
+// mla_project.cu: the output projection out = wv_b[h] @ latent of every row, batched, on the
+// tensor cores.
 //
 // Template parameters
 //   WvT  wv_b element: __half or __nv_bfloat16
 // Fixed geometry
-//   kProjectThreads = 256 (8 warps); a block serves kVRows = 32 rows of wv_b[h] (4 a warp) for
-//   kMRows = 16 latent rows of head h; lane l owns the columns 4 l + 128 j, j = 0..3 (an
-//   8-byte load of wv_b, a conflict-free float4 of the staged latent). sandbox/registry.py
-//   passes its block size and kVRows, kMRows; the kernel static_asserts them.
+//   kPmThreads = 128 (4 warps); a block computes a kPmM x kPmV = 32 x 32 tile of out for one
+//   head: 32 latent rows x 32 wv_b rows, as 2 m16 x 4 n8 mma.sync m16n8k16 tiles. Its warps
+//   each take a quarter of the 512 latent columns (8 k16 steps), and their partial tiles are
+//   added in shared memory in warp order (deterministic). sandbox/registry.py passes its
+//   block size and kPmM, kPmV; the kernel static_asserts them.
 //
-// Launch: grid = (H, ceil(v_head / kVRows), ceil(M / kMRows)), block = kProjectThreads,
-// no dynamic shared memory (the staged latent is 32 KB of static shared memory).
+// Launch: grid = (H, ceil(v_head / kPmV), ceil(M / kPmM)), block = kPmThreads, no dynamic
+// shared memory (20 KB static: the four partial tiles).
 // latent [M][H][512] f32, out [M][H][v_head] f32: row m of head h is m * H + h. Batch 1 has
-// M = 1 (latent [H][512]); a paged batch M = B * s_q (latent [B][s_q][H][512]).
-// Each block reads its 32 x 512 slice of wv_b[h] once for its 16 rows, so wv_b is read
-// ceil(M / 16) times in all (from L2 after the first), where a projection per row would read
-// it M times.
+// M = 1 (latent [H][512]); a paged batch M = B * s_q (latent [B][s_q][H][512]). Rows past M
+// and wv_b rows past v_head are read from the last valid one and never stored.
+//
+// Exactness: A = the latent, split into hi + lo 16-bit parts of wv_b's type as its fragments
+// are loaded (mla_common.cuh, split_hi_lo: the mma* attention kernels' split of q and p), so
+// the latent keeps 2^-22 (f16) or 2^-16 (bf16) of its relative precision; B = wv_b, exact in
+// 16 bits; every sum is f32.
+//
+// Loads: fragments come straight from global memory. The product sums over k, so a k16
+// step's columns may be dealt to the fragments in any order A and B share: lane c4 takes
+// columns 4 c4 .. 4 c4 + 3 of each step (the MMA's 2 c4, 2 c4 + 1, 2 c4 + 8, 2 c4 + 9), one
+// float4 of a latent row and 8 bytes of a wv_b row, where the MMA's own order takes two
+// loads of each.
+// wv_b's 8 k-steps are loaded at once, the latent's kPmBatch k-steps at a time. A block
+// reads its wv_b slice once for its 32 latent rows, so wv_b is read ceil(M / 32) times in all
+// (from L2 after the first).
+//
+// Tensor cores at batch 1 too: a CUDA-core form, a warp's dot product and shuffle reduction
+// per output, was no faster at one row and 4-5x slower at 128 (docs/combine-and-q-absorb-
+// deep-dive.md).
 //
 // Programmatic dependent launch: a block loads its wv_b slice into registers, then waits
 // (mla::pdl_wait) for the kernel before it (the merge, or an attention kernel that wrote the
@@ -24,93 +42,139 @@
 
 namespace mla {
 
-constexpr int kProjectThreads = 256;
-constexpr int kVRows = 32;
-constexpr int kMRows = 16;
-constexpr int kProjectWarps = kProjectThreads / 32;
-constexpr int kVPerWarp = kVRows / kProjectWarps;  // 4
-constexpr int kColSteps = MLA_KV_LORA / 128;       // 4 float4s of columns per lane
-constexpr int kStage = kMRows * (MLA_KV_LORA / 4) / kProjectThreads;  // 8 float4s a thread
-static_assert(kVRows % kProjectWarps == 0, "whole wv_b rows per warp");
-static_assert(MLA_KV_LORA % 128 == 0, "a warp covers 128 columns a step");
-static_assert(kMRows * (MLA_KV_LORA / 4) % kProjectThreads == 0, "whole staging steps");
+constexpr int kPmThreads = 128;
+constexpr int kPmWarps = kPmThreads / 32;
+constexpr int kPmM = 32, kPmV = 32;                        // the block's output tile
+constexpr int kPmMT = kPmM / 16, kPmNT = kPmV / 8;         // 2 m16 tiles, 4 n8 tiles
+constexpr int kPmKSteps = MLA_KV_LORA / 16 / kPmWarps;     // 8 k16 steps a warp
+constexpr int kPmBatch = 4;                                // latent k-steps loaded together
+constexpr int kPmRedStride = kPmV + 8;  // a fragment's 8 row groups on distinct bank pairs
+static_assert(MLA_KV_LORA % (16 * kPmWarps) == 0, "whole k16 steps per warp");
+static_assert(kPmKSteps % kPmBatch == 0, "whole batches of k-steps");
+static_assert(kPmM * kPmV == kPmThreads * 8, "the final sum: 8 outputs a thread");
 
 template <typename WvT>
-__global__ void __launch_bounds__(kProjectThreads)
+__global__ void __launch_bounds__(kPmThreads)
 project(const float* __restrict__ latent, const WvT* __restrict__ wv_b, int n_head, int m_rows,
         int v_head, float* __restrict__ out) {
 #ifdef MLA_REGISTRY_FACTS
-    static_assert(MLA_PROJECT_THREADS == kProjectThreads,
-                  "registry.PROJECT_THREADS differs from kProjectThreads");
-    static_assert(MLA_PROJECT_V_ROWS == kVRows, "registry.PROJECT_V_ROWS differs from kVRows");
-    static_assert(MLA_PROJECT_M_ROWS == kMRows, "registry.PROJECT_M_ROWS differs from kMRows");
+    static_assert(MLA_PROJECT_THREADS == kPmThreads,
+                  "registry.PROJECT_THREADS differs from kPmThreads");
+    static_assert(MLA_PROJECT_M_ROWS == kPmM, "registry.PROJECT_M_ROWS differs from kPmM");
+    static_assert(MLA_PROJECT_V_ROWS == kPmV, "registry.PROJECT_V_ROWS differs from kPmV");
 #endif
-    __shared__ __align__(16) float lat_s[kMRows][MLA_KV_LORA];
-    const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int v0 = blockIdx.y * kVRows + warp * kVPerWarp, m0 = blockIdx.z * kMRows;
+    using M = MmaType<WvT>;
+    __shared__ __align__(16) float red[kPmWarps][kPmM][kPmRedStride];
+    const int h = blockIdx.x, v0 = blockIdx.y * kPmV, m0 = blockIdx.z * kPmM;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c4 = lane & 3;       // fragment row group and column pair
+    // The product sums over k, so a k16 step's columns may be dealt to the fragments in any
+    // order A and B share: lane c4 takes columns 4 c4 .. 4 c4 + 3 of each step (the MMA's
+    // 2 c4, 2 c4 + 1 and 2 c4 + 8, 2 c4 + 9), one float4 of a latent row and 8 bytes of a
+    // wv_b row, where the MMA's own order would take two loads each (half the L1 wavefronts).
+    const int k0 = warp * kPmKSteps * 16 + 4 * c4;  // this lane's first column
 
-    // wv_b first: it is a weight, written by no kernel of the step.
-    uint2 raw[kVPerWarp][kColSteps];
+    // B, wv_b[h][v][k] (column-major k x n is wv_b's row-major v x k): rows past v_head read
+    // the last row and are never stored.
+    unsigned b[kPmKSteps][kPmNT][2];
 #pragma unroll
-    for (int r = 0; r < kVPerWarp; ++r) {
-        const int v = v0 + r;
-        const WvT* row = wv_b + (static_cast<size_t>(h) * v_head + min(v, v_head - 1)) *
-                                    MLA_KV_LORA + 4 * lane;
+    for (int nt = 0; nt < kPmNT; ++nt) {
+        const int v = min(v0 + 8 * nt + g, v_head - 1);
+        const WvT* row = wv_b + (static_cast<size_t>(h) * v_head + v) * MLA_KV_LORA + k0;
 #pragma unroll
-        for (int j = 0; j < kColSteps; ++j)
-            raw[r][j] = *reinterpret_cast<const uint2*>(row + 128 * j);
+        for (int j = 0; j < kPmKSteps; ++j) {
+            const uint2 w = __ldg(reinterpret_cast<const uint2*>(row + 16 * j));
+            b[j][nt][0] = w.x;
+            b[j][nt][1] = w.y;
+        }
     }
 
     pdl_wait();  // the latent is the previous kernel's
 
-    // Stage the block's latent rows, kStage / 2 loads a thread in flight at a time (all of
-    // them at once would hold 32 more registers beside the packed wv_b).
-    const int rows = min(kMRows, m_rows - m0);
+    // A, the latent: rows g and g + 8 of each m16 tile; rows past m_rows read the last row.
+    const float* a_row[kPmMT][2];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        float4 stage[kStage / 2];
+    for (int mt = 0; mt < kPmMT; ++mt)
 #pragma unroll
-        for (int s = 0; s < kStage / 2; ++s) {
-            const int k = tid + (half * (kStage / 2) + s) * kProjectThreads;
-            const int mr = k / (MLA_KV_LORA / 4), c4 = k % (MLA_KV_LORA / 4);
-            const float* src = latent + (static_cast<size_t>(m0 + mr) * n_head + h) * MLA_KV_LORA;
-            if (mr < rows) stage[s] = *reinterpret_cast<const float4*>(src + 4 * c4);
+        for (int hh = 0; hh < 2; ++hh) {
+            const int m = min(m0 + 16 * mt + g + 8 * hh, m_rows - 1);
+            a_row[mt][hh] = latent + (static_cast<size_t>(m) * n_head + h) * MLA_KV_LORA + k0;
         }
-#pragma unroll
-        for (int s = 0; s < kStage / 2; ++s) {
-            const int k = tid + (half * (kStage / 2) + s) * kProjectThreads;
-            const int mr = k / (MLA_KV_LORA / 4), c4 = k % (MLA_KV_LORA / 4);
-            if (mr < rows) *reinterpret_cast<float4*>(&lat_s[mr][4 * c4]) = stage[s];
-        }
-    }
-    __syncthreads();
+    const bool second_tile = m0 + 16 < m_rows;  // warp-uniform: m tile 1 has a real row
 
-    // One wv_b row at a time, widened once and dotted with every staged latent row: its
-    // packed loads stay 32 registers, the widened row 16.
+    float acc[kPmMT][kPmNT][4];
 #pragma unroll
-    for (int r = 0; r < kVPerWarp; ++r) {
-        float w[4 * kColSteps];
+    for (int mt = 0; mt < kPmMT; ++mt)
 #pragma unroll
-        for (int j = 0; j < kColSteps; ++j) {
-            const float2 a = pair_to_f32<WvT>(raw[r][j].x), b = pair_to_f32<WvT>(raw[r][j].y);
-            w[4 * j] = a.x; w[4 * j + 1] = a.y; w[4 * j + 2] = b.x; w[4 * j + 3] = b.y;
-        }
-        const int v = v0 + r;
-        for (int mr = 0; mr < rows; ++mr) {
-            float s = 0.f;
+        for (int nt = 0; nt < kPmNT; ++nt) acc[mt][nt][0] = acc[mt][nt][1] = acc[mt][nt][2] = acc[mt][nt][3] = 0.f;
+
 #pragma unroll
-            for (int j = 0; j < kColSteps; ++j) {
-                const float4 x = *reinterpret_cast<const float4*>(&lat_s[mr][128 * j + 4 * lane]);
-                s = fmaf(w[4 * j], x.x, s);
-                s = fmaf(w[4 * j + 1], x.y, s);
-                s = fmaf(w[4 * j + 2], x.z, s);
-                s = fmaf(w[4 * j + 3], x.w, s);
+    for (int j0 = 0; j0 < kPmKSteps; j0 += kPmBatch) {
+        float4 x[kPmBatch][kPmMT][2];  // rows g, g + 8 of each step and m tile
+#pragma unroll
+        for (int j = 0; j < kPmBatch; ++j)
+#pragma unroll
+            for (int mt = 0; mt < kPmMT; ++mt) {
+                if (mt == 1 && !second_tile) continue;
+                const int k = 16 * (j0 + j);
+                x[j][mt][0] = __ldg(reinterpret_cast<const float4*>(a_row[mt][0] + k));
+                x[j][mt][1] = __ldg(reinterpret_cast<const float4*>(a_row[mt][1] + k));
             }
-            s = warp_sum(s);
-            if (lane == (mr & 31) && v < v_head)
-                out[(static_cast<size_t>(m0 + mr) * n_head + h) * v_head + v] = s;
-        }
+#pragma unroll
+        for (int j = 0; j < kPmBatch; ++j)
+#pragma unroll
+            for (int mt = 0; mt < kPmMT; ++mt) {
+                if (mt == 1 && !second_tile) continue;
+                // a0, a1: the first pair of rows g, g + 8; a2, a3: their second pair
+                const float2 pairs[4] = {make_float2(x[j][mt][0].x, x[j][mt][0].y),
+                                         make_float2(x[j][mt][1].x, x[j][mt][1].y),
+                                         make_float2(x[j][mt][0].z, x[j][mt][0].w),
+                                         make_float2(x[j][mt][1].z, x[j][mt][1].w)};
+                unsigned hi[4], lo[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    WvT h0, l0, h1, l1;
+                    split_hi_lo(pairs[e].x, h0, l0);
+                    split_hi_lo(pairs[e].y, h1, l1);
+                    hi[e] = bits16(h0) | (bits16(h1) << 16);
+                    lo[e] = bits16(l0) | (bits16(l1) << 16);
+                }
+#pragma unroll
+                for (int nt = 0; nt < kPmNT; ++nt) {
+                    M::mma(acc[mt][nt], hi, b[j0 + j][nt][0], b[j0 + j][nt][1]);
+                    M::mma(acc[mt][nt], lo, b[j0 + j][nt][0], b[j0 + j][nt][1]);
+                }
+            }
     }
+
+    // acc[mt][nt][2 hh + e]: row 16 mt + g + 8 hh, column 8 nt + 2 c4 + e of the tile.
+#pragma unroll
+    for (int mt = 0; mt < kPmMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kPmNT; ++nt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh)
+                *reinterpret_cast<float2*>(&red[warp][16 * mt + g + 8 * hh][8 * nt + 2 * c4]) =
+                    make_float2(acc[mt][nt][2 * hh], acc[mt][nt][2 * hh + 1]);
+    __syncthreads();
+    // The four k-quarters in warp order; thread t: row t / 4, columns 8 (t % 4) ..
+    const int r = tid >> 2, c8 = (tid & 3) * 8, m = m0 + r;
+    if (m >= m_rows) return;
+    float sum[8];
+#pragma unroll
+    for (int e = 0; e < 8; e += 4) {
+        float4 s4 = *reinterpret_cast<const float4*>(&red[0][r][c8 + e]);
+#pragma unroll
+        for (int w = 1; w < kPmWarps; ++w) {
+            const float4 o = *reinterpret_cast<const float4*>(&red[w][r][c8 + e]);
+            s4.x += o.x; s4.y += o.y; s4.z += o.z; s4.w += o.w;
+        }
+        sum[e] = s4.x; sum[e + 1] = s4.y; sum[e + 2] = s4.z; sum[e + 3] = s4.w;
+    }
+    float* dst = out + (static_cast<size_t>(m) * n_head + h) * v_head;
+#pragma unroll
+    for (int e = 0; e < 8; ++e)
+        if (v0 + c8 + e < v_head) dst[v0 + c8 + e] = sum[e];
 }
 
 }  // namespace mla

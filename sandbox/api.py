@@ -94,7 +94,8 @@ class DecodeStep:
 
     def __init__(self, q, cache, wv_b, n_ctx=None, variant="split", splits=None,
                  heads_per_block=None, scale=None, *, min_ctx: int | None = None,
-                 sync_check: bool = False, rescale: bool = True, pdl: bool = True):
+                 sync_check: bool = False, rescale: bool = True, pdl: bool = True,
+                 fused_combine: bool | None = None):
         import cupy
 
         var = registry.resolve_variant(variant, heads_per_block, default_hpb=DEFAULT_BATCHED_HPB)
@@ -140,6 +141,16 @@ class DecodeStep:
         self.part_acc = scratch_for_device(self.device_id, "part_acc", s * h * d.kv_lora)
         self.part_m = scratch_for_device(self.device_id, "part_m", s * h)
         self.part_l = scratch_for_device(self.device_id, "part_l", s * h)
+        # Where the plan splits: the one-kernel combine (merge and projection, mla_combine.cu)
+        # or the merge then the projection. None picks the one kernel at the narrowest column
+        # blocks (up to 32 heads), where it won; with wider blocks its last-block sum of the
+        # parts costs more than a second launch. H200, combine alone, cold L2, graph: 16
+        # heads 9.3 vs 9.5 us (1024 .. 131072 tokens), 128 heads 18.5 vs 16.4.
+        self.fused_combine = (self.col_blocks == registry.COMBINE_COL_BLOCKS
+                              if fused_combine is None else bool(fused_combine))
+        self.out_part = scratch_for_device(self.device_id, "out_part",
+                                           h * self.col_blocks * d.v_head)
+        self.tickets = scratch_for_device(self.device_id, "tickets", h, "uint32")
 
     # ---- phases -------------------------------------------------------------------------
     def run_attn(self) -> None:
@@ -161,18 +172,26 @@ class DecodeStep:
             with self.guard.phase("combine"):
                 cublas_projection(self.wv_b, self.latent, self.cache_dtype, self.out)
             return
-        if not self.single_pass:
+        if self.single_pass:
+            self.run_project()
+        elif self.fused_combine:
+            self.run_merge(project=True)
+        else:
             self.run_merge()
-        self.run_project()
+            self.run_project()
 
-    def run_merge(self) -> None:
-        """The merge of the partials into latent and lse (the combine, merge only)."""
+    def run_merge(self, project: bool = False) -> None:
+        """The merge of the partials into latent and lse; with project=True the same kernel
+        also applies wv_b (mla_combine.cu's one-kernel form), else the merge only."""
         dims = self.dims
+        wv_b, out, out_part, tickets = (
+            (self.wv_b, self.out, self.out_part, self.tickets) if project
+            else (NULL_PTR, NULL_PTR, NULL_PTR, NULL_PTR))
         self.guard.launch(
             "combine", self.combine_kernel, self.combine_grid, (self.combine_inst.threads, 1, 1),
             (self.part_acc, self.part_m, self.part_l, np.int32(dims.n_head),
-             np.int32(self.plan.splits), NULL_PTR, np.int32(dims.v_head), NULL_PTR,
-             self.latent, self.lse, NULL_PTR, NULL_PTR),
+             np.int32(self.plan.splits), wv_b, np.int32(dims.v_head), out,
+             self.latent, self.lse, out_part, tickets),
             kernel_name=self.combine_inst.name, pdl=self.pdl)
 
     def run_project(self) -> None:
@@ -213,11 +232,12 @@ class DecodeStep:
         merge = [] if self.single_pass else [
             Launch(self.combine_inst.name, self.combine_grid, (self.combine_inst.threads, 1, 1),
                    0, self.pdl)]
+        project = [] if merge and self.fused_combine else [
+            Launch(self.project_inst.name, self.project_grid,
+                   (self.project_inst.threads, 1, 1), 0, self.pdl)]
         return [Launch(self.attn_inst.name, (p.head_blocks, p.splits, 1),
                        (self.attn_inst.threads, 1, 1), self.attn_inst.smem_bytes),
-                *merge,
-                Launch(self.project_inst.name, self.project_grid,
-                       (self.project_inst.threads, 1, 1), 0, self.pdl)]
+                *merge, *project]
 
 
 def decode(q, cache, wv_b, n_ctx=None, variant="split", splits=None, heads_per_block=None,

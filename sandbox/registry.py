@@ -74,9 +74,10 @@ COMBINE_THREADS = 256
 COMBINE_COL_BLOCKS = 16
 Q_ABSORB_THREADS = 256
 Q_ABSORB_COL_BLOCKS = 8   # blocks per head of q_absorb (kAbsorbColBlocks), 64 columns each
-PROJECT_THREADS = 256     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, batched
-PROJECT_V_ROWS = 32       # wv_b rows per block (kVRows)
-PROJECT_M_ROWS = 16       # latent rows per block (kMRows): wv_b is read once per 16 rows
+PROJECT_THREADS = 128     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, tensor cores
+PROJECT_V_ROWS = 32       # wv_b rows of a block's output tile (kPmV)
+PROJECT_M_ROWS = 32       # latent rows of a block's output tile (kPmM): wv_b is read once
+                          # per 32 rows
 CHECK_THREADS = 128  # cuda_src/mla_paged_check.cu, the paged step's index validator
 
 CXX_TYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "f32": "float"}
@@ -335,7 +336,7 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
            paged_function="mla::wgmma_attn_paged"),
     # one launch for batch 1 and paged batches alike: rows m * H + h of the latent
     Family("project", "mla_project.cu", "mla::project", ("cache",), "PROJECT",
-           PROJECT_THREADS, min_arch="sm_75"),
+           PROJECT_THREADS, min_arch="sm_80"),
     # paged only: the index validator of the paged step (no template, no batch-1 launch)
     Family("check_paged", "mla_paged_check.cu", "mla::check_paged", (), "CHECK",
            CHECK_THREADS, min_arch="sm_75", paged_function="mla::check_paged"),

@@ -2,11 +2,19 @@
 column-block count, the batched projection, programmatic dependent launch (plain, inside a
 captured graph, with the negative control) and the launch floor.
 
-Tolerances: the projection is one 512-term f32 dot product per output on inputs exact in
-float64 (wv_b a 16-bit value, the latent an f32), so its relL2 is ~u32 sqrt(512 / 2) ~ 1e-6;
-1e-5 leaves 10x, and a wrong column or row costs O(1). q_absorb's 128-term dot products are
-~5e-7 (test_gpu_kernels.py derives the same 1e-5). The whole step keeps compare's defaults
-(tests/test_gpu_kernels.py, docs/numerics.md).
+Tolerances: the projection is a 512-term f32 sum per output (four chains of 128 on the
+tensor cores, added in order) of products exact in f32, so its own rounding is a relL2 of
+~u32 sqrt(512 / 2) ~ 1e-6, and a wrong column or row costs O(1). It takes the latent as
+hi + lo 16-bit parts of wv_b's type (wv_b is exact in 16 bits): x - (hi + lo) is lo's
+rounding, at most half an ulp of lo, |lo| <= 2^-p |x| (p = 11 significant bits for f16, 8
+for bf16), so at most 2^-2p |x|: 2.4e-7 (f16), 1.5e-5 (bf16) relative. Those errors are
+independent over the 512 columns, so out's relL2 is their rms, 2.5e-6 for bf16 and 5e-8 for
+f16 on the normal latents drawn here (the split evaluated in float64 with ml_dtypes); with
+the f32 accumulation's ~1e-6 that stays under PROJECT_TOL = 1e-5 by 3x. A bf16 latent
+rounded to one 16-bit part (no lo) errs by ~2^-9 / sqrt(3) ~ 1e-3: the negative control
+shows 1e-5 catches it. q_absorb's 128-term dot products are ~5e-7 (test_gpu_kernels.py
+derives the same 1e-5). The whole step keeps compare's defaults (tests/test_gpu_kernels.py,
+docs/numerics.md).
 """
 from __future__ import annotations
 
@@ -41,9 +49,10 @@ def test_q_absorb_at_every_head_count_is_exact_to_f32_and_deterministic(heads):
 
 
 @gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["one kernel", "merge + projection"])
 @pytest.mark.parametrize("pdl", [False, True])
 @pytest.mark.parametrize("col_blocks", [1, 2, 4, 8, 16])
-def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks, pdl):
+def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks, pdl, fused):
     import cupy
 
     from mlasandbox.api import DecodeStep
@@ -56,13 +65,13 @@ def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks,
     # a stream of its own: programmatic launches are never made on a default stream
     with cupy.cuda.Stream(non_blocking=True) as stream:
         step = DecodeStep(**inp.decode_args(), variant="mma16", splits=33, pdl=pdl,
-                          sync_check=True)
+                          sync_check=True, fused_combine=fused)
         step.col_blocks = col_blocks
         res = run_poisoned(step)
         stream.synchronize()
         cmp = compare(res, ref)
         assert cmp.ok, f"col_blocks={col_blocks} pdl={pdl} seed={seed}\n{cmp.summary()}"
-        assert step.guard.programmatic == (2 if pdl and supported() else 0)
+        assert step.guard.programmatic == ((1 if fused else 2) if pdl and supported() else 0)
         first = [cupy.asnumpy(a).copy() for a in (res.out, res.latent, res.lse)]
         again = run_poisoned(step)
         stream.synchronize()
@@ -70,9 +79,10 @@ def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks,
             assert np.array_equal(a, cupy.asnumpy(b)), "the merge is not deterministic"
 
 
-def _project(m_rows, heads, cache, seed, v_head=128):
+def _project(m_rows, heads, cache, seed, v_head=128, latent_fn=None):
     """The projection kernel on random inputs, out NaN-poisoned with one guard row past the
-    last: (out on the host, the float64 reference)."""
+    last: (out on the host, the float64 reference). latent_fn, if given, changes the latent
+    the kernel gets (not the reference's)."""
     import cupy
 
     from mlasandbox.bf16 import as_f64, to_storage
@@ -84,14 +94,16 @@ def _project(m_rows, heads, cache, seed, v_head=128):
     want = np.einsum("mhc,hvc->mhv", latent.astype(np.float64), as_f64(wv))
     inst = registry.project_instance(cache)
     out = cupy.full((m_rows + 1, heads, v_head), cupy.nan, cupy.float32)
+    given = latent if latent_fn is None else latent_fn(latent)
     get_kernel(inst)(registry.project_grid(heads, v_head, m_rows), (inst.threads,),
-                     (cupy.asarray(latent), cupy.asarray(wv), np.int32(heads),
+                     (cupy.asarray(given), cupy.asarray(wv), np.int32(heads),
                       np.int32(m_rows), np.int32(v_head), out))
     return cupy.asnumpy(out), want
 
 
 @gpu
-@pytest.mark.parametrize("m_rows,heads", [(1, 16), (5, 3), (16, 1), (17, 16), (40, 9)])
+@pytest.mark.parametrize("m_rows,heads", [(1, 16), (5, 3), (16, 1), (17, 16), (40, 9),
+                                          (128, 16), (33, 128)])
 @pytest.mark.parametrize("cache", ["f16", "bf16"])
 def test_the_projection_matches_float64_and_writes_only_its_rows(m_rows, heads, cache):
     seed = fresh_seed()
@@ -106,6 +118,18 @@ def test_the_projection_masks_a_partial_block_of_wv_b_rows():
     seed = fresh_seed()
     got, want = _project(3, 2, "f16", seed, v_head=80)  # 80 = 2 x 32 + 16
     assert rel_l2(got[:3], want) < PROJECT_TOL and np.isnan(got[3:]).all(), f"seed={seed}"
+
+
+@gpu
+def test_the_projection_tolerance_rejects_a_latent_rounded_to_one_bf16_part():
+    """The negative control of PROJECT_TOL: the latent rounded to bf16 (what the tensor
+    cores would see without the lo part) misses it by ~100x."""
+    from mlasandbox.bf16 import as_f64, to_storage
+
+    seed = fresh_seed()
+    got, want = _project(64, 4, "bf16", seed,
+                         latent_fn=lambda x: as_f64(to_storage(x, "bf16")).astype(np.float32))
+    assert rel_l2(got[:64], want) > 10 * PROJECT_TOL, f"seed={seed}"
 
 
 @gpu
@@ -126,12 +150,12 @@ def test_programmatic_steps_replay_in_a_graph_and_the_control_still_fails(varian
     for rescale in (True, False):
         step = DecodeStep(**inp.decode_args(), variant=variant, splits=33, rescale=rescale)
         assert step.pdl == supported()
-        assert [ln.pdl for ln in step.launches] == [False] + [step.pdl] * 2
+        assert [ln.pdl for ln in step.launches] == [False, step.pdl]  # attn, the combine
         stream = cupy.cuda.Stream(non_blocking=True)
         poison(step)
         cupy.cuda.get_current_stream().synchronize()
         graph = capture_graph(step.run, stream)
-        assert step.guard.programmatic == (2 if step.pdl else 0)
+        assert step.guard.programmatic == (1 if step.pdl else 0)
         graph.launch(stream)
         stream.synchronize()
         verdicts[rescale] = compare(reference.DecodeResult(step.out, step.latent, step.lse),

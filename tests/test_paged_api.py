@@ -197,7 +197,7 @@ def test_attn_args_follow_the_kernels_order_and_types():
     assert step.attn_grid == (1, 264, 1)
     # 30 rows: 16 column blocks (480 blocks) where 8 would give 240 < 2 x 132 SMs
     assert step.col_blocks == 16 and step.combine_grid == (10, 16, 3)
-    assert step.project_grid == (5, 4, 1)  # 5 heads, 128 / 32 wv_b rows, 6 <= 16 latent rows
+    assert step.project_grid == (5, 4, 1)  # 5 heads, 128 / 32 wv_b rows, 6 <= 32 latent rows
     assert int(_bare_step(causal=False).attn_args()[7]) == 0
 
 

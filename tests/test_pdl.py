@@ -98,6 +98,6 @@ def test_the_rules_refuse_an_empty_launch():
 
 def test_the_projection_and_q_absorb_grids():
     assert registry.project_grid(16, 128, 1) == (16, 4, 1)
-    assert registry.project_grid(16, 128, 128) == (16, 4, 8)
-    assert registry.project_grid(3, 80, 17) == (3, 3, 2)
+    assert registry.project_grid(16, 128, 128) == (16, 4, 4)   # 32 x 32 output tiles
+    assert registry.project_grid(3, 80, 33) == (3, 3, 2)
     assert registry.q_absorb_grid(128) == (128, registry.Q_ABSORB_COL_BLOCKS, 1)

@@ -140,11 +140,9 @@ def _launch_arg_names(method) -> list[str]:
 
 def test_the_scripts_launch_arguments_are_decodesteps():
     assert tuple(_launch_arg_names(api.DecodeStep.run_attn)) == repro.ATTN_ARGS
-    # the step's merge is the script's combine with null pointers where the script's one
-    # launch also projects (wv_b, out, out_part, tickets): the step projects separately
-    projection = {"wv_b", "out", "out_part", "tickets"}
-    want = tuple("NULL_PTR" if a in projection else a for a in repro.COMBINE_ARGS)
-    assert tuple(_launch_arg_names(api.DecodeStep.run_merge)) == want
+    # the step's combine is the script's one launch that merges and projects (its merge-only
+    # form passes null pointers in the same places)
+    assert tuple(_launch_arg_names(api.DecodeStep.run_merge)) == repro.COMBINE_ARGS
     grid = inspect.getsource(api.DecodeStep.combine_grid.fget)
     assert "n_head" in grid and "col_blocks" in grid
 
