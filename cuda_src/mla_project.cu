@@ -4,14 +4,14 @@
 // Template parameters
 //   WvT  wv_b element: __half or __nv_bfloat16
 // Fixed geometry
-//   kPmThreads = 128 (4 warps); a block computes a kPmM x kPmV = 32 x 32 tile of out for one
+//   kPmThreads = 256 (8 warps); a block computes a kPmM x kPmV = 32 x 32 tile of out for one
 //   head: 32 latent rows x 32 wv_b rows, as 2 m16 x 4 n8 mma.sync m16n8k16 tiles. Its warps
-//   each take a quarter of the 512 latent columns (8 k16 steps), and their partial tiles are
-//   added in shared memory in warp order (deterministic). sandbox/registry.py passes its
+//   each take an eighth of the 512 latent columns (4 k16 steps, one round trip of loads),
+//   and their partial tiles are added in shared memory in warp order (deterministic). sandbox/registry.py passes its
 //   block size and kPmM, kPmV; the kernel static_asserts them.
 //
 // Launch: grid = (H, ceil(v_head / kPmV), ceil(M / kPmM)), block = kPmThreads, no dynamic
-// shared memory (20 KB static: the four partial tiles).
+// shared memory (40 KB static: the eight partial tiles).
 // latent [M][H][512] f32, out [M][H][v_head] f32: row m of head h is m * H + h. Batch 1 has
 // M = 1 (latent [H][512]); a paged batch M = B * s_q (latent [B][s_q][H][512]). Rows past M
 // and wv_b rows past v_head are read from the last valid one and never stored.
@@ -26,7 +26,7 @@
 // columns 4 c4 .. 4 c4 + 3 of each step (the MMA's 2 c4, 2 c4 + 1, 2 c4 + 8, 2 c4 + 9), one
 // float4 of a latent row and 8 bytes of a wv_b row, where the MMA's own order takes two
 // loads of each.
-// wv_b's 8 k-steps are loaded at once, the latent's kPmBatch k-steps at a time. A block
+// A warp's 4 k-steps of wv_b are loaded at once, then its 4 of the latent. A block
 // reads its wv_b slice once for its 32 latent rows, so wv_b is read ceil(M / 32) times in all
 // (from L2 after the first).
 //
@@ -42,16 +42,17 @@
 
 namespace mla {
 
-constexpr int kPmThreads = 128;
+constexpr int kPmThreads = 256;
 constexpr int kPmWarps = kPmThreads / 32;
 constexpr int kPmM = 32, kPmV = 32;                        // the block's output tile
 constexpr int kPmMT = kPmM / 16, kPmNT = kPmV / 8;         // 2 m16 tiles, 4 n8 tiles
-constexpr int kPmKSteps = MLA_KV_LORA / 16 / kPmWarps;     // 8 k16 steps a warp
+constexpr int kPmKSteps = MLA_KV_LORA / 16 / kPmWarps;     // 4 k16 steps a warp
 constexpr int kPmBatch = 4;                                // latent k-steps loaded together
 constexpr int kPmRedStride = kPmV + 8;  // a fragment's 8 row groups on distinct bank pairs
 static_assert(MLA_KV_LORA % (16 * kPmWarps) == 0, "whole k16 steps per warp");
 static_assert(kPmKSteps % kPmBatch == 0, "whole batches of k-steps");
-static_assert(kPmM * kPmV == kPmThreads * 8, "the final sum: 8 outputs a thread");
+constexpr int kPmOut = kPmM * kPmV / kPmThreads;          // outputs a thread adds up: 4
+static_assert(kPmOut % 4 == 0 && kPmV % kPmOut == 0, "the final sum: whole float4s of a row");
 
 template <typename WvT>
 __global__ void __launch_bounds__(kPmThreads)
@@ -157,12 +158,13 @@ project(const float* __restrict__ latent, const WvT* __restrict__ wv_b, int n_he
                 *reinterpret_cast<float2*>(&red[warp][16 * mt + g + 8 * hh][8 * nt + 2 * c4]) =
                     make_float2(acc[mt][nt][2 * hh], acc[mt][nt][2 * hh + 1]);
     __syncthreads();
-    // The four k-quarters in warp order; thread t: row t / 4, columns 8 (t % 4) ..
-    const int r = tid >> 2, c8 = (tid & 3) * 8, m = m0 + r;
+    // The warps' k-slices in warp order; thread t: row t / (kPmV / kPmOut), kPmOut columns.
+    constexpr int kPerRow = kPmV / kPmOut;
+    const int r = tid / kPerRow, c8 = (tid % kPerRow) * kPmOut, m = m0 + r;
     if (m >= m_rows) return;
-    float sum[8];
+    float sum[kPmOut];
 #pragma unroll
-    for (int e = 0; e < 8; e += 4) {
+    for (int e = 0; e < kPmOut; e += 4) {
         float4 s4 = *reinterpret_cast<const float4*>(&red[0][r][c8 + e]);
 #pragma unroll
         for (int w = 1; w < kPmWarps; ++w) {
@@ -173,7 +175,7 @@ project(const float* __restrict__ latent, const WvT* __restrict__ wv_b, int n_he
     }
     float* dst = out + (static_cast<size_t>(m) * n_head + h) * v_head;
 #pragma unroll
-    for (int e = 0; e < 8; ++e)
+    for (int e = 0; e < kPmOut; ++e)
         if (v0 + c8 + e < v_head) dst[v0 + c8 + e] = sum[e];
 }
 

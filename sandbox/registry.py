@@ -74,7 +74,7 @@ COMBINE_THREADS = 256
 COMBINE_COL_BLOCKS = 16
 Q_ABSORB_THREADS = 256
 Q_ABSORB_COL_BLOCKS = 8   # blocks per head of q_absorb (kAbsorbColBlocks), 64 columns each
-PROJECT_THREADS = 128     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, tensor cores
+PROJECT_THREADS = 256     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, tensor cores
 PROJECT_V_ROWS = 32       # wv_b rows of a block's output tile (kPmV)
 PROJECT_M_ROWS = 32       # latent rows of a block's output tile (kPmM): wv_b is read once
                           # per 32 rows
