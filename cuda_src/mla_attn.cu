@@ -316,15 +316,19 @@ __device__ __forceinline__ void attn_body(const QT* __restrict__ q, W& walk, flo
             for (int e = 0; e < kCols; ++e) dst[e] = out_acc[j][e];
             if (single) {
                 const float inv_l = single_pass_inv_l(l_s[j]);
+                float* lat = walk.latent + walk.latent_row(part_base + head0 + j) * kKvLora +
+                             col_group * kCols;
 #pragma unroll
-                for (int e = 0; e < kCols; ++e) walk.latent[col0 + e] = out_acc[j][e] * inv_l;
+                for (int e = 0; e < kCols; ++e) lat[e] = out_acc[j][e] * inv_l;
             }
         }
     }
     if (tid < HPB && head0 + tid < n_head) {
         part_m[part_base + head0 + tid] = m_s[tid];
         part_l[part_base + head0 + tid] = l_s[tid];
-        if (single) walk.lse[part_base + head0 + tid] = single_pass_lse(m_s[tid], l_s[tid]);
+        if (single)
+            walk.lse[walk.latent_row(part_base + head0 + tid)] =
+                single_pass_lse(m_s[tid], l_s[tid]);
     }
 }
 

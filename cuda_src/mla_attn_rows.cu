@@ -241,12 +241,12 @@ __device__ __forceinline__ void attn_rows_body(const QT* __restrict__ q, W& walk
 #pragma unroll
         for (int w = 0; w < kWarps; ++w) sum += merge_acc[w * kKvLora + col];
         part_acc[partial * kKvLora + col] = sum;
-        if (single) walk.latent[partial * kKvLora + col] = sum * inv_l;
+        if (single) walk.latent[walk.latent_row(partial) * kKvLora + col] = sum * inv_l;
     }
     if (threadIdx.x == 0) {
         part_m[partial] = m_block;
         part_l[partial] = l;
-        if (single) walk.lse[partial] = single_pass_lse(m_block, l);
+        if (single) walk.lse[walk.latent_row(partial)] = single_pass_lse(m_block, l);
     }
 }
 

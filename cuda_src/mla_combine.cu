@@ -39,9 +39,11 @@
 // mla::combine_paged<WvT, RESCALE>, the paged launch: grid = (n_rows, column blocks, B).
 // Block (r, cb, b) merges row r of request b over chunks 0..n-1 of that request (n as the
 // attention launch wrote it, chunk_counts[b]; the chunk rule is mla_walk.cuh's), partials
-// [B][max_chunks][n_rows]; latent [B][n_rows][512], lse [B][n_rows], and with wv_b, out [B][n_rows][v_head] = wv_b[r % n_head]
-// @ latent, out_part [B][n_rows][gridDim.y][v_head] and tickets [B][n_rows]. A row with
-// l == 0 (an empty request, a causal row that sees nothing) gets latent 0, lse -inf, out 0.
+// [B][max_chunks][n_rows]; latent [B][n_rows][512], lse [B][n_rows], and with wv_b,
+// out [B][n_rows][v_head] = wv_b[r % n_head] @ latent, out_part [B][n_rows][gridDim.y][v_head]
+// and tickets [B][n_rows]. A row with l == 0 (an empty request, a causal row that sees
+// nothing) gets latent 0, lse -inf, out 0. With attn_writes_single set, a request of one chunk
+// is not merged: the attention kernel wrote its latent and lse (PagedWalk::single()).
 #include "mla_walk.cuh"
 
 namespace mla {
@@ -80,13 +82,17 @@ struct ContiguousMerge {
     __device__ __forceinline__ int stride() const { return n_head; }
     __device__ __forceinline__ size_t row() const { return static_cast<size_t>(h); }
     __device__ __forceinline__ int head() const { return h; }
+    // a merge that runs merges (S = 1 launches none: DecodeStep.single_pass)
+    __device__ __forceinline__ bool attn_wrote() const { return false; }
 };
 
 // Paged: row r = x of request b = blockIdx.z merges that request's chunks 0..n-1 (the chunk
 // rule, request_chunks), partial (b * max_chunks + i) * n_rows + r; results at row
-// b * n_rows + r; wv_b of head r % n_head.
+// b * n_rows + r; wv_b of head r % n_head. written: the attention kernel wrote the row's
+// latent and lse itself (its request runs one chunk), so there is nothing to merge.
 struct PagedMerge {
     int n_rows, n_head, max_chunks, n, r, b;  // r = blockIdx.x, b = blockIdx.z
+    bool written;
     __device__ __forceinline__ int parts() const { return n; }
     __device__ __forceinline__ size_t first() const {
         return static_cast<size_t>(b) * max_chunks * n_rows + r;
@@ -94,11 +100,13 @@ struct PagedMerge {
     __device__ __forceinline__ int stride() const { return n_rows; }
     __device__ __forceinline__ size_t row() const { return static_cast<size_t>(b) * n_rows + r; }
     __device__ __forceinline__ int head() const { return r % n_head; }
+    __device__ __forceinline__ bool attn_wrote() const { return written; }
 };
 
 // The merge of one row's column block, then the optional one-kernel projection. A row whose
 // partials are all empty (l == 0) gets latent 0, lse -inf (and out 0): a batch-1 row never
-// is one, since n_ctx >= 1 fills a slice.
+// is one, since n_ctx >= 1 fills a slice. A row the attention kernel wrote itself
+// (merge.attn_wrote()) is not merged; with wv_b its latent is projected.
 template <typename WvT, bool RESCALE, typename M>
 __device__ __forceinline__ void combine_body(const M& merge, const float* __restrict__ part_acc,
                                              const float* __restrict__ part_m,
@@ -143,94 +151,104 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
     pdl_wait();  // the partials are the attention kernel's: nothing above reads them
     pdl_launch_dependents();
 
-    const int splits = merge.parts();
-    const size_t stride = static_cast<size_t>(merge.stride());
-    const float* acc_base = part_acc + merge.first() * MLA_KV_LORA + cb * cols + 4 * col4;
-    const size_t split_stride = stride * MLA_KV_LORA;
-    // Where a thread has at most kPrefetch splits of columns (and one tile of weights), its
-    // partials are loaded with split tid's (l, m) before the max is known: one round trip
-    // to memory instead of three (l, then m, then acc).
-    const bool prefetch = splits <= kSplitTile && splits <= groups * kPrefetch;
-    float my_l = 0.f, my_m = -INFINITY;
-    if (tid < splits) {
-        const size_t k = merge.first() + tid * stride;
-        my_l = part_l[k];
-        my_m = part_m[k];
-    }
-    float4 pre[kPrefetch];
-    if (prefetch) {
-#pragma unroll
-        for (int j = 0; j < kPrefetch; ++j) {
-            const int i = group + j * groups;
-            if (i < splits) pre[j] = *reinterpret_cast<const float4*>(acc_base + i * split_stride);
-        }
-    }
-    float m_local = my_l > 0.f ? my_m : -INFINITY;
-    for (int i = tid + kCombineThreads; i < splits; i += kCombineThreads) {
-        const size_t k = merge.first() + i * stride;
-        if (part_l[k] > 0.f) m_local = fmaxf(m_local, part_m[k]);
-    }
-    const float m = block_reduce(m_local, scratch, fmax_op);  // -inf only where l == 0
-
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float wl = 0.f;  // this thread's share of l = sum_i w_i l_i
-    if (prefetch) {
+    if (merge.attn_wrote()) {
+        // The row's one chunk: the attention kernel wrote its latent and lse itself
+        // (mla_walk.cuh, single pass); the one-kernel step still projects that latent.
+        if (wv_b == nullptr) return;
+        if (group == 0)
+            group_acc[col4] = *reinterpret_cast<const float4*>(
+                latent + merge.row() * MLA_KV_LORA + cb * cols + 4 * col4);
+    } else {
+        const int splits = merge.parts();
+        const size_t stride = static_cast<size_t>(merge.stride());
+        const float* acc_base = part_acc + merge.first() * MLA_KV_LORA + cb * cols + 4 * col4;
+        const size_t split_stride = stride * MLA_KV_LORA;
+        // Where a thread has at most kPrefetch splits of columns (and one tile of weights), its
+        // partials are loaded with split tid's (l, m) before the max is known: one round trip
+        // to memory instead of three (l, then m, then acc).
+        const bool prefetch = splits <= kSplitTile && splits <= groups * kPrefetch;
+        float my_l = 0.f, my_m = -INFINITY;
         if (tid < splits) {
-            const float w = (my_l > 0.f) ? (RESCALE ? exp2f(my_m - m) : 1.f) : 0.f;
-            w_s[tid] = w;
-            wl = w * my_l;
+            const size_t k = merge.first() + tid * stride;
+            my_l = part_l[k];
+            my_m = part_m[k];
         }
-        __syncthreads();
+        float4 pre[kPrefetch];
+        if (prefetch) {
 #pragma unroll
-        for (int j = 0; j < kPrefetch; ++j) {
-            const int i = group + j * groups;
-            if (i < splits) {
-                const float w = w_s[i];
-                acc.x = fmaf(w, pre[j].x, acc.x);
-                acc.y = fmaf(w, pre[j].y, acc.y);
-                acc.z = fmaf(w, pre[j].z, acc.z);
-                acc.w = fmaf(w, pre[j].w, acc.w);
+            for (int j = 0; j < kPrefetch; ++j) {
+                const int i = group + j * groups;
+                if (i < splits) pre[j] = *reinterpret_cast<const float4*>(acc_base + i * split_stride);
             }
         }
-    }
-    for (int i0 = 0; !prefetch && i0 < splits; i0 += kSplitTile) {
-        const int n = min(kSplitTile, splits - i0);
-        if (tid < n) {
-            const size_t k = merge.first() + (i0 + tid) * stride;
-            const float li = part_l[k];
-            const float w = (li > 0.f) ? (RESCALE ? exp2f(part_m[k] - m) : 1.f) : 0.f;
-            w_s[tid] = w;
-            wl += w * li;
+        float m_local = my_l > 0.f ? my_m : -INFINITY;
+        for (int i = tid + kCombineThreads; i < splits; i += kCombineThreads) {
+            const size_t k = merge.first() + i * stride;
+            if (part_l[k] > 0.f) m_local = fmaxf(m_local, part_m[k]);
         }
-        __syncthreads();
+        const float m = block_reduce(m_local, scratch, fmax_op);  // -inf only where l == 0
+
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        float wl = 0.f;  // this thread's share of l = sum_i w_i l_i
+        if (prefetch) {
+            if (tid < splits) {
+                const float w = (my_l > 0.f) ? (RESCALE ? exp2f(my_m - m) : 1.f) : 0.f;
+                w_s[tid] = w;
+                wl = w * my_l;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int j = 0; j < kPrefetch; ++j) {
+                const int i = group + j * groups;
+                if (i < splits) {
+                    const float w = w_s[i];
+                    acc.x = fmaf(w, pre[j].x, acc.x);
+                    acc.y = fmaf(w, pre[j].y, acc.y);
+                    acc.z = fmaf(w, pre[j].z, acc.z);
+                    acc.w = fmaf(w, pre[j].w, acc.w);
+                }
+            }
+        }
+        for (int i0 = 0; !prefetch && i0 < splits; i0 += kSplitTile) {
+            const int n = min(kSplitTile, splits - i0);
+            if (tid < n) {
+                const size_t k = merge.first() + (i0 + tid) * stride;
+                const float li = part_l[k];
+                const float w = (li > 0.f) ? (RESCALE ? exp2f(part_m[k] - m) : 1.f) : 0.f;
+                w_s[tid] = w;
+                wl += w * li;
+            }
+            __syncthreads();
 #pragma unroll 4
-        for (int i = group; i < n; i += groups) {
-            const float4 a = *reinterpret_cast<const float4*>(acc_base + (i0 + i) * split_stride);
-            const float w = w_s[i];
-            acc.x = fmaf(w, a.x, acc.x);
-            acc.y = fmaf(w, a.y, acc.y);
-            acc.z = fmaf(w, a.z, acc.z);
-            acc.w = fmaf(w, a.w, acc.w);
+            for (int i = group; i < n; i += groups) {
+                const float4 a = *reinterpret_cast<const float4*>(acc_base + (i0 + i) * split_stride);
+                const float w = w_s[i];
+                acc.x = fmaf(w, a.x, acc.x);
+                acc.y = fmaf(w, a.y, acc.y);
+                acc.z = fmaf(w, a.z, acc.z);
+                acc.w = fmaf(w, a.w, acc.w);
+            }
+            __syncthreads();
         }
+        const float l = block_reduce(wl, scratch, sum_op);
+        group_acc[tid] = acc;
         __syncthreads();
-    }
-    const float l = block_reduce(wl, scratch, sum_op);
-    group_acc[tid] = acc;
-    __syncthreads();
-    // Sum the split groups in a fixed order (deterministic), normalize, publish the latent.
-    if (group == 0) {
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-        for (int g = 0; g < groups; ++g) {
-            const float4 o = group_acc[g * tpr + col4];
-            sum.x += o.x; sum.y += o.y; sum.z += o.z; sum.w += o.w;
+        // Sum the split groups in a fixed order (deterministic), normalize, publish the latent.
+        if (group == 0) {
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+            for (int g = 0; g < groups; ++g) {
+                const float4 o = group_acc[g * tpr + col4];
+                sum.x += o.x; sum.y += o.y; sum.z += o.z; sum.w += o.w;
+            }
+            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            const float4 lat =
+                make_float4(sum.x * inv_l, sum.y * inv_l, sum.z * inv_l, sum.w * inv_l);
+            float* lat_dst = latent + merge.row() * MLA_KV_LORA + cb * cols + 4 * col4;
+            *reinterpret_cast<float4*>(lat_dst) = lat;
+            group_acc[col4] = lat;
+            if (tid == 0 && cb == 0)
+                lse[merge.row()] = l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
         }
-        const float inv_l = l > 0.f ? 1.f / l : 0.f;
-        const float4 lat = make_float4(sum.x * inv_l, sum.y * inv_l, sum.z * inv_l, sum.w * inv_l);
-        float* lat_dst = latent + merge.row() * MLA_KV_LORA + cb * cols + 4 * col4;
-        *reinterpret_cast<float4*>(lat_dst) = lat;
-        group_acc[col4] = lat;
-        if (tid == 0 && cb == 0)
-            lse[merge.row()] = l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
     }
     if (wv_b == nullptr) return;  // the merge only: the projection is mla_project.cu's
     __syncthreads();
@@ -302,21 +320,30 @@ combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
 
 // The paged launch: grid (n_rows, column blocks, B). chunk_counts[b] is request b's chunk count
 // as the attention launch derived and wrote it (mla_walk.cuh, the chunk rule), so n is the
-// number of chunks the attention programs of the request wrote. (`tile`, `min_chunk`: the
-// attention launch's, unused here.)
+// number of chunks the attention programs of the request wrote. attn_writes_single != 0: the
+// attention family writes latent and lse itself for a request of one chunk (PagedWalk::
+// single(): the built-in families), so a block of such a request has nothing to merge and,
+// merge only (wv_b null), returns at once. 0 (user kernels, which may write partials only):
+// every request is merged. n == 0 (an empty request) is merged either way: latent 0, lse -inf.
 template <typename WvT, bool RESCALE>
 __global__ void __launch_bounds__(kCombineThreads)
 combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part_m,
               const float* __restrict__ part_l, const int* __restrict__ cache_seqlens,
-              int n_rows, int n_head, int max_chunks, int min_chunk, int tile,
+              int n_rows, int n_head, int max_chunks, int attn_writes_single,
               const WvT* __restrict__ wv_b, int v_head, float* __restrict__ out,
               float* __restrict__ latent, float* __restrict__ lse, float* __restrict__ out_part,
               unsigned int* __restrict__ tickets, const int* __restrict__ chunk_counts) {
     const int r = blockIdx.x, b = blockIdx.z;
     pdl_wait();  // chunk_counts, like the partials, is the attention kernel's
     const int n = chunk_counts[b];  // as the attention launch derived it
-    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, n, r, b}, part_acc,
-                               part_m, part_l, wv_b, v_head, out, latent, lse, out_part, tickets);
+    const bool written = attn_writes_single != 0 && n == 1;
+    if (written && wv_b == nullptr) {
+        pdl_launch_dependents();
+        return;
+    }
+    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, n, r, b, written},
+                               part_acc, part_m, part_l, wv_b, v_head, out, latent, lse,
+                               out_part, tickets);
 }
 
 }  // namespace mla

@@ -366,16 +366,23 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
                 *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
             if (single) {
                 const float inv_l = single_pass_inv_l(l_s[16 * mt + g + 8 * hh]);
+                // batch 1: col0 itself, so the batch-1 kernels' machine code stays as it is
+                const size_t lat0 =
+                    W::latent_is_partial()
+                        ? col0
+                        : walk.latent_row(part_base + h) * kMmaLora + warp * 64 + 2 * c4;
 #pragma unroll
                 for (int t = 0; t < 8; ++t)
-                    *reinterpret_cast<float2*>(walk.latent + col0 + 8 * t) =
+                    *reinterpret_cast<float2*>(walk.latent + lat0 + 8 * t) =
                         make_float2(acc[mt][t][2 * hh] * inv_l, acc[mt][t][2 * hh + 1] * inv_l);
             }
         }
     if (tid < kHeads && head0 + tid < n_head) {
         part_m[part_base + head0 + tid] = m_s[tid];
         part_l[part_base + head0 + tid] = l_s[tid];
-        if (single) walk.lse[part_base + head0 + tid] = single_pass_lse(m_s[tid], l_s[tid]);
+        if (single)
+            walk.lse[walk.latent_row(part_base + head0 + tid)] =
+                single_pass_lse(m_s[tid], l_s[tid]);
     }
 }
 

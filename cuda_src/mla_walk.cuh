@@ -23,6 +23,12 @@
 //   w.fetch<kRows, kThreads>(t, ...) look up what copying tile t needs (paged: its pages)
 //   w.copy_tile<...>(...)            one tile's cp.async copy (cp_async_tile's arguments)
 //   w.part_base()                    the slice's first partial, recomputed (attn_rows)
+//   w.single()                       whether the program's rows get all their positions in
+//                                    this one slice: then the body also writes latent and lse
+//   w.latent_row(partial)            the latent / lse row of partial `partial` (single())
+//   W::latent_is_partial()           latent_row is the identity (batch 1): a body may index
+//                                    the latent as its partials, the batch-1 expression (an
+//                                    inlined identity alone reorders mma_attn's PTX)
 //   W::exp_offset(m), W::softmax_step(...)   the online softmax step, of a row that may see
 //                                    no position of a tile or of the whole walk (paged)
 // (No static data members: NVRTC emits each as a global symbol into every kernel's PTX.)
@@ -159,10 +165,11 @@ __device__ __forceinline__ void write_neutral(int heads, int rows, int latent, c
 }
 
 // ---- batch 1, contiguous -------------------------------------------------------------------
-// Single pass: the two functions below, shared by both walks. With one slice / chunk for
-// every row the kernel also writes latent = acc / l and lse = (m + log2 l) ln 2 (latent 0,
-// lse -inf where l == 0) at entry part_base + row, which is then the row's latent index;
-// its partials are written as well, so a merge that does run gives the same words.
+// Single pass: the two functions below, shared by both walks. Where w.single() (batch 1: one
+// slice for every head; paged: the program's request runs one chunk) the kernel also writes
+// latent = acc / l and lse = (m + log2 l) ln 2 (latent 0, lse -inf where l == 0) at row
+// w.latent_row(partial); its partials are written as well, so a merge that does run gives
+// the same words.
 __device__ __forceinline__ float single_pass_inv_l(float l) { return l > 0.f ? 1.f / l : 0.f; }
 __device__ __forceinline__ float single_pass_lse(float m, float l) {
     return l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
@@ -175,6 +182,9 @@ struct ContiguousWalk {
     float* latent;  // [n_head][512] and [n_head]: written when splits == 1
     float* lse;
     __device__ __forceinline__ bool single() const { return splits == 1; }
+    // With one slice, partial h is head h's latent row.
+    __device__ __forceinline__ size_t latent_row(size_t partial) const { return partial; }
+    __device__ __forceinline__ static constexpr bool latent_is_partial() { return true; }
 
     __device__ __forceinline__ bool begin(int heads, int latent, float* part_acc, float* part_m,
                                           float* part_l, BlockSlice& out) const {
@@ -220,24 +230,36 @@ struct PagedWalk {
     int n_rows, n_head, s_q, causal, max_pages, page_shift, max_chunks, min_chunk, target;
     int batch;
     int* chunk_counts;          // [B]: each request's chunk count, for the combine
-    float* latent;              // [B][n_rows][512] and [B][n_rows]: written when max_chunks == 1
+    float* latent;              // [B][n_rows][512] and [B][n_rows]: written where single()
     float* lse;
-    size_t q_row0 = 0;          // request b's first q row
+    size_t q_row0 = 0;          // request b's first q row (also its first latent row)
     int visible0 = 0;           // row r sees positions < visible0 (+ r / n_head when causal)
     int req = 0, chunk = 0;     // the program's request and chunk (begin)
+    int chunks = 1;             // the request's chunk count (begin; 1 in a single-pass plan)
     int page[kPagedMaxPasses] = {};  // the pages of this thread's rows of the next tile to copy
     int held_index = -1, held_page = 0;  // the table entry this thread looked up last
 
-    __device__ __forceinline__ bool single() const { return max_chunks == 1; }
+    // The plan: one chunk slot a request (grid y = B, program p is request p).
+    __device__ __forceinline__ bool single_plan() const { return max_chunks == 1; }
+    // The program's request runs exactly one chunk (every request in a single-pass plan):
+    // its rows' partials are final, and the body writes latent and lse itself.
+    __device__ __forceinline__ bool single() const { return chunks == 1; }
+    // Where single(): chunk 0 of request req, partial (req * max_chunks) * n_rows + r, is
+    // row r of the request, latent row q_row0 + r.
+    __device__ __forceinline__ size_t latent_row(size_t partial) const {
+        return q_row0 + (partial - static_cast<size_t>(req) * max_chunks * n_rows);
+    }
+    __device__ __forceinline__ static constexpr bool latent_is_partial() { return false; }
 
     __device__ __forceinline__ int visible(int r) const {
         return causal ? visible0 + r / n_head : visible0;
     }
-    // Program p = blockIdx.y of row block blockIdx.x. Single pass (max_chunks 1, grid y = B):
-    // request p, chunk 0. Else (grid y = max(target, B)) the p-th chunk of the batch in
-    // request order (locate_chunk), nothing past the last. Row block 0's program 0 (single
-    // pass: each request's program of row block 0) publishes the chunk counts. A block none of
-    // whose rows sees a position of its chunk (causal) writes their neutral partials.
+    // Program p = blockIdx.y of row block blockIdx.x. Single-pass plan (max_chunks 1, grid
+    // y = B): request p, chunk 0. Else (grid y = max(target, B)) the p-th chunk of the batch
+    // in request order (locate_chunk), nothing past the last. Row block 0's program 0 (single-
+    // pass plan: each request's program of row block 0) publishes the chunk counts. A block
+    // none of whose rows sees a position of its chunk (causal) writes their neutral partials,
+    // and where its request runs one chunk (single()) their latent 0 and lse -inf.
     __device__ __forceinline__ bool begin(int heads, int latent_dim, float* part_acc,
                                           float* part_m, float* part_l, BlockSlice& out) {
         const int p = blockIdx.y;
@@ -249,7 +271,7 @@ struct PagedWalk {
         const size_t entries = static_cast<size_t>(batch) * max_pages;
         if (threadIdx.x == 0) prefetch_l2(table + static_cast<size_t>(p) * entries / gridDim.y);
         int len;
-        if (single()) {
+        if (single_plan()) {
             req = p;
             chunk = 0;
             len = __ldg(cache_seqlens + p);
@@ -268,6 +290,7 @@ struct PagedWalk {
             if (slot.b < 0) return false;
             req = slot.b;
             chunk = slot.c;
+            chunks = slot.n;
             len = __ldg(cache_seqlens + req);
             const int start = chunk * slot.len;
             out = {head0, start, min(len, start + slot.len),
@@ -279,11 +302,11 @@ struct PagedWalk {
                           out.row_start);
         if (out.row_start < out.row_end) return true;
         write_neutral(heads, n_rows, latent_dim, out, part_acc, part_m, part_l);
-        if (single()) write_empty_latent(heads, head0, out.part_base, latent_dim);
+        if (single()) write_empty_latent(heads, head0, q_row0, latent_dim);
         return false;
     }
-    // Single pass: latent 0 and lse -inf for rows [head0, head0 + heads) below n_rows of the
-    // request whose first row is entry `base`, rows that see no position.
+    // latent 0 and lse -inf for rows [head0, head0 + heads) below n_rows of the request whose
+    // first latent row is `base` (q_row0), rows that see no position.
     __device__ __forceinline__ void write_empty_latent(int heads, int head0, size_t base,
                                                        int latent_dim) const {
         for (int j = 0; j < heads && head0 + j < n_rows; ++j) {

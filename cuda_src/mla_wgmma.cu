@@ -15,8 +15,9 @@
 // WgmmaSmem::bytes; program p runs the p-th chunk of the batch (the balanced chunk rule,
 // PagedWalk::begin); a block's 64 rows are query rows r = i * H + h of its request (16 heads
 // x s_q 4, or 64 of 128 heads), partials (m, l, acc[512]) in the log2 domain
-// [B][max_chunks][n_rows], merged by the paged combine even under a single-pass plan (this
-// kernel writes no latent itself).
+// [B][max_chunks][n_rows]. Where a request runs one chunk (PagedWalk::single(); every request
+// under a single-pass plan) the kernel also writes its rows' latent = acc / l and lse, and the
+// merge skips them (combine_paged's attn_writes_single).
 //
 // Shared memory, every operand in the 128-byte-swizzle layout wgmma reads: a matrix of 64
 // rows is stored as column blocks of 64 16-bit elements (128 bytes), block after block, each
@@ -432,20 +433,33 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     }
     if (c == 0) { lsum[wg * kWgRows + r0] = l_run[0]; lsum[wg * kWgRows + r0 + 8] = l_run[1]; }
     __syncthreads();
+    // Where the request runs one chunk (walk.single()), also latent = acc / l and lse, as the
+    // merge of that one partial would write them (mla_walk.cuh, single pass).
+    const bool single = walk.single();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = r0 + 8 * h;
         if (head0 + r >= n_rows) continue;
         const size_t partial = part_base + head0 + r;
+        const float l = lsum[r] + lsum[kWgRows + r];  // both warpgroups hold the same m_run
         if (wg == 0 && c == 0) {
             part_m[partial] = m_run[h];
-            part_l[partial] = lsum[r] + lsum[kWgRows + r];
+            part_l[partial] = l;
+            if (single) walk.lse[walk.latent_row(partial)] = single_pass_lse(m_run[h], l);
         }
         float* dst = part_acc + partial * kWgLora + wg * 256 + 2 * c;
 #pragma unroll
         for (int j = 0; j < 32; ++j)
             *reinterpret_cast<float2*>(dst + 8 * j) =
                 make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+        if (single) {
+            const float inv_l = single_pass_inv_l(l);
+            float* lat = walk.latent + walk.latent_row(partial) * kWgLora + wg * 256 + 2 * c;
+#pragma unroll
+            for (int j = 0; j < 32; ++j)
+                *reinterpret_cast<float2*>(lat + 8 * j) =
+                    make_float2(o[4 * j + 2 * h] * inv_l, o[4 * j + 2 * h + 1] * inv_l);
+        }
     }
 }
 

@@ -34,10 +34,12 @@ NULL_PTR = np.uint64(0)  # a null pointer argument: the merge-only combine takes
 # variant="batched" without heads_per_block: the fastest of the heads-per-block sweep on the
 # H200 at 131072 context, the largest HPB that keeps two blocks per SM.
 DEFAULT_BATCHED_HPB = 16
-# The families whose attention kernels write latent and lse themselves under a single-pass
-# plan (SplitPlan / ChunkPlan .single_pass); tiled16, wgmma64 and user kernels write partials
-# only and are always merged.
-SINGLE_PASS_FAMILIES = ("per_head", "split", "batched", "mma")
+# The families whose attention kernels write latent and lse themselves where a row's context
+# is one piece: every row under a single-pass plan (SplitPlan / ChunkPlan .single_pass), where
+# the merge is skipped, and on the paged path also each request of one chunk at run time,
+# which the paged merge then skips (combine_paged's attn_writes_single). tiled16 and user
+# kernels write partials only and are always merged.
+SINGLE_PASS_FAMILIES = ("per_head", "split", "batched", "mma", "wgmma")
 
 
 # Scratch for the split partials, one pool per device: a single static pointer allocated by

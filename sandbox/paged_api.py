@@ -20,10 +20,12 @@ between replays needs no recapture.
 
 The combine phase is two launches: the merge of each row's chunks (combine_paged, merge only,
 one block per row and column block) and, with wv_b, the output projection of every
-(request, query token, head) row at once (mla_project.cu: wv_b read once per 16 rows of a
-head, not once per row). Where the attention kernel writes the latent itself (a plan with
-`single_pass`), the merge is skipped. Both launch with programmatic dependent launch
-(sandbox/pdl.py) where the device has it.
+(request, query token, head) row at once (mla_project.cu: wv_b read once per 32 rows of a
+head, not once per row). The built-in families' attention kernels write the latent and lse
+of every request that runs one chunk themselves: under a plan with `single_pass` (one chunk a
+request) the merge is not launched, and otherwise its blocks of such a request return at once
+(`attn_writes_single`; a user kernel's requests are all merged). Both launch with
+programmatic dependent launch (sandbox/pdl.py) where the device has it.
 
 `decode()` (batch 1, one contiguous cache) stays beside this path with its own kernels'
 machine code; batch 1 through the paged path agrees with it within the float64 tolerances.
@@ -252,10 +254,9 @@ class PagedDecodeStep:
 
     @property
     def single_pass(self) -> bool:
-        """Whether the attention kernel writes the latent and lse itself (every request in
-        one chunk): then the merge is skipped and only the projection runs."""
-        return (bool(getattr(self.plan, "single_pass", False))
-                and self.variant.family in SINGLE_PASS_FAMILIES)
+        """Whether the attention kernel writes the latent and lse of every request (a plan of
+        one chunk a request): then the merge is not launched and only the projection runs."""
+        return bool(getattr(self.plan, "single_pass", False)) and self.attn_writes_single
 
     def attn_args(self) -> tuple:
         """The paged attention kernel's arguments, in the kernels' order. latent and lse
@@ -269,13 +270,19 @@ class PagedDecodeStep:
                 np.int32(p.target), np.int32(sh.batch), self.chunk_counts, self.latent,
                 self.lse)
 
+    @property
+    def attn_writes_single(self) -> bool:
+        """Whether the attention kernel writes the latent and lse of a request that runs one
+        chunk (the built-in families): the merge then skips that request."""
+        return self.variant.family in SINGLE_PASS_FAMILIES
+
     def combine_args(self) -> tuple:
         """The merge's arguments, in the paged combine's order: merge only, so wv_b, out,
         out_part and tickets are null pointers (the projection applies wv_b)."""
         sh, p = self.shape, self.plan
         return (self.part_acc, self.part_m, self.part_l, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(p.max_chunks),
-                np.int32(p.min_chunk), np.int32(p.tile), _NULL, np.int32(sh.dims.v_head), _NULL,
+                np.int32(self.attn_writes_single), _NULL, np.int32(sh.dims.v_head), _NULL,
                 self.latent, self.lse, _NULL, _NULL, self.chunk_counts)
 
     def project_args(self) -> tuple:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from . import cublas_engine, registry, toolkit
+from .api import SINGLE_PASS_FAMILIES
 from .archs import check_arch, variant_needs
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
@@ -60,7 +61,7 @@ PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n
                    "scale_log2", "part_acc", "part_m", "part_l", "target", "batch",
                    "chunk_counts", "latent", "lse")
 PAGED_COMBINE_ARGS = ("part_acc", "part_m", "part_l", "cache_seqlens", "n_rows", "n_head",
-                      "max_chunks", "min_chunk", "tile", "wv_b", "v_head", "out", "latent",
+                      "max_chunks", "attn_writes_single", "wv_b", "v_head", "out", "latent",
                       "lse", "out_part", "tickets", "chunk_counts")
 PAGED_SPARE_PAGES = 2   # as make_paged_inputs' default
 # The registry's launch values go along, so the script's kernels static_assert them too.
@@ -330,6 +331,11 @@ class PagedReproCase:
         return _paged_instances(registry.variant(self.variant), self.cache_dtype, self.q_dtype,
                                 not self.negative_control)
 
+    def attn_writes_single(self) -> bool:
+        """The combine's flag, as PagedDecodeStep passes it: the family's attention kernel
+        writes the latent of a request of one chunk, which the merge then skips."""
+        return registry.variant(self.variant).family in SINGLE_PASS_FAMILIES
+
 
 def _paged_instances(var, cache: str, q: str, rescale: bool):
     """(paged attention instance, paged combine instance) from the registry, or a ValueError
@@ -445,6 +451,7 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
         "@@COMBINE@@": repr({"source": comb.source, "expression": comb.expression,
                              "name": comb.name, "threads": comb.threads,
                              "col_blocks": registry.COMBINE_COL_BLOCKS,
+                             "attn_writes_single": int(case.attn_writes_single()),
                              "args": PAGED_COMBINE_ARGS}),
     }
     return _fill(PAGED_TEMPLATE, values, _check_embeddable(attn.source, attn_text),

@@ -427,8 +427,10 @@ It prints the GPU and versions; draws the batch's inputs from the seed on the ho
 of mlasandbox.paged_inputs.make_paged_inputs: a permuted block table, NaN in every unused page
 and past each request's length, INVALID_PAGE in every table entry past a request's pages);
 compiles the embedded CUDA source with NVRTC and launches the paged attention over grid
-(row blocks, MAX_CHUNKS, B), then the paged combine over (n_rows, col blocks, B), each phase
-synchronized so that an error names it; compares latent, lse and out with an embedded float64
+(row blocks, MAX_CHUNKS, B), then the paged combine over (n_rows, col blocks, B) (with
+COMBINE["attn_writes_single"] it does not merge a request of one chunk, whose latent and lse
+the attention kernel wrote, and projects that latent), each phase synchronized so that an
+error names it; compares latent, lse and out with an embedded float64
 paged reference (rows that see no position must be exactly latent 0, lse -inf, out 0); prints
 one PASS / FAIL / ERROR / NOT RUN line.
 
@@ -570,7 +572,8 @@ def run_cuda(kernels, q, cache, table, lengths, wv_b):
         "s_q": np.int32(S_Q), "causal": np.int32(CAUSAL),
         "max_pages": np.int32(table.shape[1]), "page_shift": np.int32(page_shift),
         "max_chunks": np.int32(mc), "min_chunk": np.int32(PLAN["min_chunk"]),
-        "tile": np.int32(PLAN["tile"]), "target": np.int32(PLAN["target"]),
+        "attn_writes_single": np.int32(COMBINE["attn_writes_single"]),
+        "target": np.int32(PLAN["target"]),
         "batch": np.int32(batch), "chunk_counts": cupy.full(batch, -1, cupy.int32),
         "scale_log2": np.float32(SCALE * LOG2E),
         "v_head": np.int32(V_HEAD),

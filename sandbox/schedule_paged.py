@@ -14,12 +14,12 @@ queries that see nothing) without a GPU. What it models:
   acc = acc alpha + p @ rows, in f32. Positions a row must not see (past the chunk, or past
   its causal limit) have score -inf, so p = 0 there; a row that has seen nothing keeps
   m = -inf, l = 0, acc = 0 (never NaN).
-* Single pass (`plan.single_pass`, one chunk slot a request): latent = acc / l and
-  lse = m + log l straight from the chunk's partial, as the attention kernel writes them,
-  no merge.
-* The combine, per request: the partials merged `combine_tile` at a time, each step one
-  online-softmax update with the tile's max, then latent = acc / l and lse = m + log l; a
-  row with l = 0 gets latent 0 and lse -inf. `rescale=False` drops every exp(m_i - m)
+* A request of one chunk (every request under `plan.single_pass`): latent = acc / l and
+  lse = m + log l straight from the chunk's partial, as the built-in attention kernels write
+  them (PagedWalk::single()), no merge.
+* The combine, per request of two chunks or more (and of none): the partials merged
+  `combine_tile` at a time, each step one online-softmax update with the tile's max, then
+  latent = acc / l and lse = m + log l; a row with l = 0 gets latent 0 and lse -inf. `rescale=False` drops every exp(m_i - m)
   factor: the negative control. The projection by wv_b runs on the merged latent.
 
 Not modelled: the order of the 576-term score dot products and of p @ rows (BLAS here);
@@ -122,7 +122,7 @@ def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, pl
         parts = [slots[b, c] for c in range(int(n_chunks[b]))]   # the combine's n_b chunks
         if not parts:
             continue                       # an empty request: latent 0, lse -inf
-        if plan.single_pass:               # the attention kernel's own latent and lse
+        if len(parts) == 1:                # the attention kernel's own latent and lse
             latent[b], lse[b] = _finish(*parts[0])
         else:
             latent[b], lse[b] = _combine(parts, plan.combine_tile, rescale, d.kv_lora, s_q * H)

@@ -23,6 +23,9 @@ class UserReproCase(PagedReproCase):
         return (self.user.instance(self.cache_dtype, self.q_dtype),
                 registry.paged_combine_instance(self.cache_dtype, True))
 
+    def attn_writes_single(self) -> bool:
+        return False   # a user kernel may write partials only: every request is merged
+
 
 def make_user_case(kernel, *, batch: int = 4, lengths="0,20,4097,1000", s_q: int = 1,
                    causal: bool = False, page_size: int = 64, heads: int = 16,

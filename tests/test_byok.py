@@ -202,6 +202,8 @@ def test_repro_embeds_the_source(tmp_path):
     plan = re.search(r"^PLAN = (\{.*?\})", text, re.M)
     assert plan and set(eval(plan.group(1))) >= {"max_chunks", "min_chunk", "tile",
                                                  "rows_per_block", "target"}, text[:2000]
+    # a user kernel may write partials only: the script's merge takes every request
+    assert "'attn_writes_single': 0," in text
 
 
 def test_includes_resolve_and_keep_line_numbers(tmp_path):

@@ -24,12 +24,13 @@ import pytest
 
 from gpu_support import fresh_seed, gpu
 from mlasandbox import registry
+from mlasandbox.api import SINGLE_PASS_FAMILIES
 from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import PagedResult
 from mlasandbox.paged_inputs import make_paged_inputs
-from mlasandbox.reference import decode_paged
+from mlasandbox.reference import decode_paged, to_host
 
 LOG2E = 1.4426950408889634
 
@@ -90,9 +91,14 @@ CASES = [
 
 
 def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale: bool = True,
-              merge: bool = True):
+              merge: bool = True, writes_single: bool | None = None,
+              forget_latent: bool = False):
     """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l).
-    merge=False: the attention launch alone, its latent and lse (a single-pass plan)."""
+    merge=False: the attention launch alone, its latent and lse (those of the requests that
+    run one chunk). writes_single: the combine's attn_writes_single flag (None: as
+    PagedDecodeStep passes it, whether the family writes a one-chunk request's latent).
+    forget_latent: latent and lse are NaN-filled again between the two launches, as if the
+    attention kernel had written partials only."""
     import cupy as cp
 
     from mlasandbox.kernels import get_kernel
@@ -105,8 +111,9 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     q_dt = "f32" if q.dtype == cp.float32 else cache_dt
     att = registry.paged_attention_instance(variant, cache_dt, q_dt)
     comb = registry.paged_combine_instance(cache_dt, rescale)
-    tile = att.tile_rows
-    min_chunk = MIN_TILES_PER_CHUNK * tile
+    if writes_single is None:
+        writes_single = registry.variant(variant).family in SINGLE_PASS_FAMILIES
+    min_chunk = MIN_TILES_PER_CHUNK * att.tile_rows
     latent_dim, v_head = registry.KV_LORA, 128
 
     i32 = np.int32
@@ -130,6 +137,9 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
         cp.cuda.Device().synchronize()
         return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape), None), part_l
 
+    if forget_latent:
+        latent.fill(cp.nan)
+        lse.fill(cp.nan)
     has_wv = inp.wv_b is not None
     out = cp.full((batch, n_rows, v_head), cp.nan, cp.float32)
     out_part = cp.full((batch, n_rows, registry.COMBINE_COL_BLOCKS, v_head), cp.nan,
@@ -138,8 +148,7 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     wv_b = inp.wv_b if has_wv else np.uint64(0)  # a null pointer: no out
     get_kernel(comb)((n_rows, registry.COMBINE_COL_BLOCKS, batch), (comb.threads,), (
         part_acc, part_m, part_l, seqlens, i32(n_rows), i32(n_head), i32(max_chunks),
-        i32(min_chunk), i32(tile), wv_b, i32(v_head), out, latent, lse, out_part, tickets,
-        counts))
+        i32(writes_single), wv_b, i32(v_head), out, latent, lse, out_part, tickets, counts))
     cp.cuda.Device().synchronize()
     assert int(tickets.sum()) == 0, "the combine leaves its tickets at 0 for the next launch"
     return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape),
@@ -197,14 +206,95 @@ def test_a_single_pass_writes_latent_and_lse_without_the_merge(case):
 
 @gpu
 def test_the_single_pass_check_has_power():
-    # with two chunks a request the attention launch writes no latent: it stays NaN, the
-    # comparison must fail
+    # a request of two chunks gets no latent from the attention launch (only one of one chunk
+    # does, PagedWalk::single()): it stays NaN, the comparison must fail
     case = Case("mma16", 16, (4097,), max_chunks=2)
+    assert list(request_chunks([4097], 2, 64, MIN_TILES_PER_CHUNK * 64, 132)[0]) == [2]
     seed = fresh_seed()
     inp = _inputs(case, seed)
     res, _ = run_paged(inp, case.variant, 2, merge=False)
     assert np.isnan(res.latent.get()).all()
     assert not compare_paged(res, decode_paged(**{**inp.decode_args(), "wv_b": None})).ok
+
+
+# Requests of 0, 1 and several chunks in one batch (a small wave target): the attention kernel
+# writes the latent and lse of each request of one chunk itself (PagedWalk::single()), the rows
+# of a block that sees nothing included (causal lengths 1 and 2 at s_q 4: query tokens 0-2 of
+# length 1 see no position, whole 16-row blocks of mma16), and the merge skips those requests
+# (combine_paged's attn_writes_single) and merges the others and the empty one. Outputs and
+# partials start as NaN (run_paged). The tolerances are the module's (or the family's).
+MIXED = [
+    Case("mma16", 16, (4097, 1, 0, 140, 9000, 65), page_size=64, max_chunks=4, target=8),
+    Case("mma16", 16, (3000, 1, 2, 700, 0), s_q=4, causal=True, page_size=16, max_chunks=6,
+         target=6, cache="bf16", wv_b=False),
+]
+
+
+def _requests(res, ref, picked):
+    """(res, ref) cut to the requests `picked` (a mask over B), latent and lse only."""
+    got = PagedResult(to_host(res.latent)[picked], to_host(res.lse)[picked], None)
+    return got, PagedResult(ref.latent[picked], ref.lse[picked], None)
+
+
+def one_chunk_requests(case):
+    """The mask of case's requests that run one chunk (chunks.py's model of the rule); the
+    case must mix them with requests of several chunks."""
+    tile = registry.paged_attention_instance(case.variant, case.cache, case.q).tile_rows
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
+                          case.target)
+    assert (n == 1).any() and (n >= 2).any(), f"{case}: chunk counts {n} do not mix 1 and more"
+    return n == 1
+
+
+def check_mixed_chunks(case, tolerance=lambda inp, ref: None):
+    """MIXED's checks of `case`, compare_paged's tolerance from tolerance(inp, ref)."""
+    one = one_chunk_requests(case)
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    ref = decode_paged(**inp.decode_args())
+    tol = tolerance(inp, ref)
+    # the attention launch alone: the one-chunk requests' rows are written, the others not
+    alone, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target, merge=False)
+    lat, lse = to_host(alone.latent), to_host(alone.lse)
+    assert not np.isnan(lat[one]).any() and not np.isnan(lse[one]).any(), f"{case} seed={seed}"
+    assert np.isnan(lat[~one]).all() and np.isnan(lse[~one]).all(), f"{case} seed={seed}"
+    cmp = compare_paged(*_requests(alone, ref, one), tol)
+    assert cmp.ok, f"{case} seed={seed}: the attention launch's own latent\n{cmp.summary()}"
+    # the step: the merge leaves those to the attention kernel and merges the rest
+    res, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target)
+    cmp = compare_paged(res, ref, tol)
+    assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
+
+
+def check_a_merge_that_skips_unwritten_requests_fails(case, tolerance=lambda inp, ref: None):
+    """The negative control of check_mixed_chunks: latent and lse NaN-filled again between the
+    launches (an attention kernel that writes partials only) and the merge still skipping the
+    one-chunk requests leaves exactly those NaN, and the comparison fails; the same launches
+    with the flag off (the merge of every request) pass."""
+    one = one_chunk_requests(case)
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    ref = decode_paged(**inp.decode_args())
+    tol = tolerance(inp, ref)
+    kw = {"target": case.target, "forget_latent": True}
+    bad, _ = run_paged(inp, case.variant, case.max_chunks, writes_single=True, **kw)
+    lat = to_host(bad.latent)
+    assert np.isnan(lat[one]).all() and not np.isnan(lat[~one]).any(), f"{case} seed={seed}"
+    assert not compare_paged(bad, ref, tol).ok, f"{case} seed={seed}: NaN rows passed"
+    good, _ = run_paged(inp, case.variant, case.max_chunks, writes_single=False, **kw)
+    cmp = compare_paged(good, ref, tol)
+    assert cmp.ok, f"{case} seed={seed}: the merge of every request\n{cmp.summary()}"
+
+
+@gpu
+@pytest.mark.parametrize("case", MIXED, ids=str)
+def test_requests_of_one_chunk_are_written_by_the_attention_and_skipped_by_the_merge(case):
+    check_mixed_chunks(case)
+
+
+@gpu
+def test_negative_control_a_merge_that_skips_requests_nobody_wrote_fails():
+    check_a_merge_that_skips_unwritten_requests_fails(MIXED[0])
 
 
 @gpu

@@ -36,7 +36,8 @@ from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
 from mlasandbox.compare import Tolerance
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.reference import decode_paged, to_host
-from test_gpu_paged_kernels import Case, _inputs, run_paged
+from test_gpu_paged_kernels import (Case, _inputs, check_mixed_chunks, run_paged,
+                                    check_a_merge_that_skips_unwritten_requests_fails)
 from tolerances import MARGIN
 
 U16 = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}   # unit roundoff of the 16-bit dtypes
@@ -138,6 +139,33 @@ def test_negative_control_the_combine_without_rescale_fails_the_wgmma_bound():
     ref = decode_paged(**inp.decode_args())
     cmp = compare_paged(res, ref, _tolerance(inp, ref, case.cache))
     assert not cmp.ok, f"seed={seed}: the wgmma bound passed a combine without rescale"
+
+
+# Requests of 0, 1 and several chunks in one batch (test_gpu_paged_kernels.MIXED): wgmma64
+# writes the latent and lse of a request of one chunk itself, and the merge skips it. 128
+# heads (two row blocks); 64 heads x s_q 2 causal, where row block 0 (query token 0) of the
+# request of length 1 sees nothing and takes the walk's early exit.
+MIXED = [
+    Case("wgmma64", 128, (4097, 1, 0, 140, 9000, 65), page_size=64, max_chunks=4, target=8,
+         cache="bf16", q="bf16"),
+    Case("wgmma64", 64, (4097, 1, 0, 300, 9000), s_q=2, causal=True, page_size=16,
+         max_chunks=4, target=8, cache="f16", q="f16", wv_b=False),
+]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("case", MIXED, ids=str)
+def test_wgmma_writes_one_chunk_requests_and_the_merge_skips_them(case):
+    check_mixed_chunks(case, lambda inp, ref: _tolerance(inp, ref, case.cache))
+
+
+@gpu
+@sm90
+def test_negative_control_a_wgmma_merge_that_skips_requests_nobody_wrote_fails():
+    case = MIXED[0]
+    check_a_merge_that_skips_unwritten_requests_fails(
+        case, lambda inp, ref: _tolerance(inp, ref, case.cache))
 
 
 @gpu

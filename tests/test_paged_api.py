@@ -161,9 +161,10 @@ def test_splits_caps_every_request_and_auto_is_the_budget():
 
 
 # ---- the kernels' argument lists ---------------------------------------------------------
-def _bare_step(causal=True, wv_b=True):
+def _bare_step(causal=True, wv_b=True, family="mma"):
     """A step with sentinels where the device buffers go: what attn_args/combine_args read."""
     step = object.__new__(PagedDecodeStep)
+    step.variant = types.SimpleNamespace(family=family)
     kw = fake_inputs(batch=3, s_q=2, heads=5, page_size=16, max_pages=7, num_pages=20)
     if not wv_b:
         kw["wv_b"] = None
@@ -204,12 +205,15 @@ def test_attn_args_follow_the_kernels_order_and_types():
 def test_the_merge_takes_null_pointers_for_wv_b_and_the_projection_applies_it():
     for wv_b in (True, False):
         args = _bare_step(wv_b=wv_b).combine_args()
+        assert len(args) == 16
         assert args[:4] == ("part_acc", "part_m", "part_l", "cache_seqlens")
-        assert [int(a) for a in args[4:9]] == [10, 5, 5, 64, 64]  # n_rows..tile
-        assert int(args[10]) == 128 and args[12:14] == ("latent", "lse")
-        for i in (9, 11, 14, 15):  # wv_b, out, out_part, tickets: the merge-only launch
+        # n_rows, n_head, max_chunks, attn_writes_single (mma writes a one-chunk request)
+        assert [int(a) for a in args[4:8]] == [10, 5, 5, 1]
+        assert all(isinstance(a, np.int32) for a in args[4:8])
+        assert int(args[9]) == 128 and args[11:13] == ("latent", "lse")
+        for i in (8, 10, 13, 14):  # wv_b, out, out_part, tickets: the merge-only launch
             assert args[i] == np.uint64(0) and args[i].dtype == np.uint64  # pointer-sized
-        assert args[16] == "chunk_counts"   # as the attention launch wrote them
+        assert args[15] == "chunk_counts"   # as the attention launch wrote them
     proj = _bare_step().project_args()
     assert proj[:2] == ("latent", "wv_b") and proj[-1] == "out"
     assert [int(a) for a in proj[2:5]] == [5, 6, 128]  # n_head, B * s_q rows, v_head
@@ -512,6 +516,17 @@ def fake_device(monkeypatch):
 
     monkeypatch.setattr(paged_api, "capture_graph", fake_capture)
     return state
+
+
+@pytest.mark.parametrize("family,writes", [("split", 1), ("batched", 1), ("mma", 1),
+                                            ("wgmma", 1), ("user", 0)])
+def test_the_merge_skips_one_chunk_requests_only_for_families_that_write_them(family, writes):
+    # the built-in families write a one-chunk request's latent themselves; a user kernel may
+    # write partials only, so its merge runs for every request, and never skips a launch
+    step = _bare_step(family=family)
+    assert int(step.combine_args()[7]) == writes and step.attn_writes_single == bool(writes)
+    step.plan = types.SimpleNamespace(single_pass=True)
+    assert step.single_pass == bool(writes)
 
 
 def _host_step_inputs(seed):

@@ -306,6 +306,8 @@ def test_the_paged_script_pins_the_plan_and_the_launch(tmp_path, paged_registry)
                           "target": case.plan["target"]}
     assert ns["ATTN"]["args"] == repro.PAGED_ATTN_ARGS
     assert ns["COMBINE"]["args"] == repro.PAGED_COMBINE_ARGS
+    # batched writes a one-chunk request's latent itself: the merge skips it, as in the step
+    assert ns["COMBINE"]["attn_writes_single"] == 1
     assert (ns["S_Q"], ns["CAUSAL"], ns["PAGE_SIZE"]) == (2, True, 16)
 
 
