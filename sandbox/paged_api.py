@@ -148,7 +148,8 @@ class PagedDecodeStep:
 
     def __init__(self, q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
                  causal: bool = False, variant: str = "auto", splits=None, scale=None,
-                 sync_check: bool = False, rescale: bool = True, pdl: bool = True):
+                 sync_check: bool = False, rescale: bool = True, pdl: bool = True,
+                 fused_combine: bool | None = None):
         self.shape, self.scale = check_paged_inputs(q, kv_cache, block_table, cache_seqlens,
                                                     wv_b, scale=scale, causal=causal)
         sh = self.shape
@@ -169,6 +170,7 @@ class PagedDecodeStep:
         self._stream = None   # the capture stream while capture() runs
         self.guard = PhaseGuard(var.name, sync_check=sync_check)
         self.pdl = bool(pdl)
+        self._fused_request = fused_combine
         with self.caller.on():
             self._setup(arrs, splits, rescale)
 
@@ -219,6 +221,20 @@ class PagedDecodeStep:
         self.part_m = scratch_for_device(dev, "part_m", n)
         self.part_l = scratch_for_device(dev, "part_l", n)
         self.chunk_counts = scratch_for_device(dev, "chunk_counts", sh.batch, "int32")
+        # Where the merge runs: the one-kernel combine (merge, then each block projects its
+        # columns) or the merge then the batched projection. None picks the one kernel at the
+        # narrowest column blocks (a batch of at most 16 rows, e.g. one request of 16 heads),
+        # as the batch-1 step does (api.DecodeStep); larger batches are what the tensor-core
+        # projection batches.
+        want = self._fused_request
+        self.fused_combine = self.out is not None and (
+            self.col_blocks == registry.COMBINE_COL_BLOCKS if want is None else bool(want))
+        self.out_part = self.tickets = None
+        if self.fused_combine:
+            rows = sh.batch * self.n_rows
+            self.out_part = scratch_for_device(dev, "out_part",
+                                               rows * self.col_blocks * d.v_head)
+            self.tickets = scratch_for_device(dev, "tickets", rows, "uint32")
 
     @property
     def n_rows(self) -> int:
@@ -277,13 +293,23 @@ class PagedDecodeStep:
         return self.variant.family in SINGLE_PASS_FAMILIES
 
     def combine_args(self) -> tuple:
-        """The merge's arguments, in the paged combine's order: merge only, so wv_b, out,
-        out_part and tickets are null pointers (the projection applies wv_b)."""
+        """The merge's arguments, in the paged combine's order. Merge only, wv_b, out,
+        out_part and tickets are null pointers (the projection applies wv_b); the one-kernel
+        form (fused_combine) passes them."""
         sh, p = self.shape, self.plan
+        fused = getattr(self, "fused_combine", False)
+        wv_b, out, out_part, tickets = ((self.wv_b, self.out, self.out_part, self.tickets)
+                                        if fused else (_NULL, _NULL, _NULL, _NULL))
         return (self.part_acc, self.part_m, self.part_l, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(p.max_chunks),
-                np.int32(self.attn_writes_single), _NULL, np.int32(sh.dims.v_head), _NULL,
-                self.latent, self.lse, _NULL, _NULL, self.chunk_counts)
+                np.int32(self.attn_writes_single), wv_b, np.int32(sh.dims.v_head), out,
+                self.latent, self.lse, out_part, tickets, self.chunk_counts)
+
+    @property
+    def projects_alone(self) -> bool:
+        """Whether the projection is a launch of its own: with wv_b, unless the one-kernel
+        combine runs (a plan that merges, fused_combine)."""
+        return self.out is not None and (self.single_pass or not self.fused_combine)
 
     def project_args(self) -> tuple:
         """The projection's arguments: latent [B*s_q][H][512] in, out [B*s_q][H][v_head]."""
@@ -337,7 +363,7 @@ class PagedDecodeStep:
                 self.guard.launch("combine", self.combine_kernel, self.combine_grid,
                                   (self.combine_inst.threads, 1, 1), self.combine_args(),
                                   kernel_name=self.combine_inst.name, pdl=self.pdl)
-            if self.out is not None:
+            if self.projects_alone:
                 self.guard.launch("combine", self.project_kernel, self.project_grid,
                                   (self.project_inst.threads, 1, 1), self.project_args(),
                                   kernel_name=self.project_inst.name, pdl=self.pdl)
@@ -358,7 +384,7 @@ class PagedDecodeStep:
         if not self.single_pass:
             out.append(Launch(self.combine_inst.name, self.combine_grid,
                               (self.combine_inst.threads, 1, 1), 0, self.pdl))
-        if self.out is not None:
+        if self.projects_alone:
             out.append(Launch(self.project_inst.name, self.project_grid,
                               (self.project_inst.threads, 1, 1), 0, self.pdl))
         return out

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import mlasandbox as mla
-from gpu_support import gpu, poison
+from gpu_support import fresh_seed, gpu, poison
 from mlasandbox import reference
 from mlasandbox.chunks import CHUNK_CAP
 from mlasandbox.compare import Tolerance, compare, rel_l2
@@ -159,6 +159,26 @@ def test_paged_variant_matches_the_float64_reference(grid_data, input_set, varia
     step = PagedDecodeStep(**dev.decode_args(), variant=variant, sync_check=True)
     step.check_indices()
     check_step(step, ref, tolerance(variant, input_set.cache), f"{input_set} {variant} {seed}")
+
+
+@gpu
+@pytest.mark.parametrize("fused", [True, False], ids=["one kernel", "merge + projection"])
+@pytest.mark.parametrize("lengths, s_q", [([20000], 1), ([0, 5000], 1), ([4097], 2)])
+def test_both_combine_forms_match_the_float64_reference(lengths, s_q, fused):
+    """A batch of at most 16 rows defaults to the one-kernel combine; both forms, forced, on
+    chunks of several requests (an empty one too) and causal MTP rows, NaN-poisoned
+    (out_part included), against the float64 reference."""
+    from mlasandbox.paged_api import PagedDecodeStep
+
+    seed = fresh_seed()
+    host = make_paged_inputs(Dims(n_head=16 // (s_q * len(lengths))), lengths, s_q=s_q,
+                             page_size=64, causal=s_q > 1, seed=seed)
+    dev, ref = on_device(host), reference.decode_paged(**host.decode_args())
+    step = PagedDecodeStep(**dev.decode_args(), variant="mma16", sync_check=True,
+                           fused_combine=fused)
+    assert step.fused_combine == fused and not step.single_pass
+    check_step(step, ref, tolerance("mma16", "f16"), f"{lengths} s_q={s_q} seed={seed}")
+    assert len(step.launches()) == (2 if fused else 3)
 
 
 @gpu

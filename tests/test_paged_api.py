@@ -537,6 +537,28 @@ def _host_step_inputs(seed):
     return inp, args
 
 
+@pytest.mark.parametrize("fused,launches", [(None, 2), (True, 2), (False, 3)])
+def test_a_small_batch_merges_and_projects_in_one_kernel(fake_device, seeds, fused, launches):
+    # one request of 16 heads: 16 rows, the narrowest column blocks, where the one-kernel
+    # combine is the default (None); True / False force a form
+    inp = make_paged_inputs(Dims(n_head=16), [3000], page_size=16, seed=seeds.one())
+    args = inp.decode_args()
+    for k in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b"):
+        args[k] = args[k].view(HostArray)
+    step = PagedDecodeStep(**args, variant="mma16", splits=4, fused_combine=fused)
+    assert step.col_blocks == registry.COMBINE_COL_BLOCKS and not step.single_pass
+    step.run()
+    assert len(fake_device.log) == launches == len(step.launches())
+    c_args = fake_device.log[1][3]
+    projection = (c_args[8], c_args[10], c_args[13], c_args[14])  # wv_b, out, out_part, tickets
+    if launches == 2:
+        assert projection[0] is step.wv_b and projection[1] is step.out
+        assert projection[2] is step.out_part and projection[3] is step.tickets
+    else:
+        assert all(int(a) == 0 for a in projection)  # null pointers: the projection's own launch
+        assert fake_device.log[2][0] == "project<paged=true>"
+
+
 def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     inp, args = _host_step_inputs(seeds.one())
     step = PagedDecodeStep(**args, variant="mma16", splits=4)
