@@ -27,8 +27,8 @@
 // wv_b != nullptr: the block also projects its columns into out_part[row][cb][:], and the
 // last of the row's gridDim.y blocks to finish (a ticket per row) adds the parts in a fixed
 // order into out and resets the ticket for the next launch. Its wv_b words (a thread pair
-// per wv_b row, half of the block's columns each) are loaded before the wait, so they overlap
-// the attention kernel's tail. The batch-1 step launches this form (one kernel where the
+// per wv_b row, half of the block's columns each) are loaded before the wait, so at batch 1
+// they overlap the attention kernel's tail. The batch-1 step launches this form (one kernel where the
 // merge-only form and the projection are two); a paged batch has many rows a head, and the
 // tensor-core projection reads wv_b once per 32 of them (mla_project.cu).
 //
@@ -133,8 +133,9 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
     const auto sum_op = [](float a, float b) { return a + b; };
 
     // The projection's wv_b slice is a weight no kernel of the step writes: with wv_b, each
-    // thread loads its first row's words now, before the wait, so the loads overlap the
-    // attention kernel's tail (programmatic launch) and the merge.
+    // thread loads its first row's words now, before the wait, so at batch 1 the loads
+    // overlap the attention kernel's tail (programmatic launch) and the merge. (The paged
+    // launch has waited already: it reads chunk_counts first.)
     uint4 w_pre[kWPrefetch];
     const int w_words = cols / 16;  // 16-byte words of a thread's half of a wv_b row
     const int w_v = tid >> 1, w_half = tid & 1;

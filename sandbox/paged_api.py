@@ -25,7 +25,9 @@ head, not once per row). The built-in families' attention kernels write the late
 of every request that runs one chunk themselves: under a plan with `single_pass` (one chunk a
 request) the merge is not launched, and otherwise its blocks of such a request return at once
 (`attn_writes_single`; a user kernel's requests are all merged). Both launch with
-programmatic dependent launch (sandbox/pdl.py) where the device has it.
+programmatic dependent launch (sandbox/pdl.py) where the device has it. A batch of at most 16
+rows (the merge's narrowest column blocks) runs one kernel instead, the merge whose blocks
+also project their columns (`fused_combine`).
 
 `decode()` (batch 1, one contiguous cache) stays beside this path with its own kernels'
 machine code; batch 1 through the paged path agrees with it within the float64 tolerances.
