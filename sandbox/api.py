@@ -143,16 +143,13 @@ class DecodeStep:
         self.part_acc = scratch_for_device(self.device_id, "part_acc", s * h * d.kv_lora)
         self.part_m = scratch_for_device(self.device_id, "part_m", s * h)
         self.part_l = scratch_for_device(self.device_id, "part_l", s * h)
-        # Where the plan splits: the one-kernel combine (merge and projection, mla_combine.cu)
-        # or the merge then the projection. None picks the one kernel at the narrowest column
-        # blocks (up to 32 heads), where it won; with wider blocks its last-block sum of the
-        # parts costs more than a second launch. H200, combine alone, cold L2, graph: 16
-        # heads 9.3 vs 9.5 us (1024 .. 131072 tokens), 128 heads 18.5 vs 16.4.
-        self.fused_combine = (self.col_blocks == registry.COMBINE_COL_BLOCKS
-                              if fused_combine is None else bool(fused_combine))
-        self.out_part = scratch_for_device(self.device_id, "out_part",
-                                           h * self.col_blocks * d.v_head)
-        self.tickets = scratch_for_device(self.device_id, "tickets", h, "uint32")
+        # where the plan splits: the combine in one kernel, or the merge then the projection
+        self.fused_combine = registry.combine_in_one_kernel(self.col_blocks, fused_combine)
+        self.out_part = self.tickets = None
+        if self.fused_combine:
+            self.out_part = scratch_for_device(self.device_id, "out_part",
+                                               h * self.col_blocks * d.v_head)
+            self.tickets = scratch_for_device(self.device_id, "tickets", h, "uint32")
 
     # ---- phases -------------------------------------------------------------------------
     def run_attn(self) -> None:

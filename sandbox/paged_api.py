@@ -172,11 +172,10 @@ class PagedDecodeStep:
         self._stream = None   # the capture stream while capture() runs
         self.guard = PhaseGuard(var.name, sync_check=sync_check)
         self.pdl = bool(pdl)
-        self._fused_request = fused_combine
         with self.caller.on():
-            self._setup(arrs, splits, rescale)
+            self._setup(arrs, splits, rescale, fused_combine)
 
-    def _setup(self, arrs, splits, rescale) -> None:
+    def _setup(self, arrs, splits, rescale, fused_combine) -> None:
         import cupy
 
         sh, d = self.shape, self.shape.dims
@@ -193,6 +192,7 @@ class PagedDecodeStep:
         self.out = cupy.empty((*rows, d.v_head), cupy.float32) if sh.has_wv_b else None
         self.result = PagedResult(*(self.caller.to_caller(a)
                                     for a in (self.latent, self.lse, self.out)))
+        self.fused_combine, self.out_part, self.tickets = False, None, None
         self.check_inst = self.check_kernel = None
         self.plan: ChunkPlan | None = None
         if not self.variant.is_cuda:
@@ -223,15 +223,10 @@ class PagedDecodeStep:
         self.part_m = scratch_for_device(dev, "part_m", n)
         self.part_l = scratch_for_device(dev, "part_l", n)
         self.chunk_counts = scratch_for_device(dev, "chunk_counts", sh.batch, "int32")
-        # Where the merge runs: the one-kernel combine (merge, then each block projects its
-        # columns) or the merge then the batched projection. None picks the one kernel at the
-        # narrowest column blocks (a batch of at most 16 rows, e.g. one request of 16 heads),
-        # as the batch-1 step does (api.DecodeStep); larger batches are what the tensor-core
-        # projection batches.
-        want = self._fused_request
-        self.fused_combine = self.out is not None and (
-            self.col_blocks == registry.COMBINE_COL_BLOCKS if want is None else bool(want))
-        self.out_part = self.tickets = None
+        # where the plan merges: the combine in one kernel (a batch of at most 16 rows), or
+        # the merge then the tensor-core projection, which batches many rows a head
+        self.fused_combine = (self.out is not None
+                              and registry.combine_in_one_kernel(self.col_blocks, fused_combine))
         if self.fused_combine:
             rows = sh.batch * self.n_rows
             self.out_part = scratch_for_device(dev, "out_part",
@@ -299,9 +294,8 @@ class PagedDecodeStep:
         out_part and tickets are null pointers (the projection applies wv_b); the one-kernel
         form (fused_combine) passes them."""
         sh, p = self.shape, self.plan
-        fused = getattr(self, "fused_combine", False)
         wv_b, out, out_part, tickets = ((self.wv_b, self.out, self.out_part, self.tickets)
-                                        if fused else (_NULL, _NULL, _NULL, _NULL))
+                                        if self.fused_combine else (_NULL, _NULL, _NULL, _NULL))
         return (self.part_acc, self.part_m, self.part_l, self.cache_seqlens,
                 np.int32(self.n_rows), np.int32(sh.n_head), np.int32(p.max_chunks),
                 np.int32(self.attn_writes_single), wv_b, np.int32(sh.dims.v_head), out,

@@ -40,7 +40,7 @@ __all__ = [
     "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
     "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
     "PROJECT_V_ROWS", "PROJECT_M_ROWS", "project_instance", "combine_col_blocks",
-    "project_grid", "q_absorb_grid",
+    "project_grid", "q_absorb_grid", "combine_in_one_kernel",
 ]
 
 # The heads-per-block ladder of the CUDA-core variants: 1 is attn_rows (per_head, split), the
@@ -547,6 +547,17 @@ def q_absorb_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
     _check_dtype("weights", cache, ("f16", "bf16"))
     _check_dtype("q", q, ("f32", cache))
     return KernelInstance("q_absorb", cache, q)
+
+
+def combine_in_one_kernel(col_blocks: int, choice: bool | None = None) -> bool:
+    """Whether a step that merges runs the combine's one-kernel form (merge, then each block
+    projects its columns; mla_combine.cu) rather than the merge then the projection. `choice`
+    True / False forces a form; None picks the one kernel at the narrowest column blocks
+    (COMBINE_COL_BLOCKS: up to 32 heads at batch 1, a paged batch of at most 16 rows), where
+    it won; with wider blocks its last block's sum of the parts costs more than a second
+    launch. H200, combine alone, cold L2, graph (us), one kernel vs two: 16 heads 9.3 vs 9.5
+    (1024 tokens) .. 10.2 vs 10.4 (131072); 128 heads 18.5 vs 16.4 (1024)."""
+    return col_blocks == COMBINE_COL_BLOCKS if choice is None else bool(choice)
 
 
 def project_instance(cache: str = "f16") -> KernelInstance:

@@ -38,7 +38,7 @@ import itertools
 import os
 import re
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
@@ -425,8 +425,10 @@ class UserInstance:
     q: str
     key: str = ""            # the kernel's identity (path and text hash), for equality
 
-    @property
+    @cached_property
     def facts(self) -> dict:
+        """The header's values at these parameters, evaluated once: threads and shared
+        memory are read at every launch."""
         return self.kernel.header.evaluate(dict(self.params))
 
     @property

@@ -178,6 +178,7 @@ def _bare_step(causal=True, wv_b=True, family="mma"):
     step.col_blocks = registry.combine_col_blocks(3 * 10, 132)
     step.wv_b = "wv_b" if wv_b else None
     step.out = "out" if wv_b else None
+    step.fused_combine = False  # the merge only: combine_args passes null projection pointers
     return step
 
 

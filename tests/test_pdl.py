@@ -96,6 +96,15 @@ def test_the_rules_refuse_an_empty_launch():
         registry.combine_col_blocks(0, 132)
 
 
+def test_the_combine_runs_in_one_kernel_at_the_narrowest_column_blocks_unless_forced():
+    narrowest = registry.COMBINE_COL_BLOCKS
+    assert registry.combine_in_one_kernel(registry.combine_col_blocks(16, 132))  # 16 heads
+    assert not registry.combine_in_one_kernel(registry.combine_col_blocks(128, 132))
+    assert not registry.combine_in_one_kernel(narrowest // 2)
+    assert registry.combine_in_one_kernel(1, True) and not registry.combine_in_one_kernel(
+        narrowest, False)
+
+
 def test_the_projection_and_q_absorb_grids():
     assert registry.project_grid(16, 128, 1) == (16, 4, 1)
     assert registry.project_grid(16, 128, 128) == (16, 4, 4)   # 32 x 32 output tiles
