@@ -165,7 +165,6 @@ __device__ __forceinline__ void attn_rows_body(const QT* __restrict__ q, W& walk
     // (work.part_base is not held across the walk: the end recomputes it, one register less)
 
     walk.template fetch<kTile, kThreads>(0, row_start, row_end);
-    walk.template fetch<kTile, kThreads>(0, row_start, row_end);
     walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 0, row_start,
                                                                       row_end);
 

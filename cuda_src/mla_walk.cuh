@@ -214,15 +214,13 @@ struct ContiguousWalk {
 // kTile: the family's tile (the registry's tile_rows), the unit of the chunk rule.
 // Position t of the request is row t & (page_size - 1) of page table[t >> page_shift]; only
 // t < len is ever looked up, so a table entry past the request's pages is never read.
-// kPrefetch: the pages of a thread's rows of the next tile are looked up while this tile is
-// copied (fetch), so a copy never waits on a table read: one lookup per copy pass, off the
-// critical path, and nothing in the loops over a tile. Without it
-// (attn_rows, at its register limit) each copy looks its pages up first (once per page, the
-// last entry kept across tiles), and the SM's other resident blocks cover the wait.
+// The pages of a thread's rows of the next tile are looked up while this tile is copied
+// (fetch), so a copy never waits on a table read: one lookup per copy pass (one a tile where
+// the tile lies in one page), off the critical path, and nothing in the loops over a tile.
 enum : int { kPagedMaxPasses = 2 };  // copy passes of a tile per thread, at most (an enum:
                                      // NVRTC emits namespace constants into every PTX)
 
-template <typename CacheT, int kTile, bool kPrefetch = true>
+template <typename CacheT, int kTile>
 struct PagedWalk {
     const CacheT* cache;
     const int* table;           // block_table [B, max_pages]
@@ -237,7 +235,6 @@ struct PagedWalk {
     int req = 0, chunk = 0;     // the program's request and chunk (begin)
     int chunks = 1;             // the request's chunk count (begin; 1 in a single-pass plan)
     int page[kPagedMaxPasses] = {};  // the pages of this thread's rows of the next tile to copy
-    int held_index = -1, held_page = 0;  // the table entry this thread looked up last
 
     // The plan: one chunk slot a request (grid y = B, program p is request p).
     __device__ __forceinline__ bool single_plan() const { return max_chunks == 1; }
@@ -327,14 +324,31 @@ struct PagedWalk {
     __device__ __forceinline__ int row_end(int r, int slice_end) const {
         return min(slice_end, visible(r));
     }
+    // Whether each tile of a slice starting at row_start lies in one page: pages of at least
+    // kRows positions and tiles on page boundaries (chunks are whole tiles from position 0,
+    // so this holds at page sizes >= the tile). Then a tile needs one table entry, and its
+    // copy is the contiguous one from that page: at 1 x 131072 x 16 heads (mma16, page 64)
+    // the per-row page arithmetic made the paged main loop 371 warp instructions a tile
+    // against the contiguous walk's 321 (ncu, H200).
+    template <int kRows>
+    __device__ __forceinline__ bool tile_in_page(int row_start) const {
+        static_assert((kRows & (kRows - 1)) == 0, "tiles of a power-of-two rows");
+        return (1 << page_shift) >= kRows && (row_start & (kRows - 1)) == 0;
+    }
     // The pages of this thread's rows of tile `tile_index` (rows past row_end: page 0, never
-    // read, and their table entries are not looked up).
+    // read, and their table entries are not looked up). A tile in one page: its entry, in
+    // page[0], the same word for every thread (one broadcast load).
     template <int kRows, int kThreadsT>
     __device__ __forceinline__ void fetch(int tile_index, int row_start, int row_end) {
         constexpr int kRowsPerPass = kThreadsT / 8, kPasses = kRows / kRowsPerPass;
         static_assert(kPasses <= kPagedMaxPasses, "a thread copies at most 2 rows a tile");
-        const int row0 = row_start + tile_index * kRows + static_cast<int>(threadIdx.x >> 3);
         const int* pages = request_pages();
+        if (tile_in_page<kRows>(row_start)) {
+            const int row = row_start + tile_index * kRows;
+            page[0] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
+            return;
+        }
+        const int row0 = row_start + tile_index * kRows + static_cast<int>(threadIdx.x >> 3);
         // Every pass loads its own entry, the same word as the pass before where both rows
         // lie in one page (an L1 hit): nothing here waits for a load, whose value the next
         // tile's copy needs a tile of compute later. Reusing the entry of the pass before
@@ -346,19 +360,9 @@ struct PagedWalk {
             page[pass] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
         }
     }
-    // Table entry `index` of the request, for the copies that look their pages up when they
-    // copy (no kPrefetch): read once per page the thread's rows enter, across tiles too.
-    __device__ __forceinline__ int lookup(const int* pages, int index) {
-        if (index != held_index) {
-            held_page = __ldg(pages + index);
-            held_index = index;
-        }
-        return held_page;
-    }
     // cp_async_tile's copy, each row's address through the pages of this tile (fetched one
-    // copy ago with kPrefetch, else now); with kPrefetch, then the next tile's pages. A loop
-    // of its own: routing cp_async_tile through a row-address callback reorders the batch-1
-    // kernels' PTX.
+    // copy ago), then the next tile's pages. A loop of its own: routing cp_async_tile through
+    // a row-address callback reorders the batch-1 kernels' PTX.
     template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true>
     __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
                                               int row_end) {
@@ -372,20 +376,35 @@ struct PagedWalk {
         const int in_page = (1 << page_shift) - 1;
         uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks +
                      (kSwizzle ? (copy_lane ^ (copy_row & 7)) : copy_lane);
+        if (tile_in_page<kRows>(row_start)) {
+            // One page: row row0 + k is row (row0 & in_page) + k of page page[0]. Rows past
+            // row_end stay inside that page (or page 0 past the slice), never read.
+            const size_t tile_row = (static_cast<size_t>(page[0]) << page_shift) + (row0 & in_page);
+            const CacheT* src = cache + (tile_row + copy_row) * (kChunks * 8) + copy_lane * 8;
+#pragma unroll
+            for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
+                const bool valid = row0 + pass * kRowsPerPass + copy_row < row_end;
+#pragma unroll
+                for (int i = 0; i < kChunks / 8; ++i)
+                    cp_async_16(dst + (pass * kRowsPerPass * kChunks + 8 * i),
+                                src + pass * kRowsPerPass * (kChunks * 8) + 64 * i, valid);
+            }
+            cp_async_commit();
+            fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
+            return;
+        }
 #pragma unroll
         for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
             const int row = row0 + pass * kRowsPerPass + copy_row;
             const bool valid = row < row_end;
-            const int pg = kPrefetch ? page[pass]
-                         : valid   ? lookup(request_pages(), row >> page_shift) : 0;
-            const size_t cache_row = (static_cast<size_t>(pg) << page_shift) + (row & in_page);
+            const size_t cache_row = (static_cast<size_t>(page[pass]) << page_shift) + (row & in_page);
             const CacheT* src = cache + cache_row * (kChunks * 8) + copy_lane * 8;
 #pragma unroll
             for (int i = 0; i < kChunks / 8; ++i)
                 cp_async_16(dst + (pass * kRowsPerPass * kChunks + 8 * i), src + 64 * i, valid);
         }
         cp_async_commit();
-        if (kPrefetch) fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
+        fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
     }
     __device__ __forceinline__ size_t part_base() const {
         return (static_cast<size_t>(req) * max_chunks + chunk) * n_rows;

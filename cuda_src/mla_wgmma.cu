@@ -204,16 +204,18 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float a, fl
 }
 
 // 64 rows of 576 16-bit elements into `dst` in the column-block layout, one cp.async group:
-// row r from src(r), zero-filled where src(r) is null (never read; `any` is a valid address
-// for the zero-size copy). Thread t copies row t / 8 (+ 32), chunks t % 8 + 8i of the row's
-// 72: chunk 8i + c of row r lands in column block i at chunk c ^ (r & 7).
+// row r (copied in pass r / 32) from src(pass, r), zero-filled where that is null (never read;
+// `any` is a valid address for the zero-size copy). Thread t copies row t / 8 (+ 32), chunks
+// t % 8 + 8i of the row's 72: chunk 8i + c of row r lands in column block i at chunk
+// c ^ (r & 7).
 template <typename T, typename Src>
 __device__ __forceinline__ void copy_rows_sw128(unsigned char* dst, const T* any, Src src) {
+    constexpr int kRowsPerPass = kWgThreads / 8;
     const int crow = threadIdx.x >> 3, clane = threadIdx.x & 7;
 #pragma unroll
-    for (int pass = 0; pass < kWgTile / (kWgThreads / 8); ++pass) {
-        const int row = pass * (kWgThreads / 8) + crow;
-        const T* row_src = src(row);
+    for (int pass = 0; pass < kWgTile / kRowsPerPass; ++pass) {
+        const int row = pass * kRowsPerPass + crow;
+        const T* row_src = src(pass, row);
         const bool valid = row_src != nullptr;
         const T* from = (valid ? row_src : any) + clane * 8;
         unsigned char* to = dst + row * 128 + ((clane ^ (row & 7)) << 4);
@@ -226,20 +228,24 @@ __device__ __forceinline__ void copy_rows_sw128(unsigned char* dst, const T* any
 
 // Tile `tile_index` of the slice into `tile` (one stage): position t of the request through
 // its page; positions >= row_end are zero-filled and their table entries are not looked up.
+// The pages come from the walk's fetch of one copy before (PagedWalk::fetch, the rows of this
+// thread's passes, or the tile's one page), and the copy then fetches the next tile's: a
+// table read per row here made every copy wait for it.
 template <typename W>
-__device__ __forceinline__ void wgmma_copy_tile(unsigned char* tile, const W& walk, int tile_index,
+__device__ __forceinline__ void wgmma_copy_tile(unsigned char* tile, W& walk, int tile_index,
                                                 int row_start, int row_end) {
     if (kAblateCacheLoads && tile_index >= 2) return;
-    const int* pages = walk.request_pages();
     const int in_page = (1 << walk.page_shift) - 1;
     const int pos0 = row_start + tile_index * kWgTile;
-    copy_rows_sw128(tile, walk.cache, [&](int row) -> decltype(walk.cache) {
+    const bool one_page = walk.template tile_in_page<kWgTile>(row_start);
+    copy_rows_sw128(tile, walk.cache, [&](int pass, int row) -> decltype(walk.cache) {
         const int pos = pos0 + row;
         if (pos >= row_end) return nullptr;
-        const int pg = __ldg(pages + (pos >> walk.page_shift));
+        const int pg = one_page ? walk.page[0] : walk.page[pass];
         const size_t cache_row = (static_cast<size_t>(pg) << walk.page_shift) + (pos & in_page);
         return walk.cache + cache_row * kWgKey;
     });
+    walk.template fetch<kWgTile, kWgThreads>(tile_index + 1, row_start, row_end);
 }
 
 template <typename A, typename B> struct SameType { static constexpr bool value = false; };
@@ -278,9 +284,10 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     // tile 0; rows past n_rows are zeros
     static_assert(SameType<QT, CacheT>::value, "q in the cache dtype: copied, not converted");
     const CacheT* q_rows = walk.q(q);
-    copy_rows_sw128(q_s, q_rows, [&](int j) -> const CacheT* {
+    copy_rows_sw128(q_s, q_rows, [&](int, int j) -> const CacheT* {
         return head0 + j < n_rows ? q_rows + static_cast<size_t>(head0 + j) * kWgKey : nullptr;
     });
+    walk.template fetch<kWgTile, kWgThreads>(0, row_start, row_end);
     wgmma_copy_tile(tiles, walk, 0, row_start, row_end);
 
     const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
