@@ -216,7 +216,8 @@ class DecodeStep:
 
     @property
     def project_grid(self) -> tuple:
-        return registry.project_grid(self.dims.n_head, self.dims.v_head, 1)
+        return registry.project_grid(self.dims.n_head, self.dims.v_head, 1,
+                                     self.project_inst.kind)
 
     def run(self) -> DecodeResult:
         self.run_attn()

@@ -213,7 +213,7 @@ class PagedDecodeStep:
         self.combine_kernel = get_kernel(self.combine_inst)
         self.project_inst = self.project_kernel = None
         if self.out is not None:
-            self.project_inst = registry.project_instance(sh.cache_dtype)
+            self.project_inst = registry.project_instance(sh.cache_dtype, sh.batch * sh.s_q)
             self.project_kernel = get_kernel(self.project_inst)
         self.col_blocks = registry.combine_col_blocks(sh.batch * self.n_rows, info.num_sms)
         self.pdl = self.pdl and pdl_supported(self.device_id)
@@ -263,7 +263,8 @@ class PagedDecodeStep:
     def project_grid(self) -> tuple:
         """The projection's grid over the B x s_q latent rows of each head."""
         sh = self.shape
-        return registry.project_grid(sh.n_head, sh.dims.v_head, sh.batch * sh.s_q)
+        return registry.project_grid(sh.n_head, sh.dims.v_head, sh.batch * sh.s_q,
+                                     self.project_inst.kind)
 
     @property
     def single_pass(self) -> bool:

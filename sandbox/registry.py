@@ -39,7 +39,8 @@ __all__ = [
     "paged_check_instance", "PAGED_KINDS", "PAGED_ONLY_VARIANTS", "wgmma_instance",
     "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
     "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
-    "PROJECT_V_ROWS", "PROJECT_M_ROWS", "project_instance", "combine_col_blocks",
+    "PROJECT_V_ROWS", "PROJECT_M_ROWS", "PROJECT_WIDE_V_ROWS", "PROJECT_WIDE_M_ROWS",
+    "PROJECT_WIDE_MIN_ROWS", "project_instance", "combine_col_blocks",
     "project_grid", "q_absorb_grid", "combine_in_one_kernel",
 ]
 
@@ -77,6 +78,9 @@ Q_ABSORB_COL_BLOCKS = 8   # blocks per head of q_absorb (kAbsorbColBlocks), 64 c
 PROJECT_THREADS = 256     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, tensor cores
 PROJECT_V_ROWS = 32       # wv_b rows of a block's output tile (kPmV)
 PROJECT_M_ROWS = 32       # latent rows of a block's output tile (kPmM): wv_b is read once
+PROJECT_WIDE_V_ROWS = 128  # project_wide's output tile (kPwV x kPwM): a whole 128-row wv_b,
+PROJECT_WIDE_M_ROWS = 64   # so the latent is read once and wv_b once per 64 rows
+PROJECT_WIDE_MIN_ROWS = 64  # latent rows a head from which project_wide runs (project_instance)
                           # per 32 rows
 CHECK_THREADS = 128  # cuda_src/mla_paged_check.cu, the paged step's index validator
 
@@ -337,6 +341,8 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
     # one launch for batch 1 and paged batches alike: rows m * H + h of the latent
     Family("project", "mla_project.cu", "mla::project", ("cache",), "PROJECT",
            PROJECT_THREADS, min_arch="sm_80"),
+    Family("project_wide", "mla_project.cu", "mla::project_wide", ("cache",), "PROJECT_WIDE",
+           PROJECT_THREADS, min_arch="sm_80"),
     # paged only: the index validator of the paged step (no template, no batch-1 launch)
     Family("check_paged", "mla_paged_check.cu", "mla::check_paged", (), "CHECK",
            CHECK_THREADS, min_arch="sm_75", paged_function="mla::check_paged"),
@@ -351,12 +357,14 @@ def compile_defines() -> tuple[str, ...]:
     Each kernel static_asserts them (mla_common.cuh, "the registry's launch values"):
     MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
     and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_Q_ABSORB_COL_BLOCKS,
-    MLA_PROJECT_V_ROWS and MLA_PROJECT_M_ROWS. They only feed static_asserts, so they change
-    no code.
+    MLA_PROJECT_V_ROWS, MLA_PROJECT_M_ROWS and their MLA_PROJECT_WIDE_ pair. They only feed
+    static_asserts, so they change no code.
     """
     out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}",
            f"MLA_Q_ABSORB_COL_BLOCKS={Q_ABSORB_COL_BLOCKS}",
-           f"MLA_PROJECT_V_ROWS={PROJECT_V_ROWS}", f"MLA_PROJECT_M_ROWS={PROJECT_M_ROWS}"]
+           f"MLA_PROJECT_V_ROWS={PROJECT_V_ROWS}", f"MLA_PROJECT_M_ROWS={PROJECT_M_ROWS}",
+           f"MLA_PROJECT_WIDE_V_ROWS={PROJECT_WIDE_V_ROWS}",
+           f"MLA_PROJECT_WIDE_M_ROWS={PROJECT_WIDE_M_ROWS}"]
     for f in FAMILIES.values():
         out.append(f"MLA_{f.macro}_THREADS={f.threads}")
         if f.tile_rows:
@@ -560,10 +568,16 @@ def combine_in_one_kernel(col_blocks: int, choice: bool | None = None) -> bool:
     return col_blocks == COMBINE_COL_BLOCKS if choice is None else bool(choice)
 
 
-def project_instance(cache: str = "f16") -> KernelInstance:
-    """The batched output projection out = wv_b[h] @ latent (mla_project.cu)."""
+def project_instance(cache: str = "f16", m_rows: int = 1) -> KernelInstance:
+    """The batched output projection out = wv_b[h] @ latent (mla_project.cu) of m_rows latent
+    rows a head: `project` (32 x 32 output tiles, warps split k: loads of eight warps in flight
+    for one row) below PROJECT_WIDE_MIN_ROWS, `project_wide` (64 x 128 tiles: each latent row
+    read once) from there."""
     _check_dtype("wv_b", cache, ("f16", "bf16"))
-    return KernelInstance("project", cache)
+    if isinstance(m_rows, bool) or int(m_rows) != m_rows or m_rows < 1:
+        raise ValueError(f"m_rows must be an integer >= 1, got {m_rows!r}")
+    return KernelInstance("project_wide" if m_rows >= PROJECT_WIDE_MIN_ROWS else "project",
+                          cache)
 
 
 def q_absorb_grid(n_head: int) -> tuple:
@@ -583,10 +597,17 @@ def combine_col_blocks(rows: int, num_sms: int) -> int:
     return cb
 
 
-def project_grid(n_head: int, v_head: int, m_rows: int) -> tuple:
-    """The projection's grid: (heads, blocks of PROJECT_V_ROWS wv_b rows, blocks of
-    PROJECT_M_ROWS latent rows); m_rows latent rows per head (batch 1: 1; paged: B * s_q)."""
-    return (n_head, -(-v_head // PROJECT_V_ROWS), -(-m_rows // PROJECT_M_ROWS))
+def project_grid(n_head: int, v_head: int, m_rows: int, kind: str | None = None) -> tuple:
+    """The grid of the projection `kind` ("project" or "project_wide"; default: the kind
+    project_instance picks for m_rows): (heads, blocks of its tile's wv_b rows, blocks of its
+    latent rows); m_rows latent rows per head (batch 1: 1; paged: B * s_q)."""
+    kind = project_instance("f16", m_rows).kind if kind is None else kind
+    if kind not in ("project", "project_wide"):
+        raise ValueError(f"kind must be 'project' or 'project_wide', got {kind!r}")
+    wide = kind == "project_wide"
+    v_rows, m_tile = ((PROJECT_WIDE_V_ROWS, PROJECT_WIDE_M_ROWS) if wide
+                      else (PROJECT_V_ROWS, PROJECT_M_ROWS))
+    return (n_head, -(-v_head // v_rows), -(-m_rows // m_tile))
 
 
 def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
@@ -612,6 +633,7 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
         out.append(combine_instance(cache, True))
         out.append(paged_combine_instance(cache, True))
         out.append(project_instance(cache))
+        out.append(project_instance(cache, PROJECT_WIDE_MIN_ROWS))
         if negative_controls:
             out.append(combine_instance(cache, False))
             out.append(paged_combine_instance(cache, False))

@@ -69,6 +69,7 @@ def test_regs_json_rows():
                          "mma_attn<heads=16,cache=f16,q=f32>", "mma_attn<heads=32,cache=f16,q=f32>",
                          "q_absorb<cache=f16,q=f32>", "combine<cache=f16,rescale=true>",
                          "combine<cache=f16,rescale=false>", "project<cache=f16>",
+                         "project_wide<cache=f16>",
                          # the paged launches of the same kernels, and the index validator
                          "attn_rows<cache=f16,q=f32,paged=true>",
                          "attn<heads=12,cache=f16,q=f32,paged=true>",

@@ -2,9 +2,9 @@
 column-block count, the batched projection, programmatic dependent launch (plain, inside a
 captured graph, with the negative control) and the launch floor.
 
-Tolerances: the projection is a 512-term f32 sum per output (four chains of 128 on the
-tensor cores, added in order) of products exact in f32, so its own rounding is a relL2 of
-~u32 sqrt(512 / 2) ~ 1e-6, and a wrong column or row costs O(1). It takes the latent as
+Tolerances: the projection is a 512-term f32 sum per output (`project`: four chains of 128
+on the tensor cores, added in order; `project_wide`: one chain of 512) of products exact in
+f32, so its own rounding is a relL2 of at most ~u32 sqrt(512) ~ 1.3e-6, and a wrong column or row costs O(1). It takes the latent as
 hi + lo 16-bit parts of wv_b's type (wv_b is exact in 16 bits): x - (hi + lo) is lo's
 rounding, at most half an ulp of lo, |lo| <= 2^-p |x| (p = 11 significant bits for f16, 8
 for bf16), so at most 2^-2p |x|: 2.4e-7 (f16), 1.5e-5 (bf16) relative. Those errors are
@@ -79,10 +79,14 @@ def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks,
             assert np.array_equal(a, cupy.asnumpy(b)), "the merge is not deterministic"
 
 
-def _project(m_rows, heads, cache, seed, v_head=128, latent_fn=None):
-    """The projection kernel on random inputs, out NaN-poisoned with one guard row past the
-    last: (out on the host, the float64 reference). latent_fn, if given, changes the latent
-    the kernel gets (not the reference's)."""
+KINDS = ["project", "project_wide"]
+
+
+def _project(m_rows, heads, cache, seed, v_head=128, latent_fn=None, kind=None):
+    """The projection kernel `kind` (default: the one project_instance picks for m_rows) on
+    random inputs, out NaN-poisoned with one guard row past the last: (out on the host, the
+    float64 reference). latent_fn, if given, changes the latent the kernel gets (not the
+    reference's)."""
     import cupy
 
     from mlasandbox.bf16 import as_f64, to_storage
@@ -92,10 +96,12 @@ def _project(m_rows, heads, cache, seed, v_head=128, latent_fn=None):
     latent = rng.standard_normal((m_rows, heads, 512)).astype(np.float32)
     wv = to_storage(rng.standard_normal((heads, v_head, 512)).astype(np.float32) * 0.05, cache)
     want = np.einsum("mhc,hvc->mhv", latent.astype(np.float64), as_f64(wv))
-    inst = registry.project_instance(cache)
+    inst = registry.project_instance(cache, m_rows)
+    if kind is not None:
+        inst = registry.KernelInstance(kind, cache)
     out = cupy.full((m_rows + 1, heads, v_head), cupy.nan, cupy.float32)
     given = latent if latent_fn is None else latent_fn(latent)
-    get_kernel(inst)(registry.project_grid(heads, v_head, m_rows), (inst.threads,),
+    get_kernel(inst)(registry.project_grid(heads, v_head, m_rows, inst.kind), (inst.threads,),
                      (cupy.asarray(given), cupy.asarray(wv), np.int32(heads),
                       np.int32(m_rows), np.int32(v_head), out))
     return cupy.asnumpy(out), want
@@ -103,31 +109,40 @@ def _project(m_rows, heads, cache, seed, v_head=128, latent_fn=None):
 
 @gpu
 @pytest.mark.parametrize("m_rows,heads", [(1, 16), (5, 3), (16, 1), (17, 16), (40, 9),
-                                          (128, 16), (33, 128)])
+                                          (63, 2), (64, 16), (65, 3), (128, 16), (33, 128),
+                                          (200, 5)])
 @pytest.mark.parametrize("cache", ["f16", "bf16"])
-def test_the_projection_matches_float64_and_writes_only_its_rows(m_rows, heads, cache):
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_projection_matches_float64_and_writes_only_its_rows(m_rows, heads, cache, kind):
+    """Both kernels at row counts on both sides of their tiles (32, 64) and of the rule's
+    switch (PROJECT_WIDE_MIN_ROWS), so either may run wherever the rule moves."""
     seed = fresh_seed()
-    got, want = _project(m_rows, heads, cache, seed)
+    got, want = _project(m_rows, heads, cache, seed, kind=kind)
     assert not np.isnan(got[:m_rows]).any(), f"an output was not written (seed={seed})"
     assert np.isnan(got[m_rows:]).all(), f"the projection wrote past its last row (seed={seed})"
     assert rel_l2(got[:m_rows], want) < PROJECT_TOL, f"seed={seed}"
 
 
 @gpu
-def test_the_projection_masks_a_partial_block_of_wv_b_rows():
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("v_head", [80, 200])  # 80 = 2 x 32 + 16; 200 = 128 + 72
+def test_the_projection_masks_a_partial_block_of_wv_b_rows(kind, v_head):
     seed = fresh_seed()
-    got, want = _project(3, 2, "f16", seed, v_head=80)  # 80 = 2 x 32 + 16
-    assert rel_l2(got[:3], want) < PROJECT_TOL and np.isnan(got[3:]).all(), f"seed={seed}"
+    got, want = _project(3 if kind == "project" else 70, 2, "f16", seed, v_head=v_head,
+                         kind=kind)
+    m = want.shape[0]
+    assert rel_l2(got[:m], want) < PROJECT_TOL and np.isnan(got[m:]).all(), f"seed={seed}"
 
 
 @gpu
-def test_the_projection_tolerance_rejects_a_latent_rounded_to_one_bf16_part():
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_projection_tolerance_rejects_a_latent_rounded_to_one_bf16_part(kind):
     """The negative control of PROJECT_TOL: the latent rounded to bf16 (what the tensor
     cores would see without the lo part) misses it by ~100x."""
     from mlasandbox.bf16 import as_f64, to_storage
 
     seed = fresh_seed()
-    got, want = _project(64, 4, "bf16", seed,
+    got, want = _project(64, 4, "bf16", seed, kind=kind,
                          latent_fn=lambda x: as_f64(to_storage(x, "bf16")).astype(np.float32))
     assert rel_l2(got[:64], want) > 10 * PROJECT_TOL, f"seed={seed}"
 

@@ -178,6 +178,7 @@ def _bare_step(causal=True, wv_b=True, family="mma"):
     step.col_blocks = registry.combine_col_blocks(3 * 10, 132)
     step.wv_b = "wv_b" if wv_b else None
     step.out = "out" if wv_b else None
+    step.project_inst = registry.project_instance("f16", 3 * 2) if wv_b else None
     step.fused_combine = False  # the merge only: combine_args passes null projection pointers
     return step
 
@@ -479,8 +480,8 @@ def fake_device(monkeypatch):
 
     def instance(kind, heads=None, tile=0, threads=256, smem=0):
         name = f"{kind}<paged=true>"
-        return types.SimpleNamespace(name=name, heads=heads, tile_rows=tile, threads=threads,
-                                     smem_bytes=smem)
+        return types.SimpleNamespace(kind=kind, name=name, heads=heads, tile_rows=tile,
+                                     threads=threads, smem_bytes=smem)
 
     monkeypatch.setattr(interop, "from_caller",
                         lambda arrs: (interop.Caller("cupy", 0), arrs))
@@ -505,7 +506,7 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(registry, "paged_check_instance", raising=False,
                         value=lambda: instance("check", threads=128))
     monkeypatch.setattr(registry, "project_instance", raising=False,
-                        value=lambda cache: instance("project"))
+                        value=lambda cache, m_rows=1: instance("project"))
     monkeypatch.setattr(paged_api, "pdl_supported", lambda dev: False)
 
     def fake_capture(fn, stream):

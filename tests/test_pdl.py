@@ -107,6 +107,16 @@ def test_the_combine_runs_in_one_kernel_at_the_narrowest_column_blocks_unless_fo
 
 def test_the_projection_and_q_absorb_grids():
     assert registry.project_grid(16, 128, 1) == (16, 4, 1)
-    assert registry.project_grid(16, 128, 128) == (16, 4, 4)   # 32 x 32 output tiles
-    assert registry.project_grid(3, 80, 33) == (3, 3, 2)
+    assert registry.project_grid(3, 80, 33) == (3, 3, 2)       # 32 x 32 output tiles
+    wide_from = registry.PROJECT_WIDE_MIN_ROWS
+    assert registry.project_instance("f16", wide_from - 1).kind == "project"
+    assert registry.project_instance("f16", wide_from).kind == "project_wide"
+    assert registry.project_grid(16, 128, 128) == (16, 1, 2)   # 64 rows x 128 wv_b rows
+    assert registry.project_grid(3, 200, 65) == (3, 2, 2)
+    assert registry.project_grid(16, 128, 128, "project") == (16, 4, 4)
+    assert registry.project_grid(16, 128, 1, "project_wide") == (16, 1, 1)
+    with pytest.raises(ValueError, match="kind must be"):
+        registry.project_grid(16, 128, 1, "proj")
+    with pytest.raises(ValueError, match="m_rows must be an integer >= 1"):
+        registry.project_instance("f16", 0)
     assert registry.q_absorb_grid(128) == (128, registry.Q_ABSORB_COL_BLOCKS, 1)
