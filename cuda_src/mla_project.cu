@@ -1,6 +1,6 @@
 // mla_project.cu: the output projection out = wv_b[h] @ latent of every row, batched, on the
 // tensor cores. Two kernels: `project` for a few latent rows a head (batch 1, small
-// batches), `project_wide` for many (sandbox/registry.py, project_instance, picks by rows).
+// batches), `project_wide` for many (sandbox/registry.py, project_kind, picks).
 //
 // Template parameters (both)
 //   WvT  wv_b element: __half or __nv_bfloat16

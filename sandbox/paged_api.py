@@ -213,7 +213,8 @@ class PagedDecodeStep:
         self.combine_kernel = get_kernel(self.combine_inst)
         self.project_inst = self.project_kernel = None
         if self.out is not None:
-            self.project_inst = registry.project_instance(sh.cache_dtype, sh.batch * sh.s_q)
+            kind = registry.project_kind(sh.batch * sh.s_q, sh.n_head, info.num_sms)
+            self.project_inst = registry.project_instance(sh.cache_dtype, kind)
             self.project_kernel = get_kernel(self.project_inst)
         self.col_blocks = registry.combine_col_blocks(sh.batch * self.n_rows, info.num_sms)
         self.pdl = self.pdl and pdl_supported(self.device_id)

@@ -40,7 +40,7 @@ __all__ = [
     "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
     "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
     "PROJECT_V_ROWS", "PROJECT_M_ROWS", "PROJECT_WIDE_V_ROWS", "PROJECT_WIDE_M_ROWS",
-    "PROJECT_WIDE_MIN_ROWS", "project_instance", "combine_col_blocks",
+    "project_kind", "project_instance", "combine_col_blocks",
     "project_grid", "q_absorb_grid", "combine_in_one_kernel",
 ]
 
@@ -80,7 +80,6 @@ PROJECT_V_ROWS = 32       # wv_b rows of a block's output tile (kPmV)
 PROJECT_M_ROWS = 32       # latent rows of a block's output tile (kPmM): wv_b is read once
 PROJECT_WIDE_V_ROWS = 128  # project_wide's output tile (kPwV x kPwM): a whole 128-row wv_b,
 PROJECT_WIDE_M_ROWS = 64   # so the latent is read once and wv_b once per 64 rows
-PROJECT_WIDE_MIN_ROWS = 64  # latent rows a head from which project_wide runs (project_instance)
                           # per 32 rows
 CHECK_THREADS = 128  # cuda_src/mla_paged_check.cu, the paged step's index validator
 
@@ -568,16 +567,30 @@ def combine_in_one_kernel(col_blocks: int, choice: bool | None = None) -> bool:
     return col_blocks == COMBINE_COL_BLOCKS if choice is None else bool(choice)
 
 
-def project_instance(cache: str = "f16", m_rows: int = 1) -> KernelInstance:
-    """The batched output projection out = wv_b[h] @ latent (mla_project.cu) of m_rows latent
-    rows a head: `project` (32 x 32 output tiles, warps split k: loads of eight warps in flight
-    for one row) below PROJECT_WIDE_MIN_ROWS, `project_wide` (64 x 128 tiles: each latent row
-    read once) from there."""
+def project_kind(m_rows: int, n_head: int, num_sms: int) -> str:
+    """Which projection runs over m_rows latent rows a head: "project_wide" (64 x 128 tiles,
+    each latent row read once) where `project` would read wv_b more than once (m_rows >=
+    PROJECT_M_ROWS) and its own grid, n_head x ceil(m_rows / 64) blocks, fills at least half
+    the SMs; else "project" (32 x 32 tiles, warps splitting k: eight warps of wv_b loads in
+    flight for one row). Measured on the H200 (bench timer, cold L2, graph, us, project vs
+    project_wide): 128 heads x 32 rows 16.8 vs 15.6, x 128 rows 43.7 vs 27.2, x 16 rows 13.7
+    vs 15.0; 16 heads x 128 rows 10.5 vs 15.9 (32 blocks), x 256 15.6 vs 16.2 (64 blocks),
+    x 512 24.7 vs 18.1 (128 blocks)."""
+    for name, v in (("m_rows", m_rows), ("n_head", n_head), ("num_sms", num_sms)):
+        if isinstance(v, bool) or int(v) != v or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+    wide_blocks = n_head * -(-m_rows // PROJECT_WIDE_M_ROWS)
+    return ("project_wide" if m_rows >= PROJECT_M_ROWS and 2 * wide_blocks >= num_sms
+            else "project")
+
+
+def project_instance(cache: str = "f16", kind: str = "project") -> KernelInstance:
+    """The batched output projection out = wv_b[h] @ latent (mla_project.cu): `kind`
+    "project" or "project_wide" (project_kind picks)."""
     _check_dtype("wv_b", cache, ("f16", "bf16"))
-    if isinstance(m_rows, bool) or int(m_rows) != m_rows or m_rows < 1:
-        raise ValueError(f"m_rows must be an integer >= 1, got {m_rows!r}")
-    return KernelInstance("project_wide" if m_rows >= PROJECT_WIDE_MIN_ROWS else "project",
-                          cache)
+    if kind not in ("project", "project_wide"):
+        raise ValueError(f"kind must be 'project' or 'project_wide', got {kind!r}")
+    return KernelInstance(kind, cache)
 
 
 def q_absorb_grid(n_head: int) -> tuple:
@@ -597,15 +610,13 @@ def combine_col_blocks(rows: int, num_sms: int) -> int:
     return cb
 
 
-def project_grid(n_head: int, v_head: int, m_rows: int, kind: str | None = None) -> tuple:
-    """The grid of the projection `kind` ("project" or "project_wide"; default: the kind
-    project_instance picks for m_rows): (heads, blocks of its tile's wv_b rows, blocks of its
-    latent rows); m_rows latent rows per head (batch 1: 1; paged: B * s_q)."""
-    kind = project_instance("f16", m_rows).kind if kind is None else kind
+def project_grid(n_head: int, v_head: int, m_rows: int, kind: str = "project") -> tuple:
+    """The grid of the projection `kind` ("project" or "project_wide"): (heads, blocks of its
+    tile's wv_b rows, blocks of its latent rows); m_rows latent rows per head (batch 1: 1;
+    paged: B * s_q)."""
     if kind not in ("project", "project_wide"):
         raise ValueError(f"kind must be 'project' or 'project_wide', got {kind!r}")
-    wide = kind == "project_wide"
-    v_rows, m_tile = ((PROJECT_WIDE_V_ROWS, PROJECT_WIDE_M_ROWS) if wide
+    v_rows, m_tile = ((PROJECT_WIDE_V_ROWS, PROJECT_WIDE_M_ROWS) if kind == "project_wide"
                       else (PROJECT_V_ROWS, PROJECT_M_ROWS))
     return (n_head, -(-v_head // v_rows), -(-m_rows // m_tile))
 
@@ -633,7 +644,7 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
         out.append(combine_instance(cache, True))
         out.append(paged_combine_instance(cache, True))
         out.append(project_instance(cache))
-        out.append(project_instance(cache, PROJECT_WIDE_MIN_ROWS))
+        out.append(project_instance(cache, "project_wide"))
         if negative_controls:
             out.append(combine_instance(cache, False))
             out.append(paged_combine_instance(cache, False))

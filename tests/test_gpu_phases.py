@@ -82,9 +82,8 @@ def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks,
 KINDS = ["project", "project_wide"]
 
 
-def _project(m_rows, heads, cache, seed, v_head=128, latent_fn=None, kind=None):
-    """The projection kernel `kind` (default: the one project_instance picks for m_rows) on
-    random inputs, out NaN-poisoned with one guard row past the last: (out on the host, the
+def _project(m_rows, heads, cache, seed, kind, v_head=128, latent_fn=None):
+    """The projection kernel `kind` on random inputs, out NaN-poisoned with one guard row past the last: (out on the host, the
     float64 reference). latent_fn, if given, changes the latent the kernel gets (not the
     reference's)."""
     import cupy
@@ -96,9 +95,7 @@ def _project(m_rows, heads, cache, seed, v_head=128, latent_fn=None, kind=None):
     latent = rng.standard_normal((m_rows, heads, 512)).astype(np.float32)
     wv = to_storage(rng.standard_normal((heads, v_head, 512)).astype(np.float32) * 0.05, cache)
     want = np.einsum("mhc,hvc->mhv", latent.astype(np.float64), as_f64(wv))
-    inst = registry.project_instance(cache, m_rows)
-    if kind is not None:
-        inst = registry.KernelInstance(kind, cache)
+    inst = registry.project_instance(cache, kind)
     out = cupy.full((m_rows + 1, heads, v_head), cupy.nan, cupy.float32)
     given = latent if latent_fn is None else latent_fn(latent)
     get_kernel(inst)(registry.project_grid(heads, v_head, m_rows, inst.kind), (inst.threads,),
@@ -114,10 +111,10 @@ def _project(m_rows, heads, cache, seed, v_head=128, latent_fn=None, kind=None):
 @pytest.mark.parametrize("cache", ["f16", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_projection_matches_float64_and_writes_only_its_rows(m_rows, heads, cache, kind):
-    """Both kernels at row counts on both sides of their tiles (32, 64) and of the rule's
-    switch (PROJECT_WIDE_MIN_ROWS), so either may run wherever the rule moves."""
+    """Both kernels at row counts on both sides of their tiles (32, 64), so either may run
+    wherever registry.project_kind sends a step."""
     seed = fresh_seed()
-    got, want = _project(m_rows, heads, cache, seed, kind=kind)
+    got, want = _project(m_rows, heads, cache, seed, kind)
     assert not np.isnan(got[:m_rows]).any(), f"an output was not written (seed={seed})"
     assert np.isnan(got[m_rows:]).all(), f"the projection wrote past its last row (seed={seed})"
     assert rel_l2(got[:m_rows], want) < PROJECT_TOL, f"seed={seed}"
@@ -128,8 +125,7 @@ def test_the_projection_matches_float64_and_writes_only_its_rows(m_rows, heads, 
 @pytest.mark.parametrize("v_head", [80, 200])  # 80 = 2 x 32 + 16; 200 = 128 + 72
 def test_the_projection_masks_a_partial_block_of_wv_b_rows(kind, v_head):
     seed = fresh_seed()
-    got, want = _project(3 if kind == "project" else 70, 2, "f16", seed, v_head=v_head,
-                         kind=kind)
+    got, want = _project(3 if kind == "project" else 70, 2, "f16", seed, kind, v_head=v_head)
     m = want.shape[0]
     assert rel_l2(got[:m], want) < PROJECT_TOL and np.isnan(got[m:]).all(), f"seed={seed}"
 
@@ -142,7 +138,7 @@ def test_the_projection_tolerance_rejects_a_latent_rounded_to_one_bf16_part(kind
     from mlasandbox.bf16 import as_f64, to_storage
 
     seed = fresh_seed()
-    got, want = _project(64, 4, "bf16", seed, kind=kind,
+    got, want = _project(64, 4, "bf16", seed, kind,
                          latent_fn=lambda x: as_f64(to_storage(x, "bf16")).astype(np.float32))
     assert rel_l2(got[:64], want) > 10 * PROJECT_TOL, f"seed={seed}"
 

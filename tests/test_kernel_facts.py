@@ -83,9 +83,9 @@ def test_the_right_smem_value_passes_and_a_wrong_one_for_another_instance_does_n
     ("MLA_PROJECT_THREADS", registry.project_instance(), "PROJECT_THREADS"),
     ("MLA_PROJECT_V_ROWS", registry.project_instance(), "PROJECT_V_ROWS"),
     ("MLA_PROJECT_M_ROWS", registry.project_instance("bf16"), "PROJECT_M_ROWS"),
-    ("MLA_PROJECT_WIDE_THREADS", registry.project_instance("f16", 64), "PROJECT_THREADS"),
-    ("MLA_PROJECT_WIDE_V_ROWS", registry.project_instance("f16", 64), "PROJECT_WIDE_V_ROWS"),
-    ("MLA_PROJECT_WIDE_M_ROWS", registry.project_instance("bf16", 64), "PROJECT_WIDE_M_ROWS"),
+    ("MLA_PROJECT_WIDE_THREADS", registry.project_instance("f16", "project_wide"), "PROJECT_THREADS"),
+    ("MLA_PROJECT_WIDE_V_ROWS", registry.project_instance("f16", "project_wide"), "PROJECT_WIDE_V_ROWS"),
+    ("MLA_PROJECT_WIDE_M_ROWS", registry.project_instance("bf16", "project_wide"), "PROJECT_WIDE_M_ROWS"),
 ], ids=lambda x: x if isinstance(x, str) else str(x))
 def test_a_wrong_block_or_tile_fails_the_compile(monkeypatch, macro, inst, message):
     real = next(d for d in registry.compile_defines() if d.startswith(f"-D{macro}="))
@@ -112,7 +112,7 @@ def test_names_and_expressions_follow_from_the_fields():
     assert registry.q_absorb_instance("f16", "f16").name == "q_absorb<cache=f16,q=f16>"
     p = registry.project_instance("bf16")
     assert p.name == "project<cache=bf16>" and p.expression == "mla::project<__nv_bfloat16>"
-    w = registry.project_instance("f16", registry.PROJECT_WIDE_MIN_ROWS)
+    w = registry.project_instance("f16", "project_wide")
     assert w.name == "project_wide<cache=f16>" and w.expression == "mla::project_wide<__half>"
 
 

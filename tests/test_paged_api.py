@@ -178,7 +178,7 @@ def _bare_step(causal=True, wv_b=True, family="mma"):
     step.col_blocks = registry.combine_col_blocks(3 * 10, 132)
     step.wv_b = "wv_b" if wv_b else None
     step.out = "out" if wv_b else None
-    step.project_inst = registry.project_instance("f16", 3 * 2) if wv_b else None
+    step.project_inst = registry.project_instance("f16") if wv_b else None
     step.fused_combine = False  # the merge only: combine_args passes null projection pointers
     return step
 
@@ -506,7 +506,7 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(registry, "paged_check_instance", raising=False,
                         value=lambda: instance("check", threads=128))
     monkeypatch.setattr(registry, "project_instance", raising=False,
-                        value=lambda cache, m_rows=1: instance("project"))
+                        value=lambda cache, kind="project": instance(kind))
     monkeypatch.setattr(paged_api, "pdl_supported", lambda dev: False)
 
     def fake_capture(fn, stream):

@@ -105,18 +105,33 @@ def test_the_combine_runs_in_one_kernel_at_the_narrowest_column_blocks_unless_fo
         narrowest, False)
 
 
-def test_the_projection_and_q_absorb_grids():
+def test_the_projection_grids():
     assert registry.project_grid(16, 128, 1) == (16, 4, 1)
     assert registry.project_grid(3, 80, 33) == (3, 3, 2)       # 32 x 32 output tiles
-    wide_from = registry.PROJECT_WIDE_MIN_ROWS
-    assert registry.project_instance("f16", wide_from - 1).kind == "project"
-    assert registry.project_instance("f16", wide_from).kind == "project_wide"
-    assert registry.project_grid(16, 128, 128) == (16, 1, 2)   # 64 rows x 128 wv_b rows
-    assert registry.project_grid(3, 200, 65) == (3, 2, 2)
     assert registry.project_grid(16, 128, 128, "project") == (16, 4, 4)
-    assert registry.project_grid(16, 128, 1, "project_wide") == (16, 1, 1)
+    assert registry.project_grid(16, 128, 128, "project_wide") == (16, 1, 2)  # 64 x 128
+    assert registry.project_grid(3, 200, 65, "project_wide") == (3, 2, 2)
     with pytest.raises(ValueError, match="kind must be"):
         registry.project_grid(16, 128, 1, "proj")
+    with pytest.raises(ValueError, match="kind must be"):
+        registry.project_instance("f16", "proj")
+
+
+@pytest.mark.parametrize("m_rows, n_head, kind", [
+    (1, 128, "project"), (16, 128, "project"),      # one 32-row block: wv_b read once
+    (32, 128, "project_wide"), (128, 128, "project_wide"),
+    (128, 16, "project"), (256, 16, "project"),     # 32, 64 wide blocks: under half of 132
+    (512, 16, "project_wide"), (65 * 64, 1, "project"), (66 * 64, 1, "project_wide")])
+def test_the_projection_kind_follows_rows_and_the_wide_grid(m_rows, n_head, kind):
+    assert registry.project_kind(m_rows, n_head, 132) == kind
+
+
+def test_the_projection_kind_names_a_bad_argument():
+    with pytest.raises(ValueError, match="num_sms must be an integer >= 1"):
+        registry.project_kind(1, 16, 0)
     with pytest.raises(ValueError, match="m_rows must be an integer >= 1"):
-        registry.project_instance("f16", 0)
+        registry.project_kind(0, 16, 132)
+
+
+def test_the_q_absorb_grid():
     assert registry.q_absorb_grid(128) == (128, registry.Q_ABSORB_COL_BLOCKS, 1)
