@@ -202,31 +202,6 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
 #pragma unroll
     for (int j = 0; j < 4; ++j) b_off[j] = swizzled_chunk(b_row, 2 * (ks0 + j) + b_khalf, kMmaChunks) * 16;
 
-    // The softmax's lane: warp w owns heads w + 8i; a head's kLanesPerHead lanes hold
-    // kRowsPerLane adjacent rows each. Its head, first row, p chunk and the rows its head sees
-    // past its first row, all fixed per lane (a paged row's visible end has a division).
-    constexpr int kWarpHeads = kHeads / kMmaWarps;            // 2 (mma16) or 4 (mma32)
-    constexpr int kLanesPerHead = 32 / kWarpHeads;            // 16 or 8
-    constexpr int kRowsPerLane = kMmaTile / kLanesPerHead;    // 4 or 8
-    static_assert(kRowsPerLane % 4 == 0 && 8 % kRowsPerLane == 0, "float4 loads within one p chunk");
-    const int sm_h = warp + (lane / kLanesPerHead) * kMmaWarps;
-    const int sm_r0 = (lane % kLanesPerHead) * kRowsPerLane;
-    const int sm_p_off = swizzled_chunk(sm_h, sm_r0 >> 3, kPChunks) * 8 + (sm_r0 & 7);
-    const int sm_rows_left = walk.row_end(head0 + sm_h, row_end) - (row_start + sm_r0);
-
-    // The value phase's ldmatrix addresses, fixed per lane. Its rows (p's, and the tile's
-    // 16 ks + pv_row) all have row & 7 == lm_row, and the swizzle flips only a chunk's low
-    // three bits: chunk 8w + 2j + (lm_mat >> 1) of tile row 16 ks + pv_row sits at
-    // tv_off[j] + 16 ks rows, and p chunk 2 ks + (lm_mat >> 1) at (pv_x ^ 2 ks), an XOR with an
-    // immediate. Written out per (ks, j) the swizzles were recomputed on every tile in the
-    // paged kernel (ncu, H200: 372 warp instructions a tile against the batch-1 kernel's 321).
-    const int pv_row = (lm_mat & 1) * 8 + lm_row, pv_x = (lm_mat >> 1) ^ lm_row;
-    const unsigned pv_base = p_base + static_cast<unsigned>(pv_row * kPChunks) * 16u;
-    unsigned tv_off[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-        tv_off[j] = swizzled_chunk(pv_row, warp * 8 + 2 * j + (lm_mat >> 1), kMmaChunks) * 16;
-
     for (int it = 0; it < n_tiles; ++it) {
         const int buf = it & 1;
         cp_async_wait<0>();
@@ -271,9 +246,15 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
         // p's hi and lo halves, log2(kLanesPerHead) shuffle steps per reduction) ----
         bool moved = false;  // this lane's head moved its max (lazy max, mla_common.cuh)
         {
-            const int h = sm_h, r0 = sm_r0;
+            constexpr int kWarpHeads = kHeads / kMmaWarps;            // 2 (mma16) or 4 (mma32)
+            constexpr int kLanesPerHead = 32 / kWarpHeads;            // 16 or 8
+            constexpr int kRowsPerLane = kMmaTile / kLanesPerHead;    // 4 or 8
+            static_assert(kRowsPerLane % 4 == 0 && 8 % kRowsPerLane == 0, "float4 loads within one p chunk");
+            const int h = warp + (lane / kLanesPerHead) * kMmaWarps;
+            const int r0 = (lane % kLanesPerHead) * kRowsPerLane;
             // >= 1 for lane 0 of every head but a paged one that sees nothing yet
-            const int rows_valid = sm_rows_left - it * kMmaTile;
+            const int rows_valid =
+                walk.row_end(head0 + h, row_end) - (row_start + it * kMmaTile + r0);
             float sc[kRowsPerLane];
 #pragma unroll
             for (int r = 0; r < kRowsPerLane; ++r) sc[r] = 0.f;
@@ -311,7 +292,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
                 hi_w[r / 2] = bits16(hi0) | (bits16(hi1) << 16);
                 lo_w[r / 2] = bits16(lo0) | (bits16(lo1) << 16);
             }
-            const int off = sm_p_off;
+            const int off = swizzled_chunk(h, r0 >> 3, kPChunks) * 8 + (r0 & 7);
             if constexpr (kRowsPerLane == 8) {
                 *reinterpret_cast<uint4*>(p_hl + off) = make_uint4(hi_w[0], hi_w[1], hi_w[2], hi_w[3]);
                 *reinterpret_cast<uint4*>(p_hl + kHeads * kMmaTile + off) = make_uint4(lo_w[0], lo_w[1], lo_w[2], lo_w[3]);
@@ -347,16 +328,17 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             unsigned pa_hi[HM][4], pa_lo[HM][4];
 #pragma unroll
             for (int mt = 0; mt < HM; ++mt) {
-                // p row 16 mt + pv_row, chunk (2 ks + (lm_mat >> 1)) ^ lm_row = pv_x ^ 2 ks
-                const unsigned pa = pv_base + 16u * mt * kPChunks * 16 + ((pv_x ^ (2 * ks)) << 4);
-                ldsm_x4(pa, pa_hi[mt]);
-                ldsm_x4(pa + kHeads * kMmaTile * 2, pa_lo[mt]);
+                const int pa = swizzled_chunk(16 * mt + (lm_mat & 1) * 8 + lm_row, 2 * ks + (lm_mat >> 1), kPChunks) * 16;
+                ldsm_x4(p_base + pa, pa_hi[mt]);
+                ldsm_x4(p_base + kHeads * kMmaTile * 2 + pa, pa_lo[mt]);
             }
             // B: matrices (rows 16ks + 0-7 | 8-15) x (column tile 2j | 2j+1), transposed
+            const int b_row = 16 * ks + (lm_mat & 1) * 8 + lm_row;
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 unsigned b[4];
-                ldsm_x4_trans(tile_base + tv_off[j] + 16u * ks * kMmaChunks * 16, b);
+                const int col_chunk = warp * 8 + 2 * j + (lm_mat >> 1);
+                ldsm_x4_trans(tile_base + swizzled_chunk(b_row, col_chunk, kMmaChunks) * 16, b);
 #pragma unroll
                 for (int mt = 0; mt < HM; ++mt) {
                     M::mma(acc[mt][2 * j], pa_hi[mt], b[0], b[1]);
