@@ -8,8 +8,10 @@ with 16-bit q, and `split` forced past its gate so its combine runs too. q_absor
 per case. The paged variants run batches of mixed lengths (0 included) in page sizes 1, 16
 and 64, causal with two query tokens, after the index validator, through tables whose
 unused entries hold INVALID_PAGE (a read of one faults under memcheck). Every result is also
-checked against the float64 reference: under a sanitizer a kernel must still be right. Prints
-one line per case and exits 1 if any check failed.
+checked against the float64 reference: under a sanitizer a kernel must still be right. Both
+projection kernels also run alone on a partial block of rows and of wv_b rows (70 x 200),
+with a NaN guard row past the output. Prints one line per case and exits 1 if any check
+failed.
 
 `--planted TOOL` runs instead a kernel with the defect that TOOL exists to find (memcheck: writes
 past the end of a buffer; racecheck: two warps' shared-memory write and read with no
@@ -103,6 +105,7 @@ def main() -> int:
         QAbsorb(inp.q_nope, inp.q_rope, inp.wk_b, "f32" if q == "f32" else "cache",
                 sync_check=True).run()
     failed += paged_cases()
+    failed += projection_cases()
     cupy.cuda.Device().synchronize()
     print(f"sanitize cases: {failed} failed", flush=True)
     return 1 if failed else 0
@@ -126,6 +129,34 @@ def paged_cases() -> int:
             print(f"{'ok  ' if ok else 'FAIL'} paged {name:8s} H={heads:3d} lengths={lengths} "
                   f"page={page} s_q={s_q} causal={causal} splits={splits} cache={cache} q={q}",
                   flush=True)
+    return failed
+
+
+def projection_cases() -> int:
+    import numpy as np
+
+    from mlasandbox.bf16 import as_f64, to_storage
+    from mlasandbox.compare import rel_l2
+    from mlasandbox.kernels import get_kernel
+
+    failed, (m_rows, heads, v_head) = 0, (70, 3, 200)
+    rng = np.random.default_rng(7)
+    latent = rng.standard_normal((m_rows, heads, 512)).astype(np.float32)
+    for cache in ("f16", "bf16"):
+        wv = to_storage(rng.standard_normal((heads, v_head, 512)).astype(np.float32) * 0.05,
+                        cache)
+        want = np.einsum("mhc,hvc->mhv", latent.astype(np.float64), as_f64(wv))
+        for kind in ("project", "project_wide"):
+            inst = registry.project_instance(cache, kind)
+            out = cupy.full((m_rows + 1, heads, v_head), cupy.nan, cupy.float32)
+            get_kernel(inst)(registry.project_grid(heads, v_head, m_rows, kind), (inst.threads,),
+                             (cupy.asarray(latent), cupy.asarray(wv), np.int32(heads),
+                              np.int32(m_rows), np.int32(v_head), out))
+            got = cupy.asnumpy(out)
+            ok = bool(rel_l2(got[:m_rows], want) < 1e-5 and np.isnan(got[m_rows:]).all())
+            failed += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} {kind:12s} rows={m_rows} heads={heads} "
+                  f"v_head={v_head} wv_b={cache}", flush=True)
     return failed
 
 
