@@ -573,9 +573,9 @@ def project_kind(m_rows: int, n_head: int, num_sms: int) -> str:
     PROJECT_M_ROWS) and its own grid, n_head x ceil(m_rows / 64) blocks, fills at least half
     the SMs; else "project" (32 x 32 tiles, warps splitting k: eight warps of wv_b loads in
     flight for one row). Measured on the H200 (bench timer, cold L2, graph, us, project vs
-    project_wide): 128 heads x 32 rows 16.8 vs 15.6, x 128 rows 43.7 vs 27.2, x 16 rows 13.7
-    vs 15.0; 16 heads x 128 rows 10.5 vs 15.9 (32 blocks), x 256 15.6 vs 16.2 (64 blocks),
-    x 512 24.7 vs 18.1 (128 blocks)."""
+    project_wide; docs/combine-and-q-absorb-deep-dive.md): 128 heads x 32 rows 16.8 vs 15.4,
+    x 128 rows 43.9 vs 26.7, x 16 rows 13.9 vs 15.1; 16 heads x 128 rows 10.7 vs 16.0 (32
+    blocks), x 256 15.7 vs 16.2 (64 blocks), x 512 24.9 vs 18.2 (128 blocks)."""
     for name, v in (("m_rows", m_rows), ("n_head", n_head), ("num_sms", num_sms)):
         if isinstance(v, bool) or int(v) != v or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
