@@ -43,8 +43,10 @@
 
 namespace mla {
 
+// Both kernels
 constexpr int kPmThreads = 256;
 constexpr int kPmWarps = kPmThreads / 32;
+// project
 constexpr int kPmM = 32, kPmV = 32;                        // the block's output tile
 constexpr int kPmMT = kPmM / 16, kPmNT = kPmV / 8;         // 2 m16 tiles, 4 n8 tiles
 constexpr int kPmKSteps = MLA_KV_LORA / 16 / kPmWarps;     // 4 k16 steps a warp
@@ -54,6 +56,25 @@ static_assert(MLA_KV_LORA % (16 * kPmWarps) == 0, "whole k16 steps per warp");
 static_assert(kPmKSteps % kPmBatch == 0, "whole batches of k-steps");
 constexpr int kPmOut = kPmM * kPmV / kPmThreads;          // outputs a thread adds up: 4
 static_assert(kPmOut % 4 == 0 && kPmV % kPmOut == 0, "the final sum: whole float4s of a row");
+
+// project_wide
+constexpr int kPwM = 64, kPwV = 128;                   // the block's output tile
+constexpr int kPwWarpsM = kPwM / 16;                   // 4 warps down the rows
+constexpr int kPwWarpsV = kPmWarps / kPwWarpsM;        // 2 across wv_b rows
+constexpr int kPwNT = kPwV / kPwWarpsV / 8;            // 8 n8 tiles a warp
+constexpr int kPwK = 32;                               // latent columns a stage: 2 k16 steps
+constexpr int kPwStages = 3;
+constexpr int kPwKTiles = MLA_KV_LORA / kPwK;          // 16 stages' worth over k
+constexpr int kPwAChunks = kPwK * 4 / 16;              // 16-byte chunks of an A row a stage: 8
+constexpr int kPwBChunks = kPwK * 2 / 16;              // of a B row: 4
+constexpr int kPwStageBytes = kPwM * kPwK * 4 + kPwV * kPwK * 2;  // 8 KB + 8 KB
+static_assert(kPwWarpsM * kPwWarpsV == kPmWarps && kPwNT * 8 * kPwWarpsV == kPwV,
+              "warps tile the block's output");
+static_assert(MLA_KV_LORA % kPwK == 0 && kPwK % 16 == 0, "whole k16 steps a stage");
+static_assert((kPwM * kPwAChunks) % kPmThreads == 0 && (kPwV * kPwBChunks) % kPmThreads == 0,
+              "whole copies per thread");
+static_assert(kPwStages * kPwStageBytes <= 48 * 1024, "static shared memory");
+static_assert(kPwKTiles >= kPwStages, "the ring fills before the first product");
 
 // The A fragment of an m16n8k16 product from the lane's float4s of rows g and g + 8 (its 4
 // columns of a k16 step, the k order above), as hi and lo 16-bit parts: a0, a1 the first
@@ -187,24 +208,6 @@ project(const float* __restrict__ latent, const WvT* __restrict__ wv_b, int n_he
 }
 
 // ---- project_wide ------------------------------------------------------------------------
-constexpr int kPwM = 64, kPwV = 128;                   // the block's output tile
-constexpr int kPwWarpsM = kPwM / 16;                   // 4 warps down the rows
-constexpr int kPwWarpsV = kPmWarps / kPwWarpsM;        // 2 across wv_b rows
-constexpr int kPwNT = kPwV / kPwWarpsV / 8;            // 8 n8 tiles a warp
-constexpr int kPwK = 32;                               // latent columns a stage: 2 k16 steps
-constexpr int kPwStages = 3;
-constexpr int kPwKTiles = MLA_KV_LORA / kPwK;          // 16 stages' worth over k
-constexpr int kPwAChunks = kPwK * 4 / 16;              // 16-byte chunks of an A row a stage: 8
-constexpr int kPwBChunks = kPwK * 2 / 16;              // of a B row: 4
-constexpr int kPwStageBytes = kPwM * kPwK * 4 + kPwV * kPwK * 2;  // 8 KB + 8 KB
-static_assert(kPwWarpsM * kPwWarpsV == kPmWarps && kPwNT * 8 * kPwWarpsV == kPwV,
-              "warps tile the block's output");
-static_assert(MLA_KV_LORA % kPwK == 0 && kPwK % 16 == 0, "whole k16 steps a stage");
-static_assert((kPwM * kPwAChunks) % kPmThreads == 0 && (kPwV * kPwBChunks) % kPmThreads == 0,
-              "whole copies per thread");
-static_assert(kPwStages * kPwStageBytes <= 48 * 1024, "static shared memory");
-static_assert(kPwKTiles >= kPwStages, "the ring fills before the first product");
-
 // Shared-memory layouts (one stage): A [kPwM rows][8 chunks of 4 f32], chunk c of row r at
 // c ^ ((r & 1) << 2); B [kPwV rows][4 chunks of 8 16-bit], chunk c of row r at
 // c ^ (((r >> 1) & 1) << 1). A lane (g, c4) reads a float4 (its 4 columns of a k16 step) of

@@ -9,7 +9,8 @@ runtime uses (toolkit.compile_options plus what cupy.RawModule adds: -ftz=true a
 the kernel's lowered name replaced by `KERNEL`, so that a change of template spelling that
 changes only the mangled name compares equal. Besides the registry instances it compiles the
 attention kernels with the defines the memory ablation and the negative controls use, and
-ceiling_fma.cu. A refactor that must not change machine code dumps before and after and
+ceiling_fma.cu; an sm_90a instance is compiled for sm_90a when ARCH is sm_90, and left out
+(with a line saying so) for any other ARCH. A refactor that must not change machine code dumps before and after and
 runs `compare`, which ignores only NVRTC's header comments and the hashed name NVRTC gives
 the program's internal-linkage namespace (it changes with any edit of the source, comments
 included). `compare` checks every file of BEFORE; files only AFTER has (instances added
@@ -62,9 +63,17 @@ def dump(out_dir: Path, arch: str) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     n = 0
     for inst in registry.all_instances():
+        # An arch-specific instance (sm_90a: wgmma) is built for its own target where ARCH
+        # is its base, and left out otherwise (its source stops at an #error elsewhere).
+        target = arch
+        if inst.min_arch.endswith("a"):
+            if inst.min_arch[:-1] != arch:
+                print(f"left out: {inst.name} (needs {inst.min_arch})")
+                continue
+            target = inst.min_arch
         sets = ATTENTION_DEFINES if inst.source in ATTENTION_SOURCES else ((),)
         for defines in sets:
-            ptx = compile_ptx(read_source(inst.source), inst.expression, arch, defines)
+            ptx = compile_ptx(read_source(inst.source), inst.expression, target, defines)
             (out_dir / _file_name(inst.name, defines)).write_text(ptx)
             n += 1
     (out_dir / "fma_ceiling.ptx").write_text(
