@@ -1,9 +1,10 @@
 """`mlasandbox stalls`: where one variant's warps wait, per SASS instruction (mlasandbox.stalls).
 
 Profiles the variant's attention kernel under Nsight Compute (mlasandbox.ncu; needs a GPU and
-ncu), or reads a profile saved earlier with --save, and prints the kernel-wide issue figures,
-then the hottest blocks of equally-often-run instructions with each opcode's share of the
-block's instructions against its share of the block's stall samples.
+ncu): of a batch-1 step, or with --batch / --serving of a paged serving step (wgmma64 runs
+only there); or reads a profile saved earlier with --save. Prints the kernel-wide issue
+figures, then the hottest blocks of equally-often-run instructions with each opcode's share of
+the block's instructions against its share of the block's stall samples.
 """
 from __future__ import annotations
 
@@ -18,15 +19,18 @@ from rich.table import Table
 from mlasandbox import registry
 from mlasandbox import stalls as st
 from mlasandbox import toolkit
-from mlasandbox.ncu import NcuError, profile_attention
+from mlasandbox.bench_paged import SERVING_PRESETS, make_paged_config, serving_help
+from mlasandbox.ncu import NcuError, PagedSpec, profile_attention
 
 from . import render
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
-                      output_problem, q_of, q_option, splits_option, stderr_console)
+                      output_problem, paged_options, q_of, q_option, splits_option,
+                      stderr_console)
 
 __all__ = ["stalls"]
 
-CUDA_VARIANTS = tuple(n for n in registry.variant_names() if registry.variant(n).is_cuda)
+CUDA_VARIANTS = tuple(n for n in registry.variant_names() if registry.variant(n).is_cuda) + \
+    tuple(registry.PAGED_ONLY_VARIANTS)
 # An opcode "waits" when its share of a block's samples is at least this many times its share
 # of the block's instructions (and it holds at least MIN_WAIT_SHARE of the samples).
 WAIT_RATIO = 2.0
@@ -123,9 +127,31 @@ def block_table(block, title: str, top_opcodes: int) -> Table:
     return t
 
 
+def _paged_spec(o: dict, ctx) -> tuple[PagedSpec, int, str]:
+    """(the paged step, its heads, its q dtype) from the paged options, validated as the
+    paged bench validates them (click.UsageError naming the bad option)."""
+    given = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+    if given("n_ctx"):
+        raise click.UsageError("--ctx is the batch-1 step's context; a paged step takes "
+                               "--lengths")
+    q = o["q_dtype"] if given("q_dtype") else "cache"  # the paged step's default, as bench's
+    try:
+        cfg = make_paged_config(batch=o["batch"], lengths=o["lengths_spec"], s_q=o["s_q"],
+                                causal=o["causal"], page_size=o["page_size"],
+                                serving=o["serving"],
+                                heads=o["heads"] if given("heads") or o["serving"] is None
+                                else None,  # a preset's heads unless --heads says
+                                variants=(o["variant"],), cache_dtype=o["cache"], q_dtype=q,
+                                splits=o["splits"], seed=o["seed"])
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    spec = PagedSpec(cfg.lengths, cfg.page_size, cfg.s_q, cfg.causal)
+    return spec, cfg.dims.n_head, q_of(q, o["cache"])
+
+
 @click.command("stalls")
 @click.option("--variant", type=click.Choice(CUDA_VARIANTS), default="tiled16",
-              show_default=True, help="The CUDA variant to profile.")
+              show_default=True, help="The CUDA variant to profile (wgmma64: with --batch).")
 @heads_option(16, help="Query heads.")
 @ctx_option(131072, multiple=False, dest="n_ctx")
 @cache_option()
@@ -144,20 +170,35 @@ def block_table(block, title: str, top_opcodes: int) -> Table:
 @click.option("--from", "from_path", default=None, metavar="PATH", type=click.Path(),
               help="Read a profile saved with --save (or ncu's per-SASS CSV, .gz allowed) "
                    "instead of running ncu; needs no GPU.")
+@paged_options(SERVING_PRESETS, serving_help())
 @json_option
 def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_opcodes, ncu_path,
-           save_dir, from_path, json_out):
+           save_dir, from_path, batch, lengths_spec, page_size, s_q, causal, serving, json_out):
     """Where a variant's warps wait: ncu's stall samples per SASS instruction.
 
     Instructions that ran equally often form a block (a loop body is one), so the hot loops
     are the blocks with the most samples. Within a block, an opcode whose share of the
     samples is well above its share of the instructions is where the warps wait.
+    With --batch B or --serving PRESET the kernel is the paged step's (--lengths,
+    --page-size, --s-q, --causal as in bench; q in the cache dtype unless --q says).
     """
     def fail(msg, usage=False):
         raise (click.UsageError if usage else click.ClickException)(msg)
 
     err = stderr_console()
     q = q_of(q_dtype, cache)
+    paged = None
+    if batch is not None or serving is not None:
+        paged, heads, q = _paged_spec(locals(), click.get_current_context())
+    elif variant in registry.PAGED_ONLY_VARIANTS:
+        raise click.UsageError(f"variant {variant} serves the paged step only: give --batch B "
+                               "(or --serving PRESET)")
+    else:
+        given = [f"--{n.replace('_', '-')}" for n, v in (("lengths", lengths_spec), ("s_q", s_q),
+                                                          ("causal", causal)) if v is not None]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
+                                   "--batch B or --serving PRESET (the paged step)")
     if save_dir:
         problem = output_problem(save_dir, directory=True)
         if problem and os.path.exists(save_dir):
@@ -177,11 +218,20 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
             fail(f"stalls profiles a kernel on a GPU: {why} (or read a saved profile with --from)")
         config = {"variant": variant, "n_head": heads, "n_ctx": n_ctx, "cache": cache, "q": q,
                   "splits": splits, "seed": seed}
+        what = f"H={heads}, n_ctx={n_ctx}"
+        kw = {}
+        if paged is not None:
+            del config["n_ctx"]
+            config["paged"] = {"batch": len(paged.lengths), "lengths": list(paged.lengths),
+                               "page_size": paged.page_size, "s_q": paged.s_q,
+                               "causal": paged.causal}
+            what = f"B={len(paged.lengths)}, H={heads}, s_q={paged.s_q}, page {paged.page_size}"
+            kw["paged"] = paged
         try:
-            with err.status(f"ncu: profiling {variant} (H={heads}, n_ctx={n_ctx})"):
+            with err.status(f"ncu: profiling {variant} ({what})"):
                 run = _profile(variant=variant, n_head=heads, n_ctx=n_ctx, cache=cache, q=q,
                                splits=None if splits == "auto" else splits, seed=seed,
-                               ncu=ncu_path, save_dir=save_dir)
+                               ncu=ncu_path, save_dir=save_dir, **kw)
         except ValueError as exc:
             fail(str(exc), usage=True)
         except NcuError as exc:

@@ -1,7 +1,9 @@
 """Run Nsight Compute over one attention launch of a variant: the data of `mlasandbox stalls`.
 
 ncu profiles a process, so the launch runs in a child, `python -m mlasandbox.ncu`, which draws
-the inputs, compiles, and runs the attn phase once. ncu, filtered to that kernel's name,
+the inputs, compiles, and runs the attn phase once: of a batch-1 step (one contiguous cache of
+n_ctx positions), or, given a PagedSpec, of a paged serving step (the paged launch of the
+variant's kernel; wgmma64 has no other). ncu, filtered to that kernel's name,
 collects the per-SASS warp-state samples (sections SourceCounters and WarpStateStats) and the
 kernel-wide metrics of mlasandbox.stalls.KERNEL_METRICS into one report, replaying the kernel
 for as many passes as they need (with the clock locked: durations read longer than timed
@@ -23,7 +25,7 @@ from .dims import Dims
 from .inputs import make_inputs
 from .stalls import KERNEL_METRICS
 
-__all__ = ["NcuError", "NcuRun", "find_ncu", "kernel_filter", "profile_attention"]
+__all__ = ["NcuError", "NcuRun", "PagedSpec", "find_ncu", "kernel_filter", "profile_attention"]
 
 
 
@@ -37,6 +39,19 @@ def _ncu_places() -> list:
 
 class NcuError(RuntimeError):
     """ncu is missing, failed, or profiled no kernel."""
+
+
+@dataclass(frozen=True)
+class PagedSpec:
+    """The paged step a profile runs: one length per request, page size, query tokens."""
+    lengths: tuple
+    page_size: int = 64
+    s_q: int = 1
+    causal: bool = False
+
+    def argv(self) -> list:
+        return [str(self.page_size), str(self.s_q), str(int(self.causal)),
+                ",".join(str(int(n)) for n in self.lengths)]
 
 
 @dataclass(frozen=True)
@@ -89,13 +104,22 @@ def _run(cmd: list, timeout: float) -> str:
 def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
                       q: str = "f32", splits: int | None = None, seed: int = 0,
                       ncu: str | None = None, save_dir: str | None = None,
-                      timeout: float = 600.0) -> NcuRun:
-    """Profile the attention kernel of one decode step of `variant` under ncu."""
+                      timeout: float = 600.0, paged: PagedSpec | None = None) -> NcuRun:
+    """Profile the attention kernel of one decode step of `variant` under ncu: batch 1 over
+    n_ctx positions, or the paged step `paged` (n_ctx unused)."""
     var = registry.variant(variant)
     if not var.is_cuda:
         raise ValueError(f"variant {variant!r} launches no attention kernel of its own (it runs "
                          "cuBLAS); stalls profiles the CUDA variants")
-    instance = registry.attention_instance(var, cache, q)
+    if paged is None and variant in registry.PAGED_ONLY_VARIANTS:
+        raise ValueError(f"variant {variant} serves the paged step only: profile it with a "
+                         "batch (--batch B or --serving PRESET)")
+    instance = (registry.paged_attention_instance(var, cache, q) if paged is not None
+                else registry.attention_instance(var, cache, q))
+    child = ([variant, str(n_head), str(n_ctx), cache, q, str(splits or 0), str(seed)]
+             if paged is None else
+             ["paged", variant, str(n_head), cache, q, str(splits or 0), str(seed),
+              *paged.argv()])
     exe = find_ncu(ncu)
     with tempfile.TemporaryDirectory() as tmp:
         where = save_dir or tmp
@@ -104,8 +128,7 @@ def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
         metrics = ",".join(KERNEL_METRICS)
         cmd = [exe, "-f", "-o", report, "--section", "SourceCounters", "--section",
                "WarpStateStats", "--metrics", metrics, "-k", f"regex:{kernel_filter(instance)}",
-               "--launch-count", "1", sys.executable, "-m", "mlasandbox.ncu", variant,
-               str(n_head), str(n_ctx), cache, q, str(splits or 0), str(seed)]
+               "--launch-count", "1", sys.executable, "-m", "mlasandbox.ncu", *child]
         log = _run(cmd, timeout)
         if not os.path.exists(report + ".ncu-rep"):
             raise NcuError(f"ncu profiled no {instance.name} launch:\n{_tail(log)}")
@@ -120,10 +143,32 @@ def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
     return NcuRun(raw, source, instance.name, tuple(cmd))
 
 
-def _launch(argv: list) -> int:
-    """The child ncu profiles: one attn phase of VARIANT H N_CTX CACHE Q SPLITS SEED."""
+def _launch_paged(argv: list) -> int:
+    """One paged attn phase of VARIANT H CACHE Q SPLITS SEED PAGE_SIZE S_Q CAUSAL LENGTHS
+    (comma-separated)."""
     import cupy
 
+    from .paged_api import PagedDecodeStep
+    from .paged_inputs import make_paged_inputs
+
+    variant, n_head, cache, q, splits, seed, page_size, s_q, causal, lengths = argv
+    inputs = make_paged_inputs(Dims(n_head=int(n_head)), [int(n) for n in lengths.split(",")],
+                               s_q=int(s_q), page_size=int(page_size), cache_dtype=cache,
+                               q_dtype=q, causal=bool(int(causal)), seed=int(seed), xp=cupy)
+    step = PagedDecodeStep(**inputs.decode_args(), variant=variant,
+                           splits=int(splits) or None)
+    step.run_attn()
+    cupy.cuda.Device().synchronize()
+    return 0
+
+
+def _launch(argv: list) -> int:
+    """The child ncu profiles: one attn phase of VARIANT H N_CTX CACHE Q SPLITS SEED, or of
+    a paged step (`paged` first, _launch_paged)."""
+    import cupy
+
+    if argv and argv[0] == "paged":
+        return _launch_paged(argv[1:])
     variant, n_head, n_ctx, cache, q, splits, seed = argv
     n_head, n_ctx, splits, seed = int(n_head), int(n_ctx), int(splits), int(seed)
     inputs = make_inputs(Dims(n_head=n_head), n_ctx, n_ctx, cache, q, seed=seed, xp=cupy)

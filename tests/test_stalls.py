@@ -234,6 +234,86 @@ def test_cli_profiles_through_ncu_and_names_ncu_failures(monkeypatch, saved):
     assert res.exit_code == 1 and "ERR_NVGPUCTRPERM" in res.output
 
 
+def test_cli_profiles_a_paged_step_with_a_presets_shape_or_the_options(monkeypatch, saved):
+    """--serving / --batch profile the paged step: the profile gets the requests' lengths, page
+    size, query tokens and causality, the preset's heads unless --heads says, and q in the
+    cache dtype unless --q says (as bench --batch)."""
+    from mlasandbox import toolkit
+    from mlasandbox.cli import stalls_cmd
+
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: fake"))
+    calls = []
+
+    def fake(**opts):
+        calls.append(opts)
+        return ncu.NcuRun((saved / "raw.csv").read_text(), recorded_text(), "wgmma<...>", ())
+
+    monkeypatch.setattr(stalls_cmd, "_profile", fake)
+    res = run("stalls", "--variant", "wgmma64", "--serving", "b128-4k-h128", "--json")
+    assert res.exit_code == 0, res.output
+    (c,) = calls
+    assert (c["variant"], c["n_head"], c["cache"], c["q"]) == ("wgmma64", 128, "f16", "f16")
+    assert c["paged"] == ncu.PagedSpec((4096,) * 128, 64, 1, False)
+    paged = json.loads(res.output)["config"]["paged"]
+    assert (paged["batch"], paged["page_size"], paged["s_q"]) == (128, 64, 1)
+    assert "n_ctx" not in json.loads(res.output)["config"]
+
+    calls.clear()
+    res = run("stalls", "--variant", "mma16", "--batch", "3", "--lengths", "5,0,700",
+              "--page-size", "16", "--s-q", "2", "--causal", "--q", "f32", "--heads", "9")
+    assert res.exit_code == 0, res.output
+    (c,) = calls
+    assert (c["n_head"], c["q"]) == (9, "f32")
+    assert c["paged"] == ncu.PagedSpec((5, 0, 700), 16, 2, True)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--variant", "wgmma64"), "wgmma64 serves the paged step only: give --batch"),
+    (("--variant", "tiled16", "--batch", "2"), "tiled16 serves batch 1"),
+    (("--batch", "2", "--ctx", "100"), "--ctx is the batch-1 step's context"),
+    (("--lengths", "5"), "--lengths needs --batch B or --serving PRESET"),
+    (("--variant", "mma16", "--batch", "2", "--lengths", "-3"), "lengths"),
+])
+def test_cli_refuses_a_paged_profile_it_cannot_run_before_looking_for_a_gpu(
+        monkeypatch, args, message):
+    from mlasandbox import toolkit
+
+    monkeypatch.setattr(toolkit, "device_available", lambda: pytest.fail("looked for a GPU"))
+    res = run("stalls", *args)
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
+def test_a_paged_profile_runs_the_paged_child_and_filters_the_paged_kernel(monkeypatch,
+                                                                             tmp_path):
+    import re
+
+    monkeypatch.setattr(ncu, "find_ncu", lambda *a: "/fake/ncu")
+    seen = []
+
+    def fake_run(cmd, timeout):
+        seen.append(cmd)
+        if "-o" in cmd:  # the profiling run writes its report
+            open(cmd[cmd.index("-o") + 1] + ".ncu-rep", "w").close()
+        return "page"
+
+    monkeypatch.setattr(ncu, "_run", fake_run)
+    spec = ncu.PagedSpec((300, 0, 4097), 16, 2, True)
+    run_ = ncu.profile_attention("wgmma64", 16, 131072, cache="bf16", q="bf16", seed=3,
+                                 save_dir=str(tmp_path), paged=spec)
+    cmd = seen[0]
+    child = cmd[cmd.index("mlasandbox.ncu") + 1:]
+    assert child == ["paged", "wgmma64", "16", "bf16", "bf16", "0", "3", "16", "2", "1",
+                     "300,0,4097"]
+    pattern = re.compile(cmd[cmd.index("-k") + 1].removeprefix("regex:"))
+    assert pattern.search("void mla::wgmma_attn_paged<__nv_bfloat16, __nv_bfloat16>(const T2 *)")
+    assert run_.kernel == "wgmma_attn<cache=bf16,q=bf16,paged=true>"
+    ncu.profile_attention("mma16", 16, 1, paged=spec)  # batch-1 variants: their paged launch
+    assert re.compile(seen[-3][seen[-3].index("-k") + 1].removeprefix("regex:")).search(
+        "void mla::mma_attn_paged<(int)16, __half, float>(const T3 *)")
+    with pytest.raises(ValueError, match="wgmma64 serves the paged step only"):
+        ncu.profile_attention("wgmma64", 16, 4096)
+
+
 def _have_ncu() -> bool:
     try:
         ncu.find_ncu()
@@ -258,6 +338,23 @@ def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
     assert metrics["smsp__inst_executed.sum"] > 0
     assert 0 < metrics["smsp__issue_active.avg.pct_of_peak_sustained_active"] <= 100
     assert (tmp_path / "source.csv").exists() and (tmp_path / "stalls.ncu-rep").exists()
+
+
+@pytest.mark.skipif(not _have_ncu(), reason="needs ncu (Nsight Compute)")
+@gpu
+@pytest.mark.parametrize("variant, spec, kernel", [
+    ("mma16", ncu.PagedSpec((300, 0, 5000), 16, 2, True), "mma_attn_paged"),
+    ("wgmma64", ncu.PagedSpec((4096, 70), 64, 1, False), "wgmma_attn_paged")])
+def test_on_the_gpu_ncu_profiles_a_paged_step_and_finds_its_tile_loop(variant, spec, kernel):
+    q = "f16" if variant == "wgmma64" else "f32"
+    run_ = ncu.profile_attention(variant, 16, 0, q=q, paged=spec)
+    name, lines = stalls.read_source_csv(run_.source_csv)
+    assert kernel in name
+    report = stalls.summarize(name, lines)
+    # a loop: some block of instructions ran more often than another
+    runs = [b.executed for b in report.blocks]
+    assert report.samples > 0 and len(runs) >= 2 and max(runs) > min(runs) >= 1, runs
+    assert stalls.read_raw_csv(run_.raw_csv)["smsp__inst_executed.sum"] > 0
 
 
 def test_kernel_names_lose_their_parameter_list_not_their_template_arguments():
