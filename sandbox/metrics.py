@@ -306,12 +306,12 @@ def rates(cost: PhaseCost, median_us: float, ceilings: dict | None = None) -> di
 
 # Families whose attention arithmetic runs on the tensor cores: their roof is the GEMM
 # ceiling; every other kernel's arithmetic is FFMA on the CUDA cores.
-TENSOR_CORE_FAMILIES = ("mma", "cublas")
+TENSOR_CORE_FAMILIES = ("mma", "wgmma", "cublas")
 
 
 def roof_of(variant: str, phase: str = "attn") -> str:
-    """'GEMM' where the phase's arithmetic is tensor-core MMA (the attention of the mma
-    kernels, every phase of the cuBLAS engine), else 'FMA'."""
+    """'GEMM' where the phase's arithmetic is tensor-core MMA (the attention of the mma and
+    wgmma kernels, every phase of the cuBLAS engine), else 'FMA'."""
     try:
         family = registry.variant(variant).family
     except ValueError:  # q_absorb's control row and other non-variant costs

@@ -98,6 +98,18 @@ def test_explain_lines_spell_out_every_term():
         "    note:")
 
 
+def test_the_paged_wgmma_step_is_measured_against_the_gemm_roof():
+    # wgmma64 serves the paged step only; its products are tensor-core MMA like mma16's
+    from mlasandbox.dims import Dims
+
+    ceil = {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0, "fma_TFLOPs": 65.0}
+    for v in ("wgmma64", "mma16"):
+        c = metrics.paged_step_cost(v, Dims(n_head=128), [4096] * 4, 1, False, "f16", "f16",
+                                    [1] * 4, 2)
+        r = metrics.rates(c, 100.0, ceil)
+        assert r["roof"] == "GEMM" and r["frac_roof"] == pytest.approx(r["TFLOPs"] / 700.0)
+
+
 @pytest.mark.parametrize("variant, phase, roof", [
     ("mma16", "attn", "GEMM"), ("mma32", "step", "GEMM"), ("cublas", "attn", "GEMM"),
     ("mma16", "combine", "FMA"), ("tiled16", "attn", "FMA"), ("batched12", "attn", "FMA"),
