@@ -374,6 +374,38 @@ def paged_options(serving_choices=None, serving_help: str = ""):
     return deco
 
 
+def paged_step_config(o: dict, ctx, variants, heads=None, preset: str = "dsv3"):
+    """(config, q dtype) of a command's paged options (`o`: its parameters by name; batch,
+    lengths_spec, s_q, causal, page_size, serving, cache, q_dtype, splits, seed), validated
+    by the paged bench's make_paged_config: click.UsageError naming the bad option. --ctx
+    given with them is refused; q is the cache dtype unless --q was given (as bench --batch)."""
+    from mlasandbox.bench_paged import make_paged_config
+
+    given = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
+    if given("n_ctx"):
+        raise click.UsageError("--ctx is the batch-1 step's context; a paged step takes "
+                               "--lengths")
+    q = o["q_dtype"] if given("q_dtype") else "cache"
+    try:
+        cfg = make_paged_config(batch=o["batch"], lengths=o["lengths_spec"], s_q=o["s_q"],
+                                causal=o["causal"], page_size=o["page_size"],
+                                serving=o["serving"], preset=preset, heads=heads,
+                                variants=tuple(variants), cache_dtype=o["cache"], q_dtype=q,
+                                splits=o["splits"], seed=o["seed"])
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    return cfg, q_of(q, o["cache"])
+
+
+def refuse_paged_options(lengths_spec, s_q, causal) -> None:
+    """--lengths, --s-q, --causal without --batch / --serving: click.UsageError."""
+    given = [f"--{n.replace('_', '-')}" for n, v in (("lengths", lengths_spec), ("s_q", s_q),
+                                                      ("causal", causal)) if v is not None]
+    if given:
+        raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
+                               "--batch B or --serving PRESET (the paged step)")
+
+
 def peers_option(choices):
     return click.option("--peers", callback=str_list(tuple(choices)), default=None,
                         help=f"Time these implementations of the same step beside ours, "

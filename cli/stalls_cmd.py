@@ -19,13 +19,13 @@ from rich.table import Table
 from mlasandbox import registry
 from mlasandbox import stalls as st
 from mlasandbox import toolkit
-from mlasandbox.bench_paged import SERVING_PRESETS, make_paged_config, serving_help
+from mlasandbox.bench_paged import SERVING_PRESETS, serving_help
 from mlasandbox.ncu import NcuError, PagedSpec, profile_attention
 
 from . import render
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
-                      output_problem, paged_options, q_of, q_option, splits_option,
-                      stderr_console)
+                      output_problem, paged_options, paged_step_config, q_of, q_option,
+                      refuse_paged_options, splits_option, stderr_console)
 
 __all__ = ["stalls"]
 
@@ -128,25 +128,12 @@ def block_table(block, title: str, top_opcodes: int) -> Table:
 
 
 def _paged_spec(o: dict, ctx) -> tuple[PagedSpec, int, str]:
-    """(the paged step, its heads, its q dtype) from the paged options, validated as the
-    paged bench validates them (click.UsageError naming the bad option)."""
-    given = lambda name: ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE
-    if given("n_ctx"):
-        raise click.UsageError("--ctx is the batch-1 step's context; a paged step takes "
-                               "--lengths")
-    q = o["q_dtype"] if given("q_dtype") else "cache"  # the paged step's default, as bench's
-    try:
-        cfg = make_paged_config(batch=o["batch"], lengths=o["lengths_spec"], s_q=o["s_q"],
-                                causal=o["causal"], page_size=o["page_size"],
-                                serving=o["serving"],
-                                heads=o["heads"] if given("heads") or o["serving"] is None
-                                else None,  # a preset's heads unless --heads says
-                                variants=(o["variant"],), cache_dtype=o["cache"], q_dtype=q,
-                                splits=o["splits"], seed=o["seed"])
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    spec = PagedSpec(cfg.lengths, cfg.page_size, cfg.s_q, cfg.causal)
-    return spec, cfg.dims.n_head, q_of(q, o["cache"])
+    """(the paged step, its heads, its q dtype) from the paged options; a preset's heads hold
+    unless --heads says (without a preset, --heads' default)."""
+    heads_given = ctx.get_parameter_source("heads") == click.core.ParameterSource.COMMANDLINE
+    cfg, q = paged_step_config(o, ctx, (o["variant"],),
+                               heads=o["heads"] if heads_given or o["serving"] is None else None)
+    return PagedSpec(cfg.lengths, cfg.page_size, cfg.s_q, cfg.causal), cfg.dims.n_head, q
 
 
 @click.command("stalls")
@@ -194,11 +181,7 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
         raise click.UsageError(f"variant {variant} serves the paged step only: give --batch B "
                                "(or --serving PRESET)")
     else:
-        given = [f"--{n.replace('_', '-')}" for n, v in (("lengths", lengths_spec), ("s_q", s_q),
-                                                          ("causal", causal)) if v is not None]
-        if given:
-            raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
-                                   "--batch B or --serving PRESET (the paged step)")
+        refuse_paged_options(lengths_spec, s_q, causal)
     if save_dir:
         problem = output_problem(save_dir, directory=True)
         if problem and os.path.exists(save_dir):

@@ -116,3 +116,49 @@ def test_ablate_table_and_json_with_a_fake_gpu(monkeypatch):
 def test_ablate_needs_rounds_to_pair():
     with pytest.raises(ValueError, match="rounds"):
         ablate_mod.ablate("split", "h96", 8192, rounds=1)
+
+
+def test_ablate_runs_a_paged_step_with_a_presets_shape_or_the_options(monkeypatch):
+    """--serving / --batch ablate the paged step: the run gets the requests' lengths, page
+    size, query tokens and causality, the preset's heads, q in the cache dtype unless --q
+    says, and the paged default variants (not the batch-1-only per_head and tiled16)."""
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: Fake H200"))
+    monkeypatch.setattr(ablate_cmd, "_run_meta", lambda: {"device": "Fake H200"})
+    monkeypatch.setattr(ablate_cmd, "_run_ablation", lambda **o: pytest.fail("batch-1 run"))
+    calls = []
+
+    def fake_paged(**opts):
+        calls.append(opts)
+        return fake_ablation(opts["variant"], 400.0, 300.0)
+
+    monkeypatch.setattr(ablate_cmd, "_run_paged_ablation", fake_paged)
+    res = run("ablate", "--serving", "b128-4k-h128", "--variants", "wgmma64", "--json")
+    assert res.exit_code == 0, res.output
+    (c,) = calls
+    assert (c["variant"], c["dims"].n_head, c["q"], c["page_size"]) == ("wgmma64", 128,
+                                                                          "f16", 64)
+    assert tuple(c["lengths"]) == (4096,) * 128 and (c["s_q"], c["causal"]) == (1, False)
+    doc = json.loads(res.stdout)
+    assert doc["config"]["paged"]["batch"] == 128 and "n_ctx" not in doc["config"]
+    calls.clear()
+    res = run("ablate", "--batch", "3", "--lengths", "5,0,9000", "--page-size", "16",
+              "--s-q", "2", "--causal", "--heads", "9", "--q", "f32")
+    assert res.exit_code == 0, res.output
+    assert [c["variant"] for c in calls] == list(ablate_cmd.DEFAULT_PAGED_VARIANTS)
+    assert tuple(calls[0]["lengths"]) == (5, 0, 9000) and calls[0]["q"] == "f32"
+    assert (calls[0]["dims"].n_head, calls[0]["page_size"], calls[0]["s_q"],
+            calls[0]["causal"]) == (9, 16, 2, True)
+    assert "25%" in res.output and "paged step B=3" in res.output   # 1 - 300 / 400
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--variants", "wgmma64"), "wgmma64 serves the paged step only: give --batch"),
+    (("--batch", "2", "--variants", "tiled16"), "tiled16 serves batch 1"),
+    (("--batch", "2", "--ctx", "100"), "--ctx is the batch-1 step's context"),
+    (("--s-q", "2"), "--s-q needs --batch B or --serving PRESET"),
+])
+def test_ablate_refuses_a_paged_run_it_cannot_do_before_looking_for_a_gpu(monkeypatch, args,
+                                                                         message):
+    monkeypatch.setattr(toolkit, "device_available", lambda: pytest.fail("looked for a GPU"))
+    res = run("ablate", *args)
+    assert res.exit_code == 2 and message in res.output, res.output

@@ -8,7 +8,7 @@ import pytest
 
 from gpu_support import device_inputs, fresh_seed, gpu, run_poisoned
 from mlasandbox import reference
-from mlasandbox.ablate import ablate
+from mlasandbox.ablate import ablate, ablate_paged
 from mlasandbox.api import DecodeStep
 from mlasandbox.compare import compare
 from mlasandbox.dims import Dims
@@ -41,3 +41,20 @@ def test_a_context_that_fits_the_stage_buffers_has_nothing_to_ablate(variant, n_
     # 100 rows in its two 64-row buffers. The ablated build loads what the real one does.
     with pytest.raises(ValueError, match="ablate a longer context"):
         ablate(variant, Dims(n_head=16), n_ctx, rounds=2, timing_kw=SHORT)
+
+
+@pytest.mark.parametrize("variant, q", [("mma16", "f32"), ("split", "f32"), ("wgmma64", "f16")])
+def test_the_paged_ablation_is_another_kernel_on_the_paged_step(variant, q):
+    # requests long enough that their chunks outgrow two tiles, one of them empty
+    seed = fresh_seed()
+    res = ablate_paged(variant, Dims(n_head=16), [20000, 0, 9000], page_size=16, s_q=2,
+                       causal=True, q=q, rounds=2, seed=seed, timing_kw=SHORT)
+    assert res.output_change > 1e-2, (seed, res)
+    assert res.real_us > 0 and res.ablated_us > 0 and 0.0 <= res.share < 1.0
+    assert res.paged["batch"] == 3 and res.kernel.endswith("paged=true>")
+
+
+def test_a_paged_batch_that_fits_the_stage_buffers_has_nothing_to_ablate():
+    with pytest.raises(ValueError, match="ablate longer requests"):
+        ablate_paged("mma16", Dims(n_head=16), [100, 30], page_size=64, rounds=2,
+                     timing_kw=SHORT)
