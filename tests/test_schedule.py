@@ -44,7 +44,7 @@ def test_numpy_adds_along_a_non_inner_axis_in_order(seeds):
 
 @pytest.fixture(scope="module")
 def depth_study(module_seeds):
-    seeds = module_seeds.take(4)
+    seeds = module_seeds.take(8)
     return accuracy_study([DEPTH], seeds, "auto", dims=SHARD), module_seeds
 
 
@@ -54,15 +54,18 @@ def test_split_is_at_least_as_accurate_as_unsplit_at_long_context(depth_study):
         print(f"\nn_ctx={r.n_ctx} S={r.splits} seed={r.seed}: relL2(latent) unsplit "
               f"{r.unsplit:.3e}  split {r.split:.3e}  ({r.gain:.1f}x more accurate)")
     assert all(r.splits > 1 for r in rows), "the plan did not split at depth"
-    # At 20000 the model gives 6-8x with S = 22. Every seed must
-    # gain, and the median must show the pairwise-summation effect, not a coin flip.
-    # Derivation (tests/tolerances.py): an f32 chain's rms error grows like sqrt(its
-    # length), and the split's chains are 909 rows plus a 22-term combine, so the rounding
-    # model predicts 3.6-3.8x between their rms (it overcounts the split's share of the
-    # score error, common to both); a relL2 over 512 columns sits within a few per cent of
-    # its rms, so one seed's gain varies little: 1.5 and 3 sit well below the 5-8x measured.
+    # Every seed must gain, and the median must show the pairwise-summation effect, not a
+    # coin flip. Derivation (tests/tolerances.py): an f32 chain's rms error grows like
+    # sqrt(its length), and the split's chains are 909 rows plus a 22-term combine, so the
+    # rounding model predicts 3.6-3.8x between their rms (it overcounts the split's share of
+    # the score error, common to both). One seed's gain is a ratio of two errors that a few
+    # heavy positions dominate, so it has a low tail: over 240 seeds of this model at 20000
+    # (seeds 1000-1039 and 5000-5199) the median gain was 4.6-4.7, 2.5% of seeds fell below
+    # 3 and the lowest was 1.36 (a per-seed floor of 1.5 failed one run in ~50). So each
+    # seed must be at least as accurate (>= 1), and the median of 8 must reach 3: with 2.5%
+    # of seeds below 3, four of eight fall there about 3 times in 100,000 runs.
     gains = [r.gain for r in rows]
-    assert min(gains) >= 1.5, f"gains {gains} {seeds}"
+    assert min(gains) >= 1.0, f"gains {gains} {seeds}"
     assert statistics.median(gains) >= 3.0, f"gains {gains} {seeds}"
 
 
