@@ -327,9 +327,9 @@ struct PagedWalk {
     // Whether each tile of a slice starting at row_start lies in one page: pages of at least
     // kRows positions and tiles on page boundaries (chunks are whole tiles from position 0,
     // so this holds at page sizes >= the tile). Then a tile needs one table entry, and its
-    // copy is the contiguous one from that page: at 1 x 131072 x 16 heads (mma16, page 64)
-    // the per-row page arithmetic made the paged main loop 371 warp instructions a tile
-    // against the contiguous walk's 321 (ncu, H200).
+    // copy is the contiguous one from that page, where per-row page arithmetic made the
+    // paged copy block 79 warp instructions a tile against the contiguous 49 (ncu, H200,
+    // 1 x 131072 x 16 heads, mma16, page 64; docs/schedule.md has the rest of the gap).
     template <int kRows>
     __device__ __forceinline__ bool tile_in_page(int row_start) const {
         static_assert((kRows & (kRows - 1)) == 0, "tiles of a power-of-two rows");
