@@ -119,8 +119,20 @@ __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ length
                                                   int min_chunk, int target,
                                                   int* __restrict__ counts) {
     const int lane = threadIdx.x & 31;
-    const int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target);
     ChunkSlot slot{-1, 0, 0, tile};
+    if (batch == 1) {
+        // One request (sandbox/chunks.py, single_request_unit): count(lo) <= target, so the
+        // search ends at lo, and the prefix sum is the identity. No shuffle lies between the
+        // length's load and the program's first table lookup.
+        const int len = __ldg(lengths);
+        const int t = (len + tile - 1) / tile;
+        const int u = max(min_chunk / tile, (t + target - 1) / target);
+        const ChunkSpan span = request_span(len, u, max_chunks, tile);
+        if (counts != nullptr && lane == 0) counts[0] = span.n;
+        if (p < span.n) slot = {0, p, span.n, span.len};
+        return slot;
+    }
+    const int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target);
     int before = 0;  // chunks of the requests of earlier rounds
     for (int r0 = 0; r0 < batch; r0 += 32) {
         const int b = r0 + lane;

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "ChunkPlan",
-           "plan_chunks", "batch_chunk_unit", "request_chunks", "chunk_bounds"]
+           "plan_chunks", "batch_chunk_unit", "single_request_unit", "request_chunks",
+           "chunk_bounds"]
 
 CHUNK_CAP = 256          # chunks of one request, at most (as the batch-1 split cap)
 CHUNK_SKEW = 2           # chunk slots per request: this many times the mean request's need
@@ -156,9 +157,19 @@ def _tiles(lengths, tile):
     return n, -(-n // tile)
 
 
+def single_request_unit(length: int, tile: int, min_chunk: int, target: int) -> int:
+    """u of a batch of one request, in closed form (the kernels' locate_chunk takes this
+    path): lo = max(min_tiles, ceil(t / target)) has count(lo) <= ceil(t / ceil(t / target))
+    <= target, so the binary search ends at lo."""
+    return max(min_chunk // tile, -(-(-(-int(length) // tile)) // target))
+
+
 def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target: int) -> int:
-    """u, the balanced chunk length in tiles of this batch: the kernels' binary search."""
-    _, t = _tiles(lengths, tile)
+    """u, the balanced chunk length in tiles of this batch: the kernels' binary search (a
+    batch of one request: single_request_unit)."""
+    n, t = _tiles(lengths, tile)
+    if n.size == 1:
+        return single_request_unit(int(n[0]), tile, min_chunk, target)
     total, busy = int(t.sum()), int((t > 0).sum())
     max_t = int(t.max()) if t.size else 0
     lo = max(min_chunk // tile, -(-total // target))

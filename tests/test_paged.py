@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlasandbox.chunks import (CHUNK_CAP, batch_chunk_unit, chunk_bounds, plan_chunks,
-                               request_chunks)
+                               request_chunks, single_request_unit)
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
@@ -230,6 +230,25 @@ def test_the_binary_search_finds_the_smallest_balanced_unit(seed):
     for max_chunks, target in ((1, 132), (3, 40), (9, 132), (64, 132), (256, 264)):
         got = batch_chunk_unit(lengths, max_chunks, 64, 64, target)
         assert got == _brute_unit(lengths, max_chunks, 64, 64, target)
+
+
+def test_one_request_takes_the_closed_form_and_it_equals_the_search():
+    # the kernels' locate_chunk skips the search for a batch of one: the closed form must be
+    # the search's answer at every length, cap, target and minimum chunk
+    lengths = [0, 1, 63, 64, 65, 4095, 4096, 4097, 65536, 131072, 131073, 1 << 20]
+    for length in lengths:
+        for max_chunks, target, min_chunk in ((1, 132, 64), (2, 132, 64), (66, 66, 64),
+                                              (132, 132, 64), (100, 264, 256),
+                                              (256, 256, 64), (7, 9, 128), (200, 100, 64)):
+            want = _brute_unit([length], max_chunks, 64, min_chunk, target)
+            assert single_request_unit(length, 64, min_chunk, target) == want
+            assert batch_chunk_unit([length], max_chunks, 64, min_chunk, target) == want
+    # negative control: with two requests or more the search is needed; its lower end (the
+    # closed form's expression over the batch) is not its answer at B = 32 x N(8192, 4096)
+    rng = np.random.default_rng(3)
+    batch = np.clip(np.round(rng.normal(8192, 4096, 32)), 0, None).astype(int)
+    lo = -(-(-(-batch // 64)).sum() // 132)
+    assert batch_chunk_unit(batch, 9, 64, 64, 132) > lo
 
 
 def test_the_balance_fills_one_wave_and_long_requests_take_the_chunks():
