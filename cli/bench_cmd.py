@@ -313,6 +313,11 @@ def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
             f = result["fastest"]
             con.print(f"fastest step: {f['variant']} ({f['phase']}, {f['median_us']:,.1f} us)"
                       + (f"; within the floor: {', '.join(f['ties'])}" if f["ties"] else ""))
+        if result.get("like_for_like"):
+            f = result["like_for_like"]
+            con.print(f"same work as the peers (latent and lse, no wv_b): fastest "
+                      f"{f['variant']} ({f['median_us']:,.1f} us)"
+                      + (f"; within the floor: {', '.join(f['ties'])}" if f["ties"] else ""))
         for c in result["checks"]:
             if not c["ok"]:
                 con.print(f"[red]check {escape(c['variant'])}:[/red] {escape(c['detail'])}")

@@ -331,14 +331,15 @@ class PagedBackend(CupyBackend):
         self._peer_runs = {}
 
     # ---- steps -----------------------------------------------------------------------
-    def _paged_step(self, variant: str, arm: int = 0):
+    def _paged_step(self, variant: str, arm: int = 0, wv_b: bool = True):
 
-        key = ("paged", variant, arm)
+        key = ("paged", variant, arm, wv_b)
         step = self._steps.get(key)
         if step is None:
             cfg = self.cfg
+            inputs = self.paged if wv_b else {**self.paged, "wv_b": None}
             with self.stream:
-                step = PagedDecodeStep(**self.paged, causal=cfg.causal, variant=variant,
+                step = PagedDecodeStep(**inputs, causal=cfg.causal, variant=variant,
                                        splits=None if cfg.splits == "auto" else cfg.splits,
                                        scale=self.paged_host.scale, pdl=self.pdl)
                 step.check_indices()
@@ -368,6 +369,13 @@ class PagedBackend(CupyBackend):
             graph = step.capture()
             return self._time(lambda: graph.launch(self.stream), False, "step (graph replay)",
                               variant, timing_kw)
+        if phase == "latent":  # the step without wv_b: latent and lse, as the peers return
+            lat = self._paged_step(variant, arm, wv_b=False)
+            if not self.cfg.graph:
+                return self._time(lat.run, False, "latent step", variant, timing_kw)
+            graph = lat.capture()
+            return self._time(lambda: graph.launch(self.stream), False,
+                              "latent step (graph replay)", variant, timing_kw)
         return self._time(fns[phase], False, phase, variant, timing_kw)
 
     def time_peer(self, name: str, timing_kw: dict):

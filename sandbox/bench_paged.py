@@ -14,10 +14,13 @@ What one run does, in order:
    `check_batch` requests, `check_heads` heads) against the float64 paged reference;
 5. the A/A floor: two steps of the first variant on the same inputs, interleaved (identical
    code: the same kernels and grids, checked);
-6. per variant: attn, combine, the whole step with events, and the whole step as a CUDA
-   graph replay (PagedDecodeStep.capture()); per peer: its step;
+6. per variant: attn, combine, the whole step with events, the whole step as a CUDA graph
+   replay (PagedDecodeStep.capture()), and `latent`: the step without wv_b (the merge writes
+   latent and lse only, what the peers return), replayed the same way; per peer: its step;
 7. derived: tokens/s (B x s_q / step), GB/s and TFLOP/s of metrics.paged_step_cost against
-   the ceilings, the fastest step (ties within the floor named as ties), the control verdict.
+   the ceilings, the fastest of our steps and, with peers, the fastest of the same work
+   (`like_for_like`: our latent steps and the peers' calls; ties within the floor named as
+   ties), the control verdict.
 """
 from __future__ import annotations
 
@@ -42,13 +45,16 @@ from .timing import Timing
 
 __all__ = ["SCHEMA", "SERVING_PRESETS", "DEFAULT_PAGED_VARIANTS", "PAGED_PHASES",
            "PagedBenchConfig", "make_paged_config", "parse_length_spec", "plan_report",
-           "run_paged_bench", "paged_work", "serving_help"]
+           "run_paged_bench", "paged_work", "serving_help", "fastest_step", "like_for_like"]
 
 SCHEMA = _DEPTH_SCHEMA.replace("bench/", "bench-paged/")
 DEFAULT_PAGED_VARIANTS = ("mma16", "mma32", "split", "batched16")
-# attn, combine, the whole step with events, the whole step replayed as one CUDA graph, and
-# the launch floor: a graph of the step's launches with empty kernels (bench_gpu.time_floor)
-PAGED_PHASES = ("attn", "combine", "step", "graph", "floor")
+# attn, combine, the whole step with events, the whole step replayed as one CUDA graph, the
+# step without wv_b (latent and lse, the peers' work) replayed likewise, and the launch
+# floor: a graph of the step's launches with empty kernels (bench_gpu.time_floor)
+PAGED_PHASES = ("attn", "combine", "step", "graph", "latent", "floor")
+# the phases whose work is the whole step (with wv_b) and the step without it
+_WHOLE_STEP, _LATENT_STEP = ("step", "graph"), ("latent",)
 MAX_LENGTHS_FILE_BYTES = 16 << 20
 
 # The serving shapes the bench reports against FlashMLA: name -> the options they set.
@@ -279,7 +285,7 @@ def _row(cfg, name, phase, t: Timing, cost, ceilings, kind="variant", plan=None)
         if kind == "peer":   # the peers' arithmetic is tensor-core MMA
             r["roof"], r["frac_roof"] = "GEMM", r["frac_gemm"]
     r["tokens_per_s"] = (cfg.tokens / (t.median_us * 1e-6)
-                         if phase in ("step", "graph") and t.median_us > 0 else None)
+                         if phase in _WHOLE_STEP + _LATENT_STEP and t.median_us > 0 else None)
     if plan is not None:
         r.update({"max_chunks": plan.get("max_chunks"), "grid": plan.get("grid")})
     return r
@@ -344,15 +350,17 @@ def run_paged_bench(*, backend=None, progress=None, log=None,
         control(cfg.cache_dtype, f"before {v}")
         plan = backend.paged_plan(v, 0)
         plans[v] = plan
-        cost = metrics.paged_step_cost(v, cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
-                                       cfg.cache_dtype, qd, plan["n_chunks"],
-                                       plan["head_blocks"])
+        costs = {wv: metrics.paged_step_cost(v, cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
+                                             cfg.cache_dtype, qd, plan["n_chunks"],
+                                             plan["head_blocks"], with_wv_b=wv)
+                 for wv in (True, False)}
         for ph in PAGED_PHASES:
             if ph == "graph" and not cfg.graph:
                 continue
             t = backend.time_paged(v, ph, timing_kw)
-            rows.append(_row(cfg, v, ph, t, cost if ph in ("step", "graph") else None,
-                             ceilings, plan=plan))
+            cost = (costs[True] if ph in _WHOLE_STEP else
+                    costs[False] if ph in _LATENT_STEP else None)
+            rows.append(_row(cfg, v, ph, t, cost, ceilings, plan=plan))
             progress(f"{v} {ph}", 1)
         backend.release_steps()
     for p in backend.available_peers():
@@ -388,18 +396,11 @@ def run_paged_bench(*, backend=None, progress=None, log=None,
                                    "variant on the same inputs (identical code), at least "
                                    "the event timer's resolution over the median"},
             "control": ctl.as_dict(), "fastest": fastest_step(rows, floor),
+            "like_for_like": like_for_like(rows, floor),
             "warnings": warnings, "elapsed_s": time.perf_counter() - t_start}
 
 
-def fastest_step(rows, floor) -> dict | None:
-    """The fastest whole step (graph replay where timed, else events) among the variants and
-    peers that passed their check, and those within the floor of it (a tie is not a win)."""
-    best: dict = {}
-    for r in rows:
-        if r["variant"] == "-" or r.get("check_ok") is False:
-            continue
-        if r["phase"] == "graph" or (r["phase"] == "step" and r["variant"] not in best):
-            best[r["variant"]] = r
+def _fastest(best: dict, floor) -> dict | None:
     if not best:
         return None
     win = min(best.values(), key=lambda r: r["median_us"])
@@ -407,3 +408,31 @@ def fastest_step(rows, floor) -> dict | None:
             and not verdict(r["median_us"], win["median_us"], floor).measurable]
     return {"variant": win["variant"], "phase": win["phase"], "median_us": win["median_us"],
             "ties": ties}
+
+
+def _passed(r) -> bool:
+    return r["variant"] != "-" and r.get("check_ok") is not False
+
+
+def fastest_step(rows, floor) -> dict | None:
+    """The fastest of our whole steps (graph replay where timed, else events) among the
+    variants that passed their check, and those within the floor of it (a tie is not a win).
+    The peers are not in it: their call does not apply wv_b (like_for_like compares them)."""
+    best: dict = {}
+    for r in rows:
+        if not _passed(r) or r["kind"] == "peer":
+            continue
+        if r["phase"] == "graph" or (r["phase"] == "step" and r["variant"] not in best):
+            best[r["variant"]] = r
+    return _fastest(best, floor)
+
+
+def like_for_like(rows, floor) -> dict | None:
+    """With peers: the fastest of the same work, our `latent` steps (no wv_b) and the peers'
+    calls, among those that passed their check, ties within the floor named. None without a
+    timed peer."""
+    best = {r["variant"]: r for r in rows if _passed(r) and (
+        (r["kind"] == "peer" and r["phase"] == "step") or r["phase"] in _LATENT_STEP)}
+    if not any(r["kind"] == "peer" for r in best.values()):
+        return None
+    return _fastest(best, floor)

@@ -176,7 +176,7 @@ class FakePagedBackend:
     def time_paged(self, v, phase, kw, arm=0):
         self.calls.append((v, phase))
         return _t({"attn": 90.0, "combine": 10.0, "step": 100.0, "graph": 95.0,
-                   "floor": 8.0}[phase]
+                   "latent": 85.0, "floor": 8.0}[phase]
                   * (1.2 if v == "split" else 1.0))
 
     def time_peer(self, name, kw):
@@ -216,8 +216,31 @@ def test_a_run_times_every_phase_and_peer_with_the_instruments():
     assert peer["kind"] == "peer" and peer["roof"] == "GEMM"
     assert res["skipped_peers"] == [{"name": "flashmla", "reason": "ImportError: no flash_mla"}]
     assert any("flashmla skipped: ImportError" in w for w in res["warnings"])
-    assert res["fastest"]["variant"] == "torch"
+    # our fastest whole step excludes the peers (no wv_b in their call); the same work is
+    # our latent step against them: the peer's 80 beats the latent 85, the graph 95 would
+    # have lost by more
+    assert res["fastest"]["variant"] == "mma16" and res["fastest"]["phase"] == "graph"
+    assert set(res["fastest"]["ties"]) == {"mma32", "batched16"}
+    lfl = res["like_for_like"]
+    assert lfl["variant"] == "torch" and lfl["median_us"] == pytest.approx(80.0, rel=0.01)
+    latent = next(r for r in res["rows"] if r["variant"] == "mma16" and r["phase"] == "latent")
+    lat_cost = metrics.paged_step_cost("mma16", cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
+                                       "f16", "f16", [1] * 4, 1, with_wv_b=False)
+    assert latent["flops"] == lat_cost.flops < step["flops"]
+    assert latent["tokens_per_s"] == pytest.approx(4 / 85e-6, rel=0.01)
     assert paged_work(cfg) >= len([c for c in be.calls if c != "prepare"])
+
+
+def test_like_for_like_needs_a_timed_peer_and_a_passing_check():
+    cfg = make_paged_config(batch=2, heads=16, aa_rounds=2, variants=("mma16", "split"))
+    assert run_paged_bench(backend=FakePagedBackend(), config=cfg)["like_for_like"] is None
+    cfg = make_paged_config(batch=2, heads=16, aa_rounds=2, variants=("mma16", "split"),
+                            peers=("torch",))
+    res = run_paged_bench(backend=FakePagedBackend(fail={"torch"}), config=cfg)
+    assert res["like_for_like"] is None           # the only peer failed its check
+    res = run_paged_bench(backend=FakePagedBackend(fail={"mma16"}), config=cfg)
+    assert res["like_for_like"]["variant"] == "torch"
+    assert res["fastest"]["variant"] == "split"   # mma16 failed: out of both
 
 
 def test_a_failed_check_fails_the_run_and_loses_the_fastest_title():
@@ -305,6 +328,12 @@ def test_gpu_paged_bench_checks_times_and_replays_every_variant():
     assert res["ok"] and res["noise_floor"]["runs"][0]["same_code"]
     graph = [r for r in res["rows"] if r["phase"] == "graph"]
     assert len(graph) == len(cfg.variants) and all(r["tokens_per_s"] > 0 for r in graph)
+    # the latent step (no wv_b) of every variant, its work that of the peers
+    latent = {r["variant"]: r for r in res["rows"] if r["phase"] == "latent"}
+    assert set(latent) == set(cfg.variants)
+    assert all(latent[g["variant"]]["flops"] < g["flops"] for g in graph)
+    if any(c["kind"] == "peer" and c["ok"] for c in res["checks"]):
+        assert res["like_for_like"] is not None
     # a peer is checked and timed, or skipped with its reason (flashmla: page size 16)
     named = {c["variant"] for c in res["checks"] if c["kind"] == "peer"} | \
         {s["name"] for s in res["skipped_peers"]}

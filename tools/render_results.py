@@ -224,7 +224,8 @@ def serving_section(files: list, out_dir: Path) -> list[str]:
     out = ["### Serving steps (paged, `mlasandbox bench --batch` / `--serving`)", "",
            "Median us. step: attn + combine (merge and wv_b) for the sandbox's variants, the "
            "peer's whole call for a peer (FlashMLA returns the latent: no wv_b); graph: the "
-           "step replayed from one CUDA graph.", ""]
+           "step replayed from one CUDA graph; latent: the step without wv_b (latent and lse, "
+           "the peers' work), replayed likewise (runs before it was timed: -).", ""]
     rows = []
     for path, doc in sorted(files, key=lambda f: f[0].name):
         cfg = doc["config"]
@@ -237,10 +238,10 @@ def serving_section(files: list, out_dir: Path) -> list[str]:
             step = phases.get("step", {})
             rows.append([_shape(cfg), variant] +
                         [fmt_us(phases[ph]["median_us"]) if ph in phases else "-"
-                         for ph in ("attn", "combine", "step", "graph")] +
+                         for ph in ("attn", "combine", "step", "graph", "latent")] +
                         [f"{step['GBps_ideal']:,.0f}" if step.get("GBps_ideal") else "-",
                          _link(path, out_dir)])
-    return out + _table(["shape", "variant", "attn", "combine", "step", "graph",
+    return out + _table(["shape", "variant", "attn", "combine", "step", "graph", "latent",
                          "GB/s (step)", "file"], rows, right_from=2) + [""]
 
 
