@@ -356,9 +356,7 @@ attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
     PagedWalk<CacheT, kTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
                                   causal, max_pages, page_shift, max_chunks, min_chunk,
                                   target, batch, chunk_counts, latent, lse};
-    walk.each_piece([&] {
-        attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
-    });
+    attn_body<HPB, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
 }  // namespace mla

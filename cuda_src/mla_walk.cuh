@@ -65,13 +65,10 @@ __device__ __forceinline__ int warp_max_int(int v) {
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-// W = sum_b t_b, the non-empty requests and max t_b of the batch. Called by whole warps.
-struct BatchTiles {
-    long long total;
-    int busy, max_t;
-};
-__device__ __forceinline__ BatchTiles batch_tiles(const int* __restrict__ lengths, int batch,
-                                                  int tile) {
+// u, the balanced chunk length in tiles, of the batch of `batch` lengths. Called by whole warps.
+__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
+                                                int max_chunks, int tile, int min_chunk,
+                                                int target) {
     const int lane = threadIdx.x & 31;
     long long total = 0;
     int busy = 0, max_t = 0;
@@ -81,15 +78,9 @@ __device__ __forceinline__ BatchTiles batch_tiles(const int* __restrict__ length
         busy += t > 0;
         max_t = max(max_t, t);
     }
-    return {warp_sum_ll(total), warp_sum_int(busy), warp_max_int(max_t)};
-}
-// u, the balanced chunk length in tiles, of the batch of `batch` lengths. Called by whole warps.
-__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
-                                                int max_chunks, int tile, int min_chunk,
-                                                int target, const BatchTiles& bt) {
-    const int lane = threadIdx.x & 31;
-    const long long total = bt.total;
-    const int busy = bt.busy, max_t = bt.max_t;
+    total = warp_sum_ll(total);
+    busy = warp_sum_int(busy);
+    max_t = warp_max_int(max_t);
     int lo = max(min_chunk / tile, static_cast<int>((total + target - 1) / target));
     int hi = target <= busy
                  ? max_t
@@ -107,74 +98,6 @@ __device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths,
     }
     return lo;
 }
-__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
-                                                int max_chunks, int tile, int min_chunk,
-                                                int target) {
-    return batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target,
-                            batch_tiles(lengths, batch, tile));
-}
-// ---- the flat schedule (sandbox/chunks.py, flat_unit) --------------------------------------
-// Program p runs tiles [p U, (p + 1) U) of the batch's requests laid end to end, across
-// request boundaries, one partial a request it meets: U = max(min_chunk / tile,
-// ceil(W / target), ceil(max t_b / (max_chunks - 1))) (the last term: a request meets at most
-// max_chunks programs). Chosen, over the per-request rule's unit u, when the batch has two
-// non-empty requests or more, max_chunks >= 2 and U + kFlatMargin < u: a second request in
-// a program costs its start, about a tile. 0: the per-request rule runs.
-enum : int { kFlatMargin = 1 };
-__device__ __forceinline__ int flat_unit(const BatchTiles& bt, int u, int max_chunks, int tile,
-                                         int min_chunk, int target) {
-    if (max_chunks < 2 || bt.busy < 2) return 0;
-    const int unit = max(max(min_chunk / tile, static_cast<int>((bt.total + target - 1) / target)),
-                         (bt.max_t + max_chunks - 2) / (max_chunks - 1));
-    return unit + kFlatMargin < u ? unit : 0;
-}
-// Program p's first piece under the flat schedule of `unit` tiles: request b (-1: p's range
-// starts past the batch's last tile), its partial slot c, its partial count n, its tiles
-// [s, e) of the piece, and t0, its first tile in the concatenation. `counts` not null: also
-// every request's partial count (the combine reads them). Called by whole warps; a prefix
-// sum of the tile counts over 32 requests a round.
-struct FlatSlot {
-    int b, c, n, s, e;
-    long long t0;
-};
-__device__ __forceinline__ int flat_count(long long t0, int t, int unit) {
-    return t > 0 ? static_cast<int>((t0 + t - 1) / unit - t0 / unit) + 1 : 0;
-}
-__device__ __forceinline__ FlatSlot flat_locate(const int* __restrict__ lengths, int batch,
-                                                int p, int unit, int tile,
-                                                int* __restrict__ counts) {
-    const int lane = threadIdx.x & 31;
-    const long long p0 = static_cast<long long>(p) * unit;
-    FlatSlot slot{-1, 0, 0, 0, 0, 0};
-    long long before = 0;  // tiles of the requests of earlier rounds
-    for (int r0 = 0; r0 < batch; r0 += 32) {
-        const int b = r0 + lane;
-        const int t = b < batch ? (__ldg(lengths + b) + tile - 1) / tile : 0;
-        long long incl = t;  // inclusive scan over the lanes
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) {
-            const long long v = __shfl_up_sync(0xffffffffu, incl, o);
-            if (lane >= o) incl += v;
-        }
-        const long long t0 = before + incl - t;
-        if (counts != nullptr && b < batch) counts[b] = flat_count(t0, t, unit);
-        const unsigned mine = __ballot_sync(0xffffffffu, t > 0 && t0 <= p0 && p0 < t0 + t);
-        if (mine != 0u) {
-            const int src = __ffs(mine) - 1;
-            const long long t0s = __shfl_sync(0xffffffffu, t0, src);
-            const int ts = __shfl_sync(0xffffffffu, t, src);
-            slot.b = r0 + src;
-            slot.c = p - static_cast<int>(t0s / unit);
-            slot.n = flat_count(t0s, ts, unit);
-            slot.s = static_cast<int>(p0 - t0s);
-            slot.e = static_cast<int>(min(p0 + unit - t0s, static_cast<long long>(ts)));
-            slot.t0 = t0s;
-            if (counts == nullptr) break;
-        }
-        before += __shfl_sync(0xffffffffu, incl, 31);
-    }
-    return slot;
-}
 // (n, chunk_len) of one request of `len` positions, at the batch's unit u.
 __device__ __forceinline__ ChunkSpan request_span(int len, int u, int max_chunks, int tile) {
     const int t = (len + tile - 1) / tile;
@@ -191,9 +114,6 @@ __device__ __forceinline__ ChunkSpan request_span(int len, int u, int max_chunks
 struct ChunkSlot {
     int b, c, n, len;
 };
-__device__ __forceinline__ ChunkSlot locate_chunk_at(const int* __restrict__ lengths, int batch,
-                                                     int p, int u, int max_chunks, int tile,
-                                                     int* __restrict__ counts);
 __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ lengths, int batch,
                                                   int p, int max_chunks, int tile,
                                                   int min_chunk, int target,
@@ -212,16 +132,7 @@ __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ length
         if (p < span.n) slot = {0, p, span.n, span.len};
         return slot;
     }
-    return locate_chunk_at(lengths, batch, p,
-                           batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target),
-                           max_chunks, tile, counts);
-}
-// locate_chunk at the batch's unit u (batch_chunk_unit).
-__device__ __forceinline__ ChunkSlot locate_chunk_at(const int* __restrict__ lengths, int batch,
-                                                     int p, int u, int max_chunks, int tile,
-                                                     int* __restrict__ counts) {
-    const int lane = threadIdx.x & 31;
-    ChunkSlot slot{-1, 0, 0, tile};
+    const int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target);
     int before = 0;  // chunks of the requests of earlier rounds
     for (int r0 = 0; r0 < batch; r0 += 32) {
         const int b = r0 + lane;
@@ -336,10 +247,6 @@ struct PagedWalk {
     int req = 0, chunk = 0;     // the program's request and chunk (begin)
     int chunks = 1;             // the request's chunk count (begin; 1 in a single-pass plan)
     int page[kPagedMaxPasses] = {};  // the pages of this thread's rows of the next tile to copy
-    // The program's piece: positions [seg_start, seg_end) of request req (schedule, advance);
-    // unit > 0: the flat schedule of unit tiles a program, req_t0 the request's first tile.
-    int scheduled = 0, unit = 0, seg_start = 0, seg_end = 0;
-    long long req_t0 = 0;
 
     // The plan: one chunk slot a request (grid y = B, program p is request p).
     __device__ __forceinline__ bool single_plan() const { return max_chunks == 1; }
@@ -356,87 +263,23 @@ struct PagedWalk {
     __device__ __forceinline__ int visible(int r) const {
         return causal ? visible0 + r / n_head : visible0;
     }
-    // Program p's first piece (p = blockIdx.y, a plan of several chunk slots): under the
-    // flat schedule (flat_unit) its first request's tiles in [p U, (p + 1) U), else the p-th
-    // chunk of the batch in request order (locate_chunk); req = -1: nothing. Row block 0's
-    // program 0 publishes every request's partial count.
-    __device__ __forceinline__ void schedule(int p) {
-        scheduled = 1;
-        int* counts = blockIdx.x == 0 && p == 0 && threadIdx.x < 32 ? chunk_counts : nullptr;
-        ChunkSlot slot;
-        if (batch > 1) {
-            const BatchTiles bt = batch_tiles(cache_seqlens, batch, kTile);
-            const int u = batch_chunk_unit(cache_seqlens, batch, max_chunks, kTile, min_chunk,
-                                           target, bt);
-            unit = flat_unit(bt, u, max_chunks, kTile, min_chunk, target);
-            if (unit > 0) {
-                const FlatSlot f = flat_locate(cache_seqlens, batch, p, unit, kTile, counts);
-                req = f.b;
-                chunk = f.c;
-                chunks = f.n;
-                seg_start = f.s * kTile;
-                seg_end = f.e * kTile;
-                req_t0 = f.t0;
-                return;
-            }
-            slot = locate_chunk_at(cache_seqlens, batch, p, u, max_chunks, kTile, counts);
-        } else {
-            slot = locate_chunk(cache_seqlens, batch, p, max_chunks, kTile, min_chunk, target,
-                                counts);
-        }
-        req = slot.b;
-        chunk = slot.c;
-        chunks = slot.n;
-        seg_start = slot.c * slot.len;
-        seg_end = seg_start + slot.len;
-    }
-    // The flat schedule's next piece of this program: the next non-empty request, if its
-    // first tile lies before the program's end, (p + 1) U; its partial slot is 0. Every
-    // thread of the block calls it after the body (the same values in all: no divergence),
-    // and the barrier frees shared memory for the next piece. False: the program is done.
-    __device__ __forceinline__ bool advance() {
-        if (unit == 0 || req < 0) return false;
-        const long long prog_end = static_cast<long long>(blockIdx.y + 1) * unit;
-        long long t0 = req_t0 + (__ldg(cache_seqlens + req) + kTile - 1) / kTile;
-        for (int b = req + 1; b < batch && t0 < prog_end; ++b) {
-            const int t = (__ldg(cache_seqlens + b) + kTile - 1) / kTile;
-            if (t == 0) continue;
-            req = b;
-            chunk = 0;
-            chunks = flat_count(t0, t, unit);
-            req_t0 = t0;
-            seg_start = 0;
-            seg_end = static_cast<int>(min(prog_end - t0, static_cast<long long>(t))) * kTile;
-            __syncthreads();
-            return true;
-        }
-        return false;
-    }
-    // Runs body() once a piece of the program: once, but under the flat schedule once a
-    // request the program's tiles meet. Every paged entry calls its body through it.
-    template <typename Body>
-    __device__ __forceinline__ void each_piece(Body&& body) {
-        do {
-            body();
-        } while (advance());
-    }
-    // The program's current piece (schedule, advance; single-pass plan: request p, chunk 0).
-    // A block none of whose rows sees a position of its piece (causal) writes their neutral
-    // partials, and where its request runs one chunk (single()) their latent 0 and lse -inf.
+    // Program p = blockIdx.y of row block blockIdx.x. Single-pass plan (max_chunks 1, grid
+    // y = B): request p, chunk 0. Else (grid y = max(target, B)) the p-th chunk of the batch
+    // in request order (locate_chunk), nothing past the last. Row block 0's program 0 (single-
+    // pass plan: each request's program of row block 0) publishes the chunk counts. A block
+    // none of whose rows sees a position of its chunk (causal) writes their neutral partials,
+    // and where its request runs one chunk (single()) their latent 0 and lse -inf.
     __device__ __forceinline__ bool begin(int heads, int latent_dim, float* part_acc,
                                           float* part_m, float* part_l, BlockSlice& out) {
         const int p = blockIdx.y;
         const int head0 = static_cast<int>(blockIdx.x) * heads;
+        // One line of the table into L2 before the program knows its chunk: line p of
+        // gridDim.y spread over the table, where chunks in request order put program p's
+        // first lookups when the requests' page counts follow their lengths. In the table's
+        // bounds; a prefetch reads nothing into the program.
+        const size_t entries = static_cast<size_t>(batch) * max_pages;
+        if (threadIdx.x == 0) prefetch_l2(table + static_cast<size_t>(p) * entries / gridDim.y);
         int len;
-        if (!scheduled) {
-            // One line of the table into L2 before the program knows its chunk: line p of
-            // gridDim.y spread over the table, where chunks in request order put program
-            // p's first lookups when the requests' page counts follow their lengths. In the
-            // table's bounds; a prefetch reads nothing into the program.
-            const size_t entries = static_cast<size_t>(batch) * max_pages;
-            if (threadIdx.x == 0) prefetch_l2(table + static_cast<size_t>(p) * entries / gridDim.y);
-            if (!single_plan()) schedule(p);
-        }
         if (single_plan()) {
             req = p;
             chunk = 0;
@@ -449,9 +292,17 @@ struct PagedWalk {
             out = {head0, 0, 0, static_cast<size_t>(p) * n_rows};
             out.row_end = len;
         } else {
-            if (req < 0) return false;
+            const bool publish = blockIdx.x == 0 && p == 0 && threadIdx.x < 32;
+            const ChunkSlot slot = locate_chunk(cache_seqlens, batch, p, max_chunks, kTile,
+                                                min_chunk, target,
+                                                publish ? chunk_counts : nullptr);
+            if (slot.b < 0) return false;
+            req = slot.b;
+            chunk = slot.c;
+            chunks = slot.n;
             len = __ldg(cache_seqlens + req);
-            out = {head0, seg_start, min(len, seg_end),
+            const int start = chunk * slot.len;
+            out = {head0, start, min(len, start + slot.len),
                    (static_cast<size_t>(req) * max_chunks + chunk) * n_rows};
         }
         q_row0 = static_cast<size_t>(req) * n_rows;

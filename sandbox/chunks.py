@@ -49,13 +49,12 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "ChunkPlan",
-           "plan_chunks", "batch_chunk_unit", "single_request_unit", "flat_unit",
-           "flat_counts", "batch_chunks", "request_chunks", "chunk_bounds", "FLAT_MARGIN"]
+           "plan_chunks", "batch_chunk_unit", "single_request_unit", "request_chunks",
+           "chunk_bounds"]
 
 CHUNK_CAP = 256          # chunks of one request, at most (as the batch-1 split cap)
 CHUNK_SKEW = 2           # chunk slots per request: this many times the mean request's need
 MIN_TILES_PER_CHUNK = 1  # a chunk is at least this many tiles long, unless the request is
-FLAT_MARGIN = 1          # tiles the flat schedule must save over the per-request rule
 COMBINE_TILE_MAX = 64    # chunk partials the combine merges in one step, at most
 
 
@@ -107,54 +106,13 @@ class ChunkPlan:
         return min(COMBINE_TILE_MAX, 1 << (self.max_chunks - 1).bit_length())
 
     def for_lengths(self, lengths):
-        """(n_chunks [B], chunk_len [B]) for these lengths: what each request runs in the
-        built-in kernels (batch_chunks)."""
-        if self.single_pass:
-            return request_chunks(lengths, 1, self.tile, self.min_chunk, self.target)
-        return batch_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target)
-
-    def flat_unit(self, lengths) -> int:
-        """U of the flat schedule these lengths run, 0 for the per-request rule."""
-        if self.single_pass:
-            return 0
-        return flat_unit(lengths, self.max_chunks, self.tile, self.min_chunk, self.target)
-
-    def program_segments(self, lengths) -> list:
-        """Per chunk program p of a row block, the pieces it runs, in order, as (request,
-        partial slot, start, end) positions: one chunk under the per-request rule (none past
-        the last), and under the flat schedule every request its tiles [p U, (p + 1) U) of
-        the batch's concatenation meet (PagedWalk::begin and advance)."""
-        lens, t = _tiles(lengths, self.tile)
-        unit = self.flat_unit(lens)
-        progs: list = [[] for _ in range(self.programs_per_block)]
-        if not unit:
-            n, clen = request_chunks(lens, self.max_chunks, self.tile, self.min_chunk,
-                                     self.target)
-            for p, (b, c) in enumerate(zip(*self._request_order(n))):
-                if b >= 0:
-                    start, end = chunk_bounds(int(lens[b]), int(clen[b]), int(c))
-                    progs[p].append((int(b), int(c), start, end))
-            return progs
-        t0 = np.concatenate([[0], np.cumsum(t)[:-1]])
-        for b in np.flatnonzero(t > 0):
-            first, last = int(t0[b]) // unit, (int(t0[b] + t[b]) - 1) // unit
-            for p in range(first, last + 1):
-                s = max(p * unit, int(t0[b])) - int(t0[b])
-                e = min((p + 1) * unit, int(t0[b] + t[b])) - int(t0[b])
-                progs[p].append((int(b), p - first, s * self.tile,
-                                 min(e * self.tile, int(lens[b]))))
-        return progs
+        """(n_chunks [B], chunk_len [B]) for these lengths: what each request runs."""
+        return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target)
 
     def program_chunks(self, lengths):
-        """(request [P], partial slot [P]) of the first piece of each chunk program p of a
-        row block, -1 where it runs none: under the per-request rule its one chunk, the
-        requests' chunks numbered request by request (the kernels' locate_chunk)."""
-        segs = self.program_segments(lengths)
-        return (np.array([s[0][0] if s else -1 for s in segs], np.int64),
-                np.array([s[0][1] if s else 0 for s in segs], np.int64))
-
-    def _request_order(self, n):
-        """program_chunks of the per-request rule, from its chunk counts n."""
+        """(request [P], chunk [P]) of each chunk program p of a row block, -1 past the last
+        chunk: the requests' chunks numbered request by request (the kernels' locate)."""
+        n, _ = self.for_lengths(lengths)
         if self.single_pass:
             b = np.arange(self.batch)
             return np.where(n > 0, b, -1), np.zeros(self.batch, np.int64)
@@ -226,46 +184,9 @@ def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target
     return lo
 
 
-def flat_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target: int) -> int:
-    """U, the tiles of every program under the flat schedule, or 0 where the per-request
-    rule runs (the kernels' PagedWalk::begin; the module docstring). With t_b tiles a
-    request, W their sum: U = max(min_tiles, ceil(W / target), ceil(max t_b / (max_chunks -
-    1))), the last term keeping every request within its max_chunks partial slots. Chosen
-    when the batch has two non-empty requests or more, max_chunks >= 2, and U + FLAT_MARGIN
-    < u (the per-request rule's unit): a program whose range crosses into a second request
-    pays that request's start, about a tile."""
-    n, t = _tiles(lengths, tile)
-    if max_chunks < 2 or int((t > 0).sum()) < 2:
-        return 0
-    total, max_t = int(t.sum()), int(t.max())
-    unit = max(min_chunk // tile, -(-total // target), -(-max_t // (max_chunks - 1)))
-    u = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
-    return unit if unit + FLAT_MARGIN < u else 0
-
-
-def flat_counts(lengths, tile: int, unit: int) -> np.ndarray:
-    """Partials per request under the flat schedule of `unit` tiles a program: the programs
-    its tiles [T_b, T_b + t_b) of the batch's concatenation meet; 0 for an empty request."""
-    _, t = _tiles(lengths, tile)
-    t0 = np.concatenate([[0], np.cumsum(t)[:-1]])
-    return np.where(t > 0, (t0 + t - 1) // unit - t0 // unit + 1, 0)
-
-
-def batch_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int):
-    """(n_chunks, chunk_len) per request as the built-in kernels run the batch: the flat
-    schedule where flat_unit chooses it (n_chunks: a request's partials; chunk_len: U x tile,
-    the longest any of its pieces is), else request_chunks."""
-    n, _ = _tiles(lengths, tile)
-    unit = flat_unit(n, max_chunks, tile, min_chunk, target)
-    if unit:
-        return flat_counts(n, tile, unit), np.full(n.shape, unit * tile, np.int64)
-    return request_chunks(n, max_chunks, tile, min_chunk, target)
-
-
 def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int):
-    """(n_chunks, chunk_len) per request of the batch `lengths` under the per-request rule,
-    in the kernels' integer arithmetic (the module docstring; locate_chunk, which kernels of
-    one chunk a program use). Vectorized over the batch."""
+    """(n_chunks, chunk_len) per request of the batch `lengths`, in the kernels' integer
+    arithmetic (the module docstring). Vectorized over the batch."""
     n, t = _tiles(lengths, tile)
     u = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
     want = np.minimum(max_chunks, -(-t // u))                  # 0 for an empty request

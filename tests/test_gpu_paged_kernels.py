@@ -25,7 +25,7 @@ import pytest
 from gpu_support import fresh_seed, gpu
 from mlasandbox import registry
 from mlasandbox.api import SINGLE_PASS_FAMILIES
-from mlasandbox.chunks import MIN_TILES_PER_CHUNK, batch_chunks, flat_unit, request_chunks
+from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import PagedResult
@@ -87,34 +87,7 @@ CASES = [
          target=4),
     Case("split", 5, (3000, 20, 1), page_size=1, max_chunks=6, target=2),
     Case("mma32", 16, (140, 8193, 2), s_q=2, page_size=64, max_chunks=12, target=9),
-    # the flat schedule (chunks.flat_unit > 0: the balance cases above with it are mma16,
-    # split and mma32 at targets 7, 2 and 9): programs that run pieces of two requests or
-    # more, causal rows that see nothing of a piece, empty requests between pieces
-    Case("batched8", 3, (9000, 65, 4096, 0, 3000), s_q=2, causal=True, page_size=16,
-         max_chunks=4, target=5),
-    Case("mma16", 4, (3000, 129, 2, 700, 0, 5000), s_q=4, causal=True, page_size=16,
-         max_chunks=6, target=5, cache="bf16"),
-    Case("mma32", 16, (2000, 2000, 65, 3000), page_size=1, max_chunks=4, target=5),
-    Case("split", 2, (700, 640, 1, 900), s_q=3, causal=True, page_size=64, max_chunks=6,
-         target=4, cache="bf16", q="bf16"),
 ]
-
-
-def chunk_counts_of(case, tile):
-    """Each request's partial count as the built-in kernels run case (chunks.batch_chunks)."""
-    return batch_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
-                        case.target)[0]
-
-
-def test_the_case_grid_reaches_both_schedules():
-    # without a flat case the grid would test the per-request rule only
-    def flat(c):
-        tile = registry.paged_attention_instance(c.variant).tile_rows
-        return flat_unit(list(c.lengths), c.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
-                         c.target) > 0
-    kinds = {(registry.variant(c.variant).family, flat(c)) for c in CASES}
-    for fam in ("split", "batched", "mma"):
-        assert {(fam, True), (fam, False)} <= kinds, (fam, kinds)
 
 
 def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale: bool = True,
@@ -157,7 +130,7 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
         i32(max_pages), i32(int(math.log2(page_size))), i32(max_chunks), i32(min_chunk),
         np.float32(inp.scale * LOG2E), part_acc, part_m, part_l, i32(target), i32(batch),
         counts, latent, lse), shared_mem=att.smem_bytes)
-    want = batch_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target)[0]
+    want = request_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target)[0]
     assert (counts.get() == want).all(), "the published chunk counts are the rule's"
     shape = (batch, s_q, n_head)
     if not merge:
@@ -202,7 +175,9 @@ def test_paged_kernels_match_the_float64_reference(case):
     assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
     # the programs past a request's last chunk wrote nothing (their l is still NaN), and the
     # ones before it wrote every row
-    n = chunk_counts_of(case, registry.paged_attention_instance(case.variant).tile_rows)
+    tile = registry.paged_attention_instance(case.variant).tile_rows
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
+                          case.target)
     written = ~np.isnan(part_l.get())                      # [B, max_chunks, n_rows]
     want = np.arange(case.max_chunks)[None, :] < n[:, None]  # [B, max_chunks]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
@@ -264,8 +239,9 @@ def _requests(res, ref, picked):
 def one_chunk_requests(case):
     """The mask of case's requests that run one chunk (chunks.py's model of the rule); the
     case must mix them with requests of several chunks."""
-    n = chunk_counts_of(case, registry.paged_attention_instance(case.variant, case.cache,
-                                                                case.q).tile_rows)
+    tile = registry.paged_attention_instance(case.variant, case.cache, case.q).tile_rows
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
+                          case.target)
     assert (n == 1).any() and (n >= 2).any(), f"{case}: chunk counts {n} do not mix 1 and more"
     return n == 1
 

@@ -32,7 +32,7 @@ import pytest
 from gpu_support import HAVE_GPU, fresh_seed, gpu
 from mlasandbox import registry
 from mlasandbox.bf16 import as_f64
-from mlasandbox.chunks import MIN_TILES_PER_CHUNK, batch_chunks, flat_unit
+from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
 from mlasandbox.compare import Tolerance
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.reference import decode_paged, to_host
@@ -71,19 +71,7 @@ CASES = [
     Case("wgmma64", 16, (20000,), page_size=64, max_chunks=16, cache="f16", q="f16"),
     Case("wgmma64", 128, (0, 4096, 4097, 1, 64, 65), page_size=64, max_chunks=4,
          cache="bf16", q="bf16"),
-    # the flat schedule (programs that cross requests; test_the_case_grid_reaches_it)
-    Case("wgmma64", 16, (3000, 129, 2, 700, 0, 5000), s_q=4, causal=True, page_size=16,
-         max_chunks=6, target=5, cache="bf16", q="bf16"),
-    Case("wgmma64", 128, (2000, 2000, 65, 3000), page_size=64, max_chunks=4, target=5,
-         cache="f16", q="f16"),
 ]
-
-
-def test_the_case_grid_reaches_the_flat_schedule():
-    tile = registry.WGMMA_TILE
-    units = [flat_unit(list(c.lengths), c.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
-                       c.target) for c in CASES]
-    assert sum(u > 0 for u in units) >= 2 and sum(u == 0 for u in units) >= 2, units
 
 
 def rounding_bound(inp, ref, cache: str) -> float:
@@ -133,8 +121,8 @@ def test_wgmma_matches_the_float64_reference(case):
     assert cmp.ok, f"{case} seed={seed} tolerance={tol}\n{cmp.summary()}"
     # the programs past a request's last chunk wrote nothing (l still NaN), the others all rows
     tile = registry.WGMMA_TILE
-    n, _ = batch_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
-                        case.target)
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
+                          case.target)
     written = ~np.isnan(part_l.get())
     want = np.arange(case.max_chunks)[None, :] < n[:, None]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"

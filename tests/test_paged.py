@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlasandbox.chunks import (CHUNK_CAP, batch_chunk_unit, chunk_bounds, plan_chunks,
-                               flat_counts, request_chunks, single_request_unit)
+                               request_chunks, single_request_unit)
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
@@ -269,92 +269,6 @@ def test_the_balance_fills_one_wave_and_long_requests_take_the_chunks():
     assert len(req) == 132 and (req[:n.sum()] >= 0).all() and (req[n.sum():] == -1).all()
     for b in range(32):
         assert sorted(chunk[req == b]) == list(range(n[b]))
-
-
-def _check_segments(plan, lengths):
-    """Every request's positions [0, len) run exactly once, in whole tiles from 0, as
-    partial slots 0 .. n_b - 1 (the combine's n_b), each program's pieces in request order."""
-    lengths = np.asarray(lengths)
-    n, _ = plan.for_lengths(lengths)
-    segs = plan.program_segments(lengths)
-    assert len(segs) == plan.programs_per_block
-    seen = {}
-    for pieces in segs:
-        assert [b for b, *_ in pieces] == sorted({b for b, *_ in pieces})
-        for b, c, start, end in pieces:
-            assert start % plan.tile == 0 and start < end <= lengths[b]
-            assert (b, c) not in seen
-            seen[b, c] = (start, end)
-    for b, length in enumerate(lengths):
-        spans = [seen[b, c] for c in range(int(n[b]))]
-        assert len([k for k in seen if k[0] == b]) == n[b] <= plan.max_chunks
-        assert (n[b] == 0) == (length == 0)
-        assert all(a[1] == b_[0] for a, b_ in zip(spans, spans[1:]))
-        assert not spans or (spans[0][0] == 0 and spans[-1][1] == length)
-    return n, segs
-
-
-def test_the_flat_schedule_gives_every_program_the_same_tiles():
-    # the bench's B = 32 x N(8192, 4096) (seed 0) on 132 SMs: the per-request rule's longest
-    # chunk is 33 tiles against W / 132 = 29; the flat schedule cuts the batch's 3,822 tiles
-    # into 132 programs of at most 29, crossing request boundaries
-    lengths = np.asarray(parse_lengths("normal:8192:4096", 32, 0))
-    plan = plan_chunks(32, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    t = -(-lengths // 64)
-    assert batch_chunk_unit(lengths, plan.max_chunks, 64, 64, 132) == 33
-    assert plan.flat_unit(lengths) == 29 == -(-t.sum() // 132)
-    n, segs = _check_segments(plan, lengths)
-    tiles = [sum(-(-(e - s0) // 64) for _, _, s0, e in p) for p in segs]
-    assert max(tiles) == 29 and sum(tiles) == t.sum() and sum(x > 0 for x in tiles) == 132
-    assert sum(len(p) > 1 for p in segs) > 0            # programs that cross requests
-    assert (n == flat_counts(lengths, 64, 29)).all() and n.sum() == 161
-    # negative control: the per-request rule's pieces of the same batch are longer
-    req = request_chunks(lengths, plan.max_chunks, 64, 64, 132)[1]
-    assert req.max() // 64 == 33
-
-
-def test_flat_runs_only_where_it_saves_a_tile_and_keeps_the_chunk_slots():
-    one = plan_chunks(1, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert one.flat_unit([131072]) == 0                  # one request: nothing to balance
-    b128 = plan_chunks(128, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert b128.max_chunks == 3 and b128.flat_unit([4096] * 128) == 0   # 63 + 1 !< 64
-    assert b128.for_lengths([4096] * 128)[0].tolist() == [1] * 128      # one chunk each
-    single = plan_chunks(200, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert single.single_pass and single.flat_unit([9000, 1] * 100) == 0
-    # one long request among short ones: the cap term ceil(max t / (max_chunks - 1)) keeps
-    # it within its max_chunks slots, which W / target alone would not; so long a unit
-    # loses to the per-request rule (17 chunks of 184 tiles), which then runs
-    lengths = np.asarray([200_000] + [2_000] * 15)
-    plan = plan_chunks(16, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    t = -(-lengths // 64)
-    capped = -(-t.max() // (plan.max_chunks - 1))
-    assert capped > -(-t.sum() // 132)
-    assert flat_counts(lengths, 64, capped).max() <= plan.max_chunks
-    assert flat_counts(lengths, 64, -(-t.sum() // 132)).max() > plan.max_chunks
-    assert plan.flat_unit(lengths) == 0
-    n, _ = _check_segments(plan, lengths)
-    assert n[0] == plan.max_chunks and (n[1:] <= 2).all()
-
-
-def test_every_schedule_covers_each_request_once():
-    # random batches, some with empty requests, under both rules (the flat one must be among
-    # them, or this reaches only the per-request rule)
-    flat = 0
-    for seed in range(12):
-        rng = np.random.default_rng(100 + seed)
-        batch = int(rng.integers(2, 70))
-        mean = float(rng.choice([3000, 8192, 30000]))
-        lengths = np.clip(rng.normal(mean, mean / 2, batch), 0, None).astype(int)
-        lengths[rng.random(batch) < 0.15] = 0
-        for bps, heads in ((1, 1), (2, 1), (1, 3), (1, 8)):
-            plan = plan_chunks(batch, heads, num_sms=132, blocks_per_sm=bps, tile=64)
-            _check_segments(plan, lengths)
-            flat += plan.flat_unit(lengths) > 0
-        for chunks in (2, 5, 17):
-            plan = plan_chunks(batch, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=chunks)
-            _check_segments(plan, lengths)
-            flat += plan.flat_unit(lengths) > 0
-    assert flat >= 5, flat
 
 
 def test_a_single_pass_runs_request_p_on_program_p():
