@@ -84,15 +84,25 @@ struct ContiguousMerge {
     __device__ __forceinline__ int head() const { return h; }
     // a merge that runs merges (S = 1 launches none: DecodeStep.single_pass)
     __device__ __forceinline__ bool attn_wrote() const { return false; }
+    __device__ __forceinline__ void settle() {}  // the split count is a launch argument
 };
 
 // Paged: row r = x of request b = blockIdx.z merges that request's chunks 0..n-1 (the chunk
 // rule, request_chunks), partial (b * max_chunks + i) * n_rows + r; results at row
 // b * n_rows + r; wv_b of head r % n_head. written: the attention kernel wrote the row's
-// latent and lse itself (its request runs one chunk), so there is nothing to merge.
+// latent and lse itself (its request runs one chunk), so there is nothing to merge. n and
+// written come from chunk_counts, the attention kernel's output: settle() reads it, after
+// the wait, so what precedes the wait (the wv_b words) needs neither.
 struct PagedMerge {
-    int n_rows, n_head, max_chunks, n, r, b;  // r = blockIdx.x, b = blockIdx.z
-    bool written;
+    int n_rows, n_head, max_chunks, r, b;  // r = blockIdx.x, b = blockIdx.z
+    const int* counts;
+    int attn_writes_single;
+    int n = 0;
+    bool written = false;
+    __device__ __forceinline__ void settle() {
+        n = counts[b];  // as the attention launch derived it
+        written = attn_writes_single != 0 && n == 1;
+    }
     __device__ __forceinline__ int parts() const { return n; }
     __device__ __forceinline__ size_t first() const {
         return static_cast<size_t>(b) * max_chunks * n_rows + r;
@@ -108,7 +118,7 @@ struct PagedMerge {
 // is one, since n_ctx >= 1 fills a slice. A row the attention kernel wrote itself
 // (merge.attn_wrote()) is not merged; with wv_b its latent is projected.
 template <typename WvT, bool RESCALE, typename M>
-__device__ __forceinline__ void combine_body(const M& merge, const float* __restrict__ part_acc,
+__device__ __forceinline__ void combine_body(M merge, const float* __restrict__ part_acc,
                                              const float* __restrict__ part_m,
                                              const float* __restrict__ part_l,
                                              const WvT* __restrict__ wv_b, int v_head,
@@ -134,8 +144,7 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
 
     // The projection's wv_b slice is a weight no kernel of the step writes: with wv_b, each
     // thread loads its first row's words now, before the wait, so at batch 1 the loads
-    // overlap the attention kernel's tail (programmatic launch) and the merge. (The paged
-    // launch has waited already: it reads chunk_counts first.)
+    // overlap the attention kernel's tail (programmatic launch) and the merge.
     uint4 w_pre[kWPrefetch];
     const int w_words = cols / 16;  // 16-byte words of a thread's half of a wv_b row
     const int w_v = tid >> 1, w_half = tid & 1;
@@ -151,6 +160,7 @@ __device__ __forceinline__ void combine_body(const M& merge, const float* __rest
 
     pdl_wait();  // the partials are the attention kernel's: nothing above reads them
     pdl_launch_dependents();
+    merge.settle();
 
     if (merge.attn_wrote()) {
         // The row's one chunk: the attention kernel wrote its latent and lse itself
@@ -334,15 +344,11 @@ combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part
               const WvT* __restrict__ wv_b, int v_head, float* __restrict__ out,
               float* __restrict__ latent, float* __restrict__ lse, float* __restrict__ out_part,
               unsigned int* __restrict__ tickets, const int* __restrict__ chunk_counts) {
+    // chunk_counts, like the partials, is the attention kernel's: PagedMerge::settle reads
+    // it after the wait, and a written row without wv_b returns there
     const int r = blockIdx.x, b = blockIdx.z;
-    pdl_wait();  // chunk_counts, like the partials, is the attention kernel's
-    const int n = chunk_counts[b];  // as the attention launch derived it
-    const bool written = attn_writes_single != 0 && n == 1;
-    if (written && wv_b == nullptr) {
-        pdl_launch_dependents();
-        return;
-    }
-    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, n, r, b, written},
+    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, r, b, chunk_counts,
+                                          attn_writes_single},
                                part_acc, part_m, part_l, wv_b, v_head, out, latent, lse,
                                out_part, tickets);
 }
