@@ -92,7 +92,8 @@ ROWS = [
      "| mma16 | 16 | 4,096 | 45.9 | 38.1 | 17% | 1.09% |"),
     ("32 x normal:8192:4096 x 16 heads, page 64", "### Serving steps",
      "| 32 x normal:8192:4096 x 16 heads, page 64 | mma16 | 128.9 | 31.1 | 158.4 | 156.4 | "
-     "1,848 |"),
+     "149.7 | 1,848 |"),
+
 ]
 
 
@@ -102,6 +103,13 @@ def test_checks_depth_sweep_ablate_cells(run, first, after, expected):
     assert "### Checks against the float64 reference ([`bench_h16.json`]" in text
     assert "| variant | 64 | 4,096 | depth term |" in text
     assert _row(text, first, after).startswith(expected)
+
+
+def test_a_serving_row_without_a_phase_shows_a_dash(run):
+    # the peer's call has no attn, combine, graph or latent phase of ours
+    text = _render(run)
+    assert ("| 32 x normal:8192:4096 x 16 heads, page 64 | flashmla | - | - | 85.9 | - | - |"
+            in text)
 
 
 def test_run_header_names_unknown_facts(run):
