@@ -11,7 +11,7 @@ from mlasandbox.metrics import explain_lines
 from .render import Column, FitTable, fmt_bytes, kv_table
 
 __all__ = ["fmt_us", "depth_table", "phase_table", "summary_table", "checks_table",
-           "vs_table", "sweep_table", "explain_text"]
+           "vs_table", "sweep_table", "paged_sweep_table", "explain_text"]
 
 
 def fmt_us(x) -> str:
@@ -223,35 +223,82 @@ SWEEP_COLUMNS = (
 )
 
 
+def _sweep_cells(r: dict) -> tuple[str, str, str]:
+    """(time, spills, modelled blocks/SM) of a sweep row, marked: fastest, spills, step."""
+    spills = f"{r['spill_stores']}/{r['spill_loads']}"
+    if r["spill_stores"] or r["spill_loads"]:
+        spills = f"[red]{spills}[/red]"
+    tm = "-" if r["median_us"] is None else (
+        f"{fmt_us(r['median_us'])} \\[{fmt_us(r['p10_us'])}-{fmt_us(r['p90_us'])}]")
+    if r["fastest"]:
+        tm = f"[bold green]{tm} *[/bold green]"
+    bps = str(r["blocks_per_sm_model"]) + (" <- step" if r["step"] else "")
+    if r["step"]:
+        bps = f"[yellow]{bps}[/yellow]"
+    return tm, spills, bps
+
+
 def sweep_table(result: dict) -> FitTable:
     cfg = result["config"]
     cells = []
     for r in result["rows"]:
-        spills = f"{r['spill_stores']}/{r['spill_loads']}"
-        if r["spill_stores"] or r["spill_loads"]:
-            spills = f"[red]{spills}[/red]"
-        tm = "-" if r["median_us"] is None else (
-            f"{fmt_us(r['median_us'])} \\[{fmt_us(r['p10_us'])}-{fmt_us(r['p90_us'])}]")
-        if r["fastest"]:
-            tm = f"[bold green]{tm} *[/bold green]"
-        bps = str(r["blocks_per_sm_model"]) + (" <- step" if r["step"] else "")
-        if r["step"]:
-            bps = f"[yellow]{bps}[/yellow]"
+        tm, spills, bps = _sweep_cells(r)
         drv = "-" if r["blocks_per_sm_driver"] is None else (
             str(r["blocks_per_sm_driver"]) + (" <-" if r["driver_step"] else ""))
         cells.append([str(r["hpb"]), r["variant"], tm, str(r["registers"]), spills,
                       f"{fmt_bytes(r['static_smem'])} + {fmt_bytes(r['dynamic_smem'])}", bps,
                       drv, r["limiter"], str(r["splits"]), str(r["head_blocks"]),
                       f"{r['waves']:.2f}"])
-    return FitTable(
-        SWEEP_COLUMNS, cells,
-        title=f"heads-per-block sweep at n_ctx {cfg['n_ctx']}, H={cfg['n_head']}, cache "
-              f"{cfg['cache']}, q {cfg['q']} ({cfg['arch']}, {cfg['num_sms']} SMs)"
-              + ("" if result["timed"] else ": NO GPU, compile-side columns only"),
-        caption="attn: attention phase, median \\[p10-p90]; blocks/SM model: occupancy "
-                "calculator on the ptxas report; driver: cudaOccupancy API; <- step: fewer "
-                "blocks/SM than the previous HPB (the register wall); * fastest",
-        title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
+    return _sweep_fit(
+        SWEEP_COLUMNS, cells, result,
+        f"heads-per-block sweep at n_ctx {cfg['n_ctx']}, H={cfg['n_head']}, cache "
+        f"{cfg['cache']}, q {cfg['q']} ({cfg['arch']}, {cfg['num_sms']} SMs)",
+        "attn: attention phase, median \\[p10-p90]; blocks/SM model: occupancy "
+        "calculator on the ptxas report; driver: cudaOccupancy API; <- step: fewer "
+        "blocks/SM than the previous HPB (the register wall); * fastest")
+
+
+def _sweep_fit(columns, cells, result: dict, title: str, caption: str) -> FitTable:
+    return FitTable(columns, cells,
+                    title=title + ("" if result["timed"] else ": NO GPU, compile-side columns "
+                                                              "only"),
+                    caption=caption, title_justify="left", caption_justify="left",
+                    box=box.SIMPLE_HEAD)
+
+
+PAGED_SWEEP_COLUMNS = (
+    Column("variant", "left"), Column("rows", "right"), Column("attn us", "right"),
+    Column("regs", "right"), Column("spill st/ld", "right"),
+    Column("smem st+dyn", "right", drop=3), Column("blocks/SM model", "left"),
+    Column("driver", "right", drop=5), Column("limiter", "left", drop=2),
+    Column("head blocks", "right", drop=6), Column("programs", "right", drop=4),
+    Column("longest chunk", "right", drop=7),
+)
+
+
+def paged_sweep_table(result: dict) -> FitTable:
+    """The rows-per-block sweep of one paged step (mlasandbox.sweep_paged)."""
+    cfg = result["config"]
+    cells = []
+    for r in result["rows"]:
+        tm, spills, bps = _sweep_cells(r)
+        drv = "-" if r["blocks_per_sm_driver"] is None else str(r["blocks_per_sm_driver"])
+        cells.append([r["variant"], str(r["rows_per_block"]), tm, str(r["registers"]), spills,
+                      f"{fmt_bytes(r['static_smem'])} + {fmt_bytes(r['dynamic_smem'])}", bps,
+                      drv, r["limiter"], str(r["head_blocks"]), f"{r['programs_run']:,}",
+                      f"{r['chunk_len_max']:,}"])
+    shape = (f"B={cfg['batch']} x {cfg['lengths_spec']}, H={cfg['dims']['n_head']}"
+             + (f", s_q {cfg['s_q']}" if cfg["s_q"] > 1 else "")
+             + (" causal" if cfg["causal"] else "") + f", page {cfg['page_size']}")
+    return _sweep_fit(
+        PAGED_SWEEP_COLUMNS, cells, result,
+        f"rows-per-block sweep of the paged step {shape}, cache {cfg['cache_dtype']}, "
+        f"q {cfg['q']} ({cfg['arch']}, {cfg['num_sms']} SMs)",
+        "rows: query rows (heads x s_q) a block serves; attn: the attention phase, "
+        "median \\[p10-p90]; blocks/SM model: occupancy calculator on the ptxas report; "
+        "driver: cudaOccupancy API; programs: chunk programs that run; longest chunk: "
+        "positions; <- step: fewer blocks/SM than the HPB before (the register wall); "
+        "* fastest")
 
 
 def explain_text(costs) -> str:

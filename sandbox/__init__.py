@@ -21,8 +21,8 @@ def __getattr__(name):
     import importlib
 
     if name in ("reference", "schedule", "occupancy", "compare", "inputs", "bf16", "ptxas",
-                "toolkit", "kernels", "guard", "api", "bench", "sweep", "repro", "timing",
-                "paged", "paged_api", "interop", "chunks", "paged_inputs",
+                "toolkit", "kernels", "guard", "api", "bench", "sweep", "sweep_paged", "repro",
+                "timing", "paged", "paged_api", "interop", "chunks", "paged_inputs",
                 "compare_paged", "tp", "tp_comm", "tp_rank", "tp_launch", "tp_bench",
                 "user_kernel", "battery"):
         return importlib.import_module(f".{name}", __name__)

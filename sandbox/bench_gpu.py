@@ -355,7 +355,10 @@ class PagedBackend(CupyBackend):
                 "target": p.target, "single_pass": p.single_pass,
                 "reason": p.reason, "n_chunks": [int(c) for c in n_chunks],
                 "chunk_len_max": int(chunk_len.max()),
-                "launches": [(ln.kernel, list(ln.grid), list(ln.block)) for ln in step.launches()]}
+                "launches": [(ln.kernel, list(ln.grid), list(ln.block)) for ln in step.launches()],
+                "attn_kernel": step.attn_inst.name,
+                "attn_num_regs": int(getattr(step.attn_kernel, "num_regs", -1)),
+                "driver_blocks_per_sm": blocks_per_sm(step.attn_inst)}
 
     def time_paged(self, variant: str, phase: str, timing_kw: dict, arm: int = 0):
         step = self._paged_step(variant, arm)

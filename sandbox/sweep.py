@@ -23,7 +23,8 @@ from .ptxas import ptxas_report
 from .registry import variant_for_hpb
 from .splits import plan_splits
 
-__all__ = ["SWEEP_CTX", "variant_for_hpb", "sweep_rows", "run_sweep", "SCHEMA"]
+__all__ = ["SWEEP_CTX", "variant_for_hpb", "sweep_rows", "run_defaults", "run_sweep",
+           "SCHEMA"]
 
 SCHEMA = "mlasandbox.sweep/1"
 SWEEP_CTX = 131072
@@ -85,6 +86,15 @@ def sweep_rows(*, hpbs, n_ctx: int, dims: Dims, cache: str, q: str, arch: str, n
     return rows
 
 
+def run_defaults(use_gpu, backend, progress, timing_kw):
+    """(use_gpu, progress, timing_kw) of a sweep run: on the device where there is one (or a
+    backend is given), a progress callback that does nothing, the sweep's timing budget."""
+    if use_gpu is None:
+        use_gpu = backend is not None or toolkit.device_available()[0]
+    return (use_gpu, progress or (lambda label, advance=1: None),
+            timing_kw or {"warmup": 3, "min_repeats": 10, "max_repeats": 100, "target_s": 0.3})
+
+
 def run_sweep(*, n_ctx: int = SWEEP_CTX, preset: str = "h96", heads: int | None = None,
               hpbs=registry.HPB_VALUES, cache: str = "f16", q: str = "f32", splits="auto",
               arch: str | None = None, num_sms: int | None = None, seed: int = 0,
@@ -98,11 +108,7 @@ def run_sweep(*, n_ctx: int = SWEEP_CTX, preset: str = "h96", heads: int | None 
     q = cache if q == "cache" else q
     hpbs = tuple(hpbs)
     insts = [registry.attn_instance(h, cache, q) for h in hpbs]  # ValueError for bad values
-    if use_gpu is None:
-        use_gpu = backend is not None or toolkit.device_available()[0]
-    progress = progress or (lambda label, advance=1: None)
-    timing_kw = timing_kw or {"warmup": 3, "min_repeats": 10, "max_repeats": 100,
-                              "target_s": 0.3}
+    use_gpu, progress, timing_kw = run_defaults(use_gpu, backend, progress, timing_kw)
     meta: dict = {}
     measure_fn = None
     if use_gpu:

@@ -57,7 +57,7 @@ def test_kinds_follow_content():
     assert kinds == {"bench_h16.json": "phases", "bench_h96.json": "phases",
                      "depth_h16.json": "depth", "sweep.json": "sweep", "ablate.json": "ablate",
                      "other.json": None, "manifest.json": None,
-                     "serving.json": "serving"}
+                     "serving.json": "serving", "sweep_paged.json": "sweep_paged"}
 
 
 def test_phase_table_cells(run):
@@ -93,6 +93,9 @@ ROWS = [
     ("32 x normal:8192:4096 x 16 heads, page 64", "### Serving steps",
      "| 32 x normal:8192:4096 x 16 heads, page 64 | mma16 | 128.9 | 31.1 | 158.4 | 156.4 | "
      "149.7 | 1,848 |"),
+    ("mma16", "### Rows per block on the paged step 4 x 3000,100,0,9000 x 16 heads, page 64",
+     "| mma16 | 16 | 50.7 | 178 | 0/0 | 184.2 KiB | 1 / 1 | registers | 4 | 4,096 |"),
+    ("wgmma64", "### Rows per block", "| wgmma64 | 64 | 67.1 | 212 |"),
 
 ]
 
