@@ -358,7 +358,6 @@ struct PagedWalk {
         if (tile_in_page<kRows>(row_start)) {
             const int row = row_start + tile_index * kRows;
             page[0] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
-            page[1] = row + kRows < row_end ? __ldg(pages + ((row + kRows) >> page_shift)) : 0;
             return;
         }
         const int row0 = row_start + tile_index * kRows + static_cast<int>(threadIdx.x >> 3);
@@ -403,16 +402,6 @@ struct PagedWalk {
                                 src + pass * kRowsPerPass * (kChunks * 8) + 64 * i, valid);
             }
             cp_async_commit();
-            // The tile after this one into L2 (its page fetched one copy ago, in page[1]):
-            // its DRAM reads and address translation start a tile before its copy does.
-            if (row0 + kRows < row_end) {
-                const char* next = reinterpret_cast<const char*>(
-                    cache + ((static_cast<size_t>(page[1]) << page_shift) +
-                             ((row0 + kRows) & in_page)) * (kChunks * 8));
-                constexpr int kLines = kRows * kChunks * 16 / 128;
-#pragma unroll
-                for (int l = threadIdx.x; l < kLines; l += kThreadsT) prefetch_l2(next + 128 * l);
-            }
             fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
             return;
         }
