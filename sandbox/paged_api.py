@@ -203,7 +203,9 @@ class PagedDecodeStep:
                                                             sh.q_dtype))
         self.combine_inst = registry.paged_combine_instance(sh.cache_dtype, rescale)
         info = device_info(self.device_id)
+        # the driver's occupancy of the attention kernel, which the plan's wave target uses
         bps = user.blocks_per_sm(self.attn_inst) if user else blocks_per_sm(self.attn_inst)
+        self.attn_blocks_per_sm = bps
         self.plan = plan_for(sh, self.attn_inst, num_sms=info.num_sms, blocks_per_sm=bps,
                              splits=1 if user and user.kind == "step" else splits)
         if self.plan.programs_per_block > info.max_grid_y:
