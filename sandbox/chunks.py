@@ -166,10 +166,8 @@ def single_request_unit(length: int, tile: int, min_chunk: int, target: int) -> 
 
 def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target: int) -> int:
     """u, the balanced chunk length in tiles of this batch: the kernels' binary search (a
-    batch of one request: single_request_unit)."""
-    n, t = _tiles(lengths, tile)
-    if n.size == 1:
-        return single_request_unit(int(n[0]), tile, min_chunk, target)
+    batch of one request ends it at single_request_unit, which the kernels compute directly)."""
+    _, t = _tiles(lengths, tile)
     total, busy = int(t.sum()), int((t > 0).sum())
     max_t = int(t.max()) if t.size else 0
     lo = max(min_chunk // tile, -(-total // target))
