@@ -7,7 +7,8 @@ than a tile, more slices than rows (empty slices write their neutral partial), a
 with 16-bit q, and `split` forced past its gate so its combine runs too. q_absorb runs once
 per case. The paged variants run batches of mixed lengths (0 included) in page sizes 1, 16
 and 64, causal with two query tokens, after the index validator, through tables whose
-unused entries hold INVALID_PAGE (a read of one faults under memcheck). Every result is also
+unused entries hold INVALID_PAGE (a read of one faults under memcheck); wgmma64 too where q is
+16-bit and the device is sm_90 (an odd tile count included). Every result is also
 checked against the float64 reference: under a sanitizer a kernel must still be right. Both
 projection kernels also run alone on a partial block of rows and of wv_b rows (70 x 200),
 with a NaN guard row past the output. Prints one line per case and exits 1 if any check
@@ -26,6 +27,7 @@ import cupy
 
 from mlasandbox import reference, registry
 from mlasandbox.api import DecodeStep, QAbsorb
+from mlasandbox.bench_gpu import tolerance_for
 from mlasandbox.compare import compare
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
@@ -43,8 +45,11 @@ CASES = ((16, 100, 3, "f16", "f32"), (13, 777, 5, "f16", "f32"), (12, 70, 100, "
 # the auto chunk plan.
 PAGED_CASES = ((13, (0, 1, 70, 300), 1, 1, False, 3, "f16", "f32"),
                (16, (0, 17, 129, 64), 16, 2, True, 5, "bf16", "bf16"),
-               (5, (200, 0, 5), 64, 2, True, None, "f16", "f32"))
+               (5, (200, 0, 5), 64, 2, True, None, "f16", "f32"),
+               (64, (0, 700, 65, 2000), 16, 1, False, 3, "f16", "f16"))
 PAGED_VARIANTS = ("split", "batched4", "mma16", "mma32")
+# wgmma64 takes q in the cache dtype only (and runs on sm_90a): the cases whose q is 16-bit
+WGMMA_VARIANTS = ("wgmma64",)
 
 
 _PLANTED = r"""
@@ -120,11 +125,13 @@ def paged_cases() -> int:
         dev = dataclasses.replace(host, **{f: cupy.asarray(getattr(host, f)) for f in
                                            ("q", "kv_cache", "block_table", "cache_seqlens",
                                             "wv_b")})
-        for name in PAGED_VARIANTS:
+        wgmma = q == cache and cupy.cuda.Device().compute_capability == "90"
+        for name in PAGED_VARIANTS + (WGMMA_VARIANTS if wgmma else ()):
             step = PagedDecodeStep(**dev.decode_args(), variant=name, splits=splits,
                                    sync_check=True)
             step.check_indices()
-            ok = compare_paged(step.run(), ref).ok
+            # wgmma64 rounds p to the cache dtype: its bound, as the bench's spot check
+            ok = compare_paged(step.run(), ref, tolerance_for(name, cache)).ok
             failed += not ok
             print(f"{'ok  ' if ok else 'FAIL'} paged {name:8s} H={heads:3d} lengths={lengths} "
                   f"page={page} s_q={s_q} causal={causal} splits={splits} cache={cache} q={q}",

@@ -120,27 +120,6 @@ __device__ __forceinline__ bool bar_sync_or(int id, int threads, bool pred) {
         : "=r"(any) : "r"(static_cast<unsigned>(pred)), "r"(id), "r"(threads) : "memory");
     return any != 0;
 }
-__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(arrivals) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
-    unsigned done;
-    do {
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-            " selp.u32 %0, 1, 0, p;\n}\n"
-            : "=r"(done) : "r"(smem_u32(bar)), "r"(parity) : "memory");
-    } while (!done);
-}
-// Arrives on `bar` now, releasing this thread's earlier shared-memory writes to its waiters.
-__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
-    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// Arrives on `bar` once every cp.async this thread issued before has landed (at once if none).
-__device__ __forceinline__ void mbar_arrive_after_copies(unsigned long long* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
-
 }  // namespace tiled
 
 template <int HPB, typename CacheT, typename QT>

@@ -26,26 +26,25 @@
 //   tiles  2 x [9 blocks][64 pos]    B of the scores (K-major: positions are N, the 576
 //                                    dims K), and, its first 8 blocks, B of the values
 //                                    (MN-major: positions are K, the 512 latent dims N)
-//   p      [1 block][64 rows]        A of the values (K-major: positions are K)
+//   p      [1 block][64 rows]        warpgroup 0's p, A of warpgroup 1's product with it
+//                                    (K-major: positions are K); warpgroup 1's p goes into
+//                                    its stage's rope block once its scores are done
 //
-// One tile of 64 positions, both warpgroups at once:
-//   scores  warpgroup w computes the partial S[64 rows x 64 positions] = Q K^T over its
-//           half of the dims (256w .. 256w + 255 and rope 512 + 32w ..): 18 wgmma
-//           m64n64k16, A and B from shared memory, f32 accumulators; the halves of the
-//           positions the other keeps cross through shared memory (the tile's spent rope
-//           block and p), so warpgroup w holds the whole S of positions 32w .. 32w + 31.
-//           Split by dims, not positions: each warpgroup reads half of q and of the tile per
-//           tile (144 KB of shared memory both), not all of q and half the tile (216 KB).
-//   softmax in the accumulator registers; the row maxima of the two halves meet through
-//           shared memory, so both warpgroups hold the same running max m and rescale
-//           factor alpha; p = 2^(s - m) rounded to CacheT into p.
-//           The max is lazy (mla_common.cuh): alpha is 1 unless a row's max grew by > 2^8.
-//   values  warpgroup w owns latent columns 256w .. 256w + 255: O = O alpha + P V as 4
-//           wgmma m64n256k16 (A = p, B = the tile's columns, transposed), 128 f32
-//           accumulators a thread.
-// Copies: every thread issues cp.async for the next tile at the top of each tile (the walk's
-// page lookups, zero-filled past the slice), so a whole tile of products covers it; the
-// copied bytes reach the tensor cores' proxy through fence.proxy.async before the barrier.
+// The seesaw (FlashMLA's deep-dive names it): a pair of tiles a step, tile 2k in stage 0 and
+// 2k + 1 in stage 1. Warpgroup w computes the whole S[64 rows x 64 positions] = Q K^T of
+// tile 2k + w (36 wgmma m64n64k16 over the 9 blocks) and owns latent columns 256w ..
+// 256w + 255 of O (128 f32 accumulators a thread). Warpgroup 0's softmax goes first (from the
+// running max m to m0), then warpgroup 1's (from m0 to m1) while warpgroup 0 runs its own
+// value product p0 V0_L (A from registers) and warpgroup 1 its p0 V0_R (A = p from shared
+// memory); then each runs p1 V1: the tensor cores have a product queued through every
+// softmax. The row maxima cross in shared memory; the max is lazy (mla_common.cuh), so the
+// rescale of O is skipped unless a row's max grew by more than 2^8. Named barriers pair one
+// warpgroup's bar.arrive with the other's bar.sync (kBarP0 .. kBarK1Free below).
+// Copies: each warpgroup copies its own stage with cp.async (the pages looked up during the
+// scores before), in two groups: the blocks its own products free first go out as soon as
+// they are free, the rest once the other warpgroup is done with them; the scores start on
+// the first group and wait for the second after 16 of their 36 steps. The copied bytes reach
+// the tensor cores' proxy through fence.proxy.async before the barrier that publishes them.
 //
 // Exactness: the cache and q are 16-bit and exact (the registry instantiates QT = CacheT
 // only; the scale multiplies the f32 scores). p alone is rounded to CacheT, once, before the
@@ -68,8 +67,6 @@ constexpr int kColBlock = 64;                        // 16-bit elements of a 128
 constexpr int kKeyBlocks = kWgKey / kColBlock;       // 9
 constexpr int kBlockBytes = 64 * 128;                // one column block of 64 rows
 constexpr int kWgTileBytes = kKeyBlocks * kBlockBytes;
-constexpr int kScoreSteps = kWgKey / 16;             // 36 k16 steps of the scores
-constexpr int kHalfTile = kWgTile / 2;               // positions of one warpgroup's scores
 static_assert(kWgKey % kColBlock == 0 && kWgLora == 2 * 256, "two warpgroups of 256 columns");
 // The value product's B descriptor (MN-major): lbo between 64-column blocks, sbo between
 // groups of 8 positions.
@@ -78,13 +75,22 @@ static_assert(kWgKey % kColBlock == 0 && kWgLora == 2 * 256, "two warpgroups of 
 #define MLA_WGMMA_V_SBO 1024
 #endif
 
+// The mbarriers, each of 128 arrivals (a warpgroup's threads) a phase but kBarQ (256), phase
+// k & 1 in pair k: full[w][g], warpgroup w's copy group g (0 early, 1 late) of its stage has
+// landed (cp.async arrivals); kBarP0 / kBarP1, warpgroup 0's / 1's p and row maxima are
+// written; kBarK0Free, warpgroup 1 is done with p_s and stage 0; kBarK1Free, warpgroup 0 is
+// done with stage 1's blocks 0-3 and 8. mbarriers rather than named barriers: racecheck
+// models an mbarrier's arrive -> wait (docs/tiled16-deep-dive.md).
+enum : int { kBarFull = 0, kBarP0 = 4, kBarP1, kBarK0Free, kBarK1Free, kBarQ, kWgBars };
+
 struct WgmmaSmem {
     static constexpr int q = 0;
     static constexpr int tiles = q + kWgTileBytes;
     static constexpr int p = tiles + 2 * kWgTileBytes;
-    static constexpr int red = p + kBlockBytes;           // [2 tile parities][2 wg][64] f32
-    static constexpr int lsum = red + 2 * 2 * kWgRows * 4;  // [2 wg][64] f32
-    static constexpr int used = lsum + 2 * kWgRows * 4;
+    static constexpr int mx = p + kBlockBytes;            // [2 wg][64] f32: m0, m1 of a pair
+    static constexpr int lsum = mx + 2 * kWgRows * 4;     // [2 wg][64] f32
+    static constexpr int bars = lsum + 2 * kWgRows * 4;   // kWgBars mbarriers
+    static constexpr int used = bars + kWgBars * 8;
     static constexpr int bytes = used + 1024;             // the base is aligned up to 1024 B
     static_assert(bytes <= 227 * 1024, "one block per SM");
 };
@@ -122,8 +128,45 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// The two products: m64n64k16 (scores, B K-major) and m64n256k16 with B MN-major (values),
-// f32 accumulators, A and B from shared memory.
+// The three products, f32 accumulators: m64n64k16 (scores: A = q, B = the tile, K-major, both
+// in shared memory) and m64n256k16 with B MN-major (values: the tile's latent columns), its A
+// (p) from shared memory (_ss) or from this thread's registers (_rs: the four 16-bit pairs of
+// the m64k16 A fragment, the layout of the score accumulator a thread already holds).
+#define MLA_WGMMA_D128                                                         \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                       \
+    "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "             \
+    "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "             \
+    "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "             \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "             \
+    "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, "             \
+    "%72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, "             \
+    "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "             \
+    "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "     \
+    "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, " \
+    "%120, %121, %122, %123, %124, %125, %126, %127"
+#define MLA_WGMMA_D128_OUT                                                              \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),             \
+    "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),           \
+    "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),       \
+    "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),       \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),       \
+    "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),       \
+    "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),       \
+    "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),       \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),       \
+    "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),       \
+    "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),       \
+    "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),       \
+    "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),       \
+    "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),       \
+    "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),       \
+    "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),       \
+    "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),     \
+    "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), \
+    "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), \
+    "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+    "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), \
+    "+f"(d[126]), "+f"(d[127])
 #define MLA_WGMMA_OPS(NAME, T)                                                                    \
 struct NAME {                                                                                     \
     __device__ static void m64n64(float (&d)[32], unsigned long long a,                           \
@@ -143,52 +186,31 @@ struct NAME {                                                                   
               "+f"(d[30]), "+f"(d[31])                                                            \
             : "l"(a), "l"(b), "r"(1));                                                            \
     }                                                                                             \
-    __device__ static void m64n256_trans_b(float (&d)[128], unsigned long long a,                 \
-                                  unsigned long long b) {                                         \
+    __device__ static void m64n256_ss(float (&d)[128], unsigned long long a,                      \
+                                      unsigned long long b) {                                     \
         asm volatile(                                                                             \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                         \
-            "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {"                           \
-            "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                                  \
-            "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "                        \
-            "%24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, "                        \
-            "%36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "                        \
-            "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, "                        \
-            "%60, %61, %62, %63, %64, %65, %66, %67, %68, %69, %70, %71, "                        \
-            "%72, %73, %74, %75, %76, %77, %78, %79, %80, %81, %82, %83, "                        \
-            "%84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "                        \
-            "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, "                \
-            "%108, %109, %110, %111, %112, %113, %114, %115, %116, %117, %118, %119, "            \
-            "%120, %121, %122, %123, %124, %125, %126, %127"                                      \
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {" MLA_WGMMA_D128            \
             "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                                  \
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),             \
-              "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]),           \
-              "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]),       \
-              "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),       \
-              "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),       \
-              "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]),       \
-              "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),       \
-              "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),       \
-              "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]),       \
-              "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]),       \
-              "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]), "+f"(d[65]),       \
-              "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),       \
-              "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]),       \
-              "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),       \
-              "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]),       \
-              "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),       \
-              "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]),     \
-              "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), \
-              "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), \
-              "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-              "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), \
-              "+f"(d[126]), "+f"(d[127])                                                          \
+            : MLA_WGMMA_D128_OUT                                                                  \
             : "l"(a), "l"(b), "r"(1));                                                            \
+    }                                                                                             \
+    __device__ static void m64n256_rs(float (&d)[128], const unsigned (&a)[4],                    \
+                                      unsigned long long b) {                                     \
+        asm volatile(                                                                             \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                         \
+            "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {" MLA_WGMMA_D128            \
+            "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                                 \
+            : MLA_WGMMA_D128_OUT                                                                  \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                        \
     }                                                                                             \
 }
 
 MLA_WGMMA_OPS(WgmmaF16, "f16");
 MLA_WGMMA_OPS(WgmmaBf16, "bf16");
 #undef MLA_WGMMA_OPS
+#undef MLA_WGMMA_D128
+#undef MLA_WGMMA_D128_OUT
 template <typename T> struct WgmmaOps;
 template <> struct WgmmaOps<__half> : WgmmaF16 {};
 template <> struct WgmmaOps<__nv_bfloat16> : WgmmaBf16 {};
@@ -226,28 +248,56 @@ __device__ __forceinline__ void copy_rows_sw128(unsigned char* dst, const T* any
     cp_async_commit();
 }
 
-// Tile `tile_index` of the slice into `tile` (one stage): position t of the request through
-// its page; positions >= row_end are zero-filled and their table entries are not looked up.
-// The pages come from the walk's fetch of one copy before (PagedWalk::fetch, the rows of this
-// thread's passes, or the tile's one page), and the copy then fetches the next tile's: a
-// table read per row here made every copy wait for it.
+// The pages of this thread's rows of tile t, for a warpgroup's copy: thread wt of the
+// warpgroup copies rows wt / 8 + 16 pass (pass 0..3). Rows at or past row_end get page 0
+// and their table entries are not looked up. Looked up a few products before the copy that
+// needs them, so no copy waits on the table.
 template <typename W>
-__device__ __forceinline__ void wgmma_copy_tile(unsigned char* tile, W& walk, int tile_index,
-                                                int row_start, int row_end) {
-    if (kAblateCacheLoads && tile_index >= 2) return;
-    const int in_page = (1 << walk.page_shift) - 1;
-    const int pos0 = row_start + tile_index * kWgTile;
-    const bool one_page = walk.template tile_in_page<kWgTile>(row_start);
-    copy_rows_sw128(tile, walk.cache, [&](int pass, int row) -> decltype(walk.cache) {
-        const int pos = pos0 + row;
-        if (pos >= row_end) return nullptr;
-        const int pg = one_page ? walk.page[0] : walk.page[pass];
-        const size_t cache_row = (static_cast<size_t>(pg) << walk.page_shift) + (pos & in_page);
-        return walk.cache + cache_row * kWgKey;
-    });
-    walk.template fetch<kWgTile, kWgThreads>(tile_index + 1, row_start, row_end);
+__device__ __forceinline__ void seesaw_pages(const W& walk, int t, int row_start, int row_end,
+                                             int wt, int (&pg)[4]) {
+    const int* pages = walk.request_pages();
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {
+        const int pos = row_start + t * kWgTile + (wt >> 3) + 16 * pass;
+        pg[pass] = pos < row_end ? __ldg(pages + (pos >> walk.page_shift)) : 0;
+    }
 }
 
+// One copy group of a warpgroup: column blocks four .. four + 3, and the rope block 8 where
+// `rope`, of tile t's 64 positions into `stage` (positions >= row_end zero-filled, so a tile
+// past the slice is all zeros: its scores are masked and its p is 0); `landed` is arrived on
+// once the thread's copies are in.
+template <typename W>
+__device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk, int t,
+                                            int row_start, int row_end, int wt,
+                                            const int (&pg)[4], int four, bool rope,
+                                            unsigned long long* landed) {
+    if (!(kAblateCacheLoads && t >= 2)) {
+        const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
+#pragma unroll
+        for (int pass = 0; pass < 4; ++pass) {
+            const int row = crow + 16 * pass, pos = row_start + t * kWgTile + row;
+            const bool valid = pos < row_end;
+            const size_t cache_row =
+                (static_cast<size_t>(pg[pass]) << walk.page_shift) + (pos & in_page);
+            const auto* from = walk.cache + (valid ? cache_row * kWgKey : 0) + clane * 8;
+            unsigned char* to = stage + row * 128 + ((clane ^ (row & 7)) << 4);
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                cp_async_16(to + (four + i) * kBlockBytes, from + 64 * (four + i), valid);
+            if (rope) cp_async_16(to + 8 * kBlockBytes, from + 64 * 8, valid);
+        }
+    }
+    mbar_arrive_after_copies(landed);  // once this thread's copies have landed
+}
+
+// The byte offset in q and in a tile of k16 step i of warpgroup WG's scores: its early four
+// blocks first (and the rope block 8 on warpgroup 0's early side), then the rest.
+__device__ __forceinline__ unsigned seesaw_koff(int wg, int i) {
+    const int blk = wg == 0 ? (i < 16 ? i >> 2 : i < 20 ? 8 : 4 + ((i - 20) >> 2))
+                            : (i < 16 ? 4 + (i >> 2) : i < 20 ? 8 : (i - 20) >> 2);
+    return blk * kBlockBytes + (i & 3) * 32;
+}
 template <typename A, typename B> struct SameType { static constexpr bool value = false; };
 template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
 
@@ -277,159 +327,245 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     unsigned char* q_s = smem + Smem::q;
     unsigned char* tiles = smem + Smem::tiles;
     unsigned char* p_s = smem + Smem::p;
-    float* red = reinterpret_cast<float*>(smem + Smem::red);
+    float* mx_s = reinterpret_cast<float*>(smem + Smem::mx);
     float* lsum = reinterpret_cast<float*>(smem + Smem::lsum);
 
-    // q copied as given (exact 16-bit; the scale goes on the f32 scores), in the group of
-    // tile 0; rows past n_rows are zeros
+    // Warp-uniform by construction (a broadcast), so that ptxas sees the warpgroup branches
+    // below as uniform and keeps the wgmma in them asynchronous.
+    const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int wt = tid & 127, lane = tid & 31, g = lane >> 2, c = lane & 3;
+    const int r0 = 16 * ((tid >> 5) & 3) + g;  // this thread's rows r0 and r0 + 8 of the block
+    const int n_tiles = (row_end - row_start + kWgTile - 1) / kWgTile;
+    const int n_pairs = (n_tiles + 1) / 2;
+    // warpgroup w's tiles 2k + w live in stage w; the first four blocks of its latent
+    // columns (256 w ..) are its half of every value product
+    unsigned char* own_stage = tiles + wg * kWgTileBytes;
+    const int early = 4 * wg, late = 4 * (1 - wg);
+
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + Smem::bars);
+    unsigned long long* full = bars + kBarFull + 2 * wg;  // this warpgroup's two groups
+    if (tid < kWgBars) mbar_init(bars + tid, tid == kBarQ ? kWgThreads : 128);
+    __syncthreads();  // the mbarriers are initialized
+
+    // q copied as given (exact 16-bit; the scale goes on the f32 scores) by every thread;
+    // rows past n_rows are zeros. Then each warpgroup its first tile, in its two groups (the
+    // blocks its own products free first, then the rest).
     static_assert(SameType<QT, CacheT>::value, "q in the cache dtype: copied, not converted");
     const CacheT* q_rows = walk.q(q);
     copy_rows_sw128(q_s, q_rows, [&](int, int j) -> const CacheT* {
         return head0 + j < n_rows ? q_rows + static_cast<size_t>(head0 + j) * kWgKey : nullptr;
     });
-    walk.template fetch<kWgTile, kWgThreads>(0, row_start, row_end);
-    wgmma_copy_tile(tiles, walk, 0, row_start, row_end);
+    mbar_arrive_after_copies(bars + kBarQ);
+    int pg[4];
+    seesaw_pages(walk, wg, row_start, row_end, wt, pg);
+    seesaw_copy(own_stage, walk, wg, row_start, row_end, wt, pg, early, wg == 0, full);
+    seesaw_copy(own_stage, walk, wg, row_start, row_end, wt, pg, late, wg == 1, full + 1);
+    mbar_wait(bars + kBarQ, 0);  // q has landed, every thread's rows of it
 
-    const int tid = threadIdx.x, wg = tid >> 7, lane = tid & 31;
-    const int g = lane >> 2, c = lane & 3;
-    const int r0 = 16 * ((tid >> 5) & 3) + g;  // this thread's rows r0 and r0 + 8 of the block
     // the end of each row's visible positions in the slice (causal rows see fewer)
     const int re0 = walk.row_end(head0 + r0, row_end), re1 = walk.row_end(head0 + r0 + 8, row_end);
     const unsigned q_addr = smem_u32(q_s), p_addr = smem_u32(p_s);
-    const unsigned tiles_addr = smem_u32(tiles);
+    const unsigned stage0 = smem_u32(tiles), stage1 = stage0 + kWgTileBytes;
+    const unsigned own_addr = wg == 0 ? stage0 : stage1;
 
     float o[128];  // O[64 rows][256w + 8j + 2c + {0,1}]: o[4j + {0,1}] row r0, o[4j + {2,3}] + 8
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};  // l: this thread's columns
-    const int n_tiles = (row_end - row_start + kWgTile - 1) / kWgTile;
+    // the running max (the same in both warpgroups after every pair) and this warpgroup's
+    // share of the row sum: the f32 p of its own tiles, on the scale of m_run
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-    for (int it = 0; it < n_tiles; ++it) {
-        const int buf = it & 1;
-        cp_async_wait<0>();
-        fence_proxy_async();  // this thread's copies -> wgmma
-        __syncthreads();      // tile `it` and q visible; the other stage and p are free
-        if (it + 1 < n_tiles)
-            wgmma_copy_tile(tiles + (buf ^ 1) * kWgTileBytes, walk, it + 1, row_start, row_end);
-        const unsigned kt = tiles_addr + buf * kWgTileBytes;
-
-        // ---- scores: warpgroup w sums dims 256w .. 256w + 255 and rope dims 512 + 32w ..
-        // 512 + 32w + 31 (18 k16 steps each, the same code with its own offsets) over all 64
-        // positions; each keeps the f32 sum of its own 32 positions ----
-        float sp[32];  // this warpgroup's partial S[64 x 64]: sp[4j + e] (r0, 8j + 2c + e)
+    // The scores of this warpgroup's tile t_own over all 576 dims, its early group's blocks
+    // first (warpgroup 0: 0-3 and the rope block 8; 1: 4-7), the rest once they have landed;
+    // the next own tile's pages are looked up meanwhile. WG: the warpgroup, a literal at
+    // each call (the lambda is inlined), so that each branch unrolls its own step list.
+    auto scores = [&](const int WG, int t_own, bool next, float (&sp)[32]) {
+        const int kFirst = WG == 0 ? 20 : 16;
 #pragma unroll
         for (int i = 0; i < 32; ++i) sp[i] = 0.f;
+        const unsigned phase = (t_own >> 1) & 1;  // the stage's fill of this pair
+        mbar_wait(full, phase);  // the warpgroup's early group has landed
+        __syncwarp();
+        fence_proxy_async();     // the copied bytes -> the tensor cores' proxy
         wgmma_fence();
 #pragma unroll
-        for (int i = 0; i < kScoreSteps / 2; ++i) {
-            // k16 step 16w + i (i < 16) or 32 + 2w + (i - 16): 8 KB per block, 32 B per step
-            const unsigned koff = i < 16
-                ? (i >> 2) * kBlockBytes + (i & 3) * 32 + wg * 4 * kBlockBytes
-                : 8 * kBlockBytes + (i - 16) * 32 + wg * 64;
-            Op::m64n64(sp, sw128_desc(q_addr + koff, 16, 1024), sw128_desc(kt + koff, 16, 1024));
-        }
+        for (int i = 0; i < kFirst; ++i)
+            Op::m64n64(sp, sw128_desc(q_addr + seesaw_koff(WG, i), 16, 1024),
+                       sw128_desc(own_addr + seesaw_koff(WG, i), 16, 1024));
         wgmma_commit();
+        mbar_wait(full + 1, phase);  // and the late group
+        __syncwarp();
+        fence_proxy_async();
+        wgmma_fence();  // ours, after the wait's branch: else ptxas inserts one and serializes
+#pragma unroll
+        for (int i = kFirst; i < 36; ++i)
+            Op::m64n64(sp, sw128_desc(q_addr + seesaw_koff(WG, i), 16, 1024),
+                       sw128_desc(own_addr + seesaw_koff(WG, i), 16, 1024));
+        wgmma_commit();
+        if (next) seesaw_pages(walk, t_own + 2, row_start, row_end, wt, pg);
         wgmma_wait<0>();
         fence_regs(sp);
-        __syncthreads();  // both warpgroups' score products are done with the rope block
-        // The halves the other warpgroup keeps cross in shared memory: warpgroup 0's through
-        // the tile's rope block, warpgroup 1's through p (free since the top barrier).
-        // [4 float4][128 threads] each, conflict-free.
-        float4* x_rope = reinterpret_cast<float4*>(tiles + buf * kWgTileBytes + 8 * kBlockBytes);
-        float4* x_p = reinterpret_cast<float4*>(p_s);
-        const int wt = tid & 127;
-        float s[16];  // the sum over all 576 dims of this warpgroup's positions 32 wg ..
-        if (wg == 0) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                x_rope[i * 128 + wt] = make_float4(sp[16 + 4 * i], sp[17 + 4 * i], sp[18 + 4 * i],
-                                                   sp[19 + 4 * i]);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                x_p[i * 128 + wt] = make_float4(sp[4 * i], sp[1 + 4 * i], sp[2 + 4 * i],
-                                                sp[3 + 4 * i]);
-        }
-        __syncthreads();
-        {
-            const float4* x_in = wg == 0 ? x_p : x_rope;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float4 v = x_in[i * 128 + wt];
-                s[4 * i] = (wg == 0 ? sp[4 * i] : sp[16 + 4 * i]) + v.x;
-                s[4 * i + 1] = (wg == 0 ? sp[4 * i + 1] : sp[17 + 4 * i]) + v.y;
-                s[4 * i + 2] = (wg == 0 ? sp[4 * i + 2] : sp[18 + 4 * i]) + v.z;
-                s[4 * i + 3] = (wg == 0 ? sp[4 * i + 3] : sp[19 + 4 * i]) + v.w;
-            }
-        }
-
-        // ---- softmax: s[4j + e] is (row r0, column 8j + 2c + e), s[4j + 2 + e] row r0 + 8 ----
-        const int base = row_start + it * kWgTile + wg * kHalfTile;
+    };
+    // The softmax of the own tile from the running max m_base (the lazy max of
+    // mla_common.cuh): m_run becomes the new max, own_scale = 2^(m_base - m_run), pa the
+    // A fragments of p rounded to CacheT, also written for the other warpgroup into p_out
+    // (warpgroup 0: p_s; 1: its stage's spent rope block) with the new max into mx_s[wg];
+    // then the barrier `ready` tells the other warpgroup. Returns the f32 sums of p.
+    auto softmax = [&](float (&sp)[32], int t_own, const float (&m_base)[2],
+                       float (&own_scale)[2], unsigned (&pa)[4][4], float (&sums)[2],
+                       unsigned char* p_out, unsigned long long* ready) {
+        const int base = row_start + t_own * kWgTile;
         const int lim0 = re0 - base, lim1 = re1 - base;
         float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+        for (int j = 0; j < 8; ++j)
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int col = 8 * j + 2 * c + e;
-                s[4 * j + e] = col < lim0 ? s[4 * j + e] * scale_log2 : -INFINITY;
-                s[4 * j + 2 + e] = col < lim1 ? s[4 * j + 2 + e] * scale_log2 : -INFINITY;
-                mx0 = fmaxf(mx0, s[4 * j + e]);
-                mx1 = fmaxf(mx1, s[4 * j + 2 + e]);
+                sp[4 * j + e] = col < lim0 ? sp[4 * j + e] * scale_log2 : -INFINITY;
+                sp[4 * j + 2 + e] = col < lim1 ? sp[4 * j + 2 + e] * scale_log2 : -INFINITY;
+                mx0 = fmaxf(mx0, sp[4 * j + e]);
+                mx1 = fmaxf(mx1, sp[4 * j + 2 + e]);
             }
 #pragma unroll
         for (int o2 = 1; o2 < 4; o2 <<= 1) {
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
             mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, o2));
         }
-        float* red_t = red + buf * 2 * kWgRows;  // by tile parity: no reader of the last is left
-        if (c == 0) { red_t[wg * kWgRows + r0] = mx0; red_t[wg * kWgRows + r0 + 8] = mx1; }
-        __syncthreads();
-        mx0 = fmaxf(mx0, red_t[(wg ^ 1) * kWgRows + r0]);
-        mx1 = fmaxf(mx1, red_t[(wg ^ 1) * kWgRows + r0 + 8]);
-        // both warpgroups now hold the same tile max, hence the same m and alpha
-        float alpha[2], m_exp[2];
         const float mx[2] = {mx0, mx1};
+        float m_exp[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const float m_new = mx[h] > m_run[h] + kLazyLog2 ? mx[h] : m_run[h];
-            alpha[h] = m_new == -INFINITY ? 1.f : exp2f(m_run[h] - m_new);
+            const float m_new = mx[h] > m_base[h] + kLazyLog2 ? mx[h] : m_base[h];
+            own_scale[h] = m_new == -INFINITY ? 1.f : exp2f(m_base[h] - m_new);
             m_exp[h] = W::exp_offset(m_new);
             m_run[h] = m_new;
         }
-        float sum0 = 0.f, sum1 = 0.f;
+        sums[0] = sums[1] = 0.f;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const float p0 = exp2f(s[4 * j] - m_exp[0]), p1 = exp2f(s[4 * j + 1] - m_exp[0]);
-            const float p2 = exp2f(s[4 * j + 2] - m_exp[1]), p3 = exp2f(s[4 * j + 3] - m_exp[1]);
-            sum0 += p0 + p1;
-            sum1 += p2 + p3;
-            const int col = wg * kHalfTile + 8 * j + 2 * c;
-            *reinterpret_cast<unsigned*>(p_s + sw_offset(r0, col)) = pack2<CacheT>(p0, p1);
-            *reinterpret_cast<unsigned*>(p_s + sw_offset(r0 + 8, col)) = pack2<CacheT>(p2, p3);
+        for (int j = 0; j < 8; ++j) {
+            const float p0 = exp2f(sp[4 * j] - m_exp[0]), p1 = exp2f(sp[4 * j + 1] - m_exp[0]);
+            const float p2 = exp2f(sp[4 * j + 2] - m_exp[1]), p3 = exp2f(sp[4 * j + 3] - m_exp[1]);
+            sums[0] += p0 + p1;
+            sums[1] += p2 + p3;
+            pa[j >> 1][2 * (j & 1)] = pack2<CacheT>(p0, p1);
+            pa[j >> 1][2 * (j & 1) + 1] = pack2<CacheT>(p2, p3);
         }
-        l_run[0] = l_run[0] * alpha[0] + sum0;
-        l_run[1] = l_run[1] * alpha[1] + sum1;
-        fence_proxy_async();  // p -> wgmma
-        __syncthreads();      // both halves of p are written
-
-        // ---- values: O = O alpha + P V[:, 256 wg ..] ----
-        if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const int col = 8 * j + 2 * c;
+            *reinterpret_cast<unsigned*>(p_out + sw_offset(r0, col)) = pa[j >> 1][2 * (j & 1)];
+            *reinterpret_cast<unsigned*>(p_out + sw_offset(r0 + 8, col)) = pa[j >> 1][2 * (j & 1) + 1];
+        }
+        if (c == 0) { mx_s[wg * kWgRows + r0] = m_run[0]; mx_s[wg * kWgRows + r0 + 8] = m_run[1]; }
+        fence_proxy_async();  // p -> the other warpgroup's wgmma
+        mbar_arrive(ready);
+    };
+    auto rescale = [&](const float (&sc)[2]) {  // O *= sc by row, skipped where every sc is 1
+        if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) {
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
-                o[4 * j] *= alpha[0]; o[4 * j + 1] *= alpha[0];
-                o[4 * j + 2] *= alpha[1]; o[4 * j + 3] *= alpha[1];
+                o[4 * j] *= sc[0]; o[4 * j + 1] *= sc[0];
+                o[4 * j + 2] *= sc[1]; o[4 * j + 3] *= sc[1];
             }
         }
+    };
+    // The value product O += P V[:, 256 wg ..] of a tile in stage `stage_addr`, P from
+    // registers (the own tile) or from shared memory at p_src (the other warpgroup's).
+    auto values_rs = [&](unsigned stage_addr, const unsigned (&pa)[4][4]) {
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < kWgTile / 16; ++kk)
-            Op::m64n256_trans_b(o, sw128_desc(p_addr + kk * 32, 16, 1024),
-                                sw128_desc(kt + 4 * wg * kBlockBytes + kk * 16 * 128,
-                                           MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO));
+        for (int kk = 0; kk < 4; ++kk)
+            Op::m64n256_rs(o, pa[kk], sw128_desc(stage_addr + early * kBlockBytes + kk * 16 * 128,
+                                                 MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO));
         wgmma_commit();
-        wgmma_wait<0>();
-        fence_regs(o);
+    };
+    auto values_ss = [&](unsigned stage_addr, unsigned p_src) {
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+            Op::m64n256_ss(o, sw128_desc(p_src + kk * 32, 16, 1024),
+                           sw128_desc(stage_addr + early * kBlockBytes + kk * 16 * 128,
+                                      MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO));
+        wgmma_commit();
+    };
+
+    // The seesaw, a pair of tiles (2k in stage 0, 2k + 1 in stage 1) a step. Warpgroup 0
+    // owns latent columns 0-255 and the even tiles' scores, warpgroup 1 columns 256-511 and
+    // the odd tiles'. With m the running max before the pair, m0 after tile 2k, m1 after
+    // 2k + 1, scale0 = 2^(m - m0), scale1 = 2^(m0 - m1):
+    //   O_L = (O_L scale0 + p0 V0_L) scale1 + p1 V1_L      (warpgroup 0)
+    //   O_R = (O_R scale0 + p0 V0_R) scale1 + p1 V1_R      (warpgroup 1)
+    // p0 = 2^(s0 - m0), p1 = 2^(s1 - m1), each rounded once, the same words in both products.
+    // Warpgroup 1's softmax runs while its p0 product does and warpgroup 0's p0 product;
+    // each frees the blocks of a stage as its products finish, and the next pair's copies go
+    // out then, in two groups. A tile past the slice is copied as zeros (p 0).
+    if (wg == 0) {
+        for (int k = 0; k < n_pairs; ++k) {
+            const int t_own = 2 * k;
+            const bool next = k + 1 < n_pairs;
+            float sp[32], scale0[2], scale1[2], sums[2];
+            unsigned pa[4][4];
+            scores(0, t_own, next, sp);
+            const float m_base[2] = {m_run[0], m_run[1]};
+            softmax(sp, t_own, m_base, scale0, pa, sums, p_s, bars + kBarP0);
+            l_run[0] = l_run[0] * scale0[0] + sums[0];
+            l_run[1] = l_run[1] * scale0[1] + sums[1];
+            rescale(scale0);
+            values_rs(stage0, pa);
+            wgmma_wait<0>();
+            fence_regs(o);
+            // stage 0's blocks 0-3 and 8 are spent: the next tile's early group
+            if (next) seesaw_copy(own_stage, walk, t_own + 2, row_start, row_end, wt, pg, early, true, full);
+            mbar_wait(bars + kBarP1, k & 1);  // p1 and m1
+            __syncwarp();
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float m1 = mx_s[kWgRows + r0 + 8 * h];
+                scale1[h] = m1 == -INFINITY ? 1.f : exp2f(m_run[h] - m1);
+                m_run[h] = m1;
+                l_run[h] *= scale1[h];
+            }
+            rescale(scale1);
+            values_ss(stage1, stage1 + 8 * kBlockBytes);
+            mbar_wait(bars + kBarK0Free, k & 1);  // warpgroup 1 is done with p_s and stage 0
+            if (next) seesaw_copy(own_stage, walk, t_own + 2, row_start, row_end, wt, pg, late, false, full + 1);
+            wgmma_wait<0>();
+            fence_regs(o);
+            mbar_arrive(bars + kBarK1Free);
+        }
+    } else {
+        for (int k = 0; k < n_pairs; ++k) {
+            const int t_own = 2 * k + 1;
+            const bool next = k + 1 < n_pairs;
+            float sp[32], scale0[2], scale1[2], sums[2], m0[2];
+            unsigned pa[4][4];
+            scores(1, t_own, next, sp);
+            mbar_wait(bars + kBarP0, k & 1);  // p0 and m0
+            __syncwarp();
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                m0[h] = mx_s[r0 + 8 * h];
+                scale0[h] = m0[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m0[h]);
+            }
+            rescale(scale0);
+            values_ss(stage0, p_addr);
+            softmax(sp, t_own, m0, scale1, pa, sums, own_stage + 8 * kBlockBytes, bars + kBarP1);
+            l_run[0] = l_run[0] * scale0[0] * scale1[0] + sums[0];
+            l_run[1] = l_run[1] * scale0[1] * scale1[1] + sums[1];
+            wgmma_wait<0>();  // p0's product
+            fence_regs(o);
+            mbar_arrive(bars + kBarK0Free);
+            rescale(scale1);
+            values_rs(stage1, pa);
+            wgmma_wait<0>();
+            fence_regs(o);
+            // stage 1's blocks 4-7 are spent: the next tile's early group; the rest once
+            // warpgroup 0 is done with p1 and blocks 0-3
+            if (next) seesaw_copy(own_stage, walk, t_own + 2, row_start, row_end, wt, pg, early, false, full);
+            mbar_wait(bars + kBarK1Free, k & 1);
+            if (next) seesaw_copy(own_stage, walk, t_own + 2, row_start, row_end, wt, pg, late, true, full + 1);
+        }
     }
 
     // ---- partials: (m, l) from warpgroup 0, each warpgroup its 256 columns ----

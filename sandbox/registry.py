@@ -249,17 +249,18 @@ WGMMA_THREADS = 256
 WGMMA_TILE = 64
 WGMMA_ROWS = (64,)      # query rows per block: one wgmma M
 WGMMA_KEY_BLOCKS = KEY_DIM // 64  # 128-byte column blocks of a 576-wide row (9)
+WGMMA_BARRIERS = 9  # mbarriers of the seesaw (kWgBars in mla_wgmma.cu)
 
 
 def wgmma_smem_bytes(rows: int = 64) -> int:
     """Dynamic shared memory of wgmma_attn_paged, WgmmaSmem::bytes in mla_wgmma.cu: q and two
-    tiles as 9 column blocks of [64 rows][128 B] each, p as one such block, the row maxima of
-    two tile parities and the row sums ([2][2][64] and [2][64] f32), and 1024 B of slack to
-    align the base to the 1024-byte swizzle period."""
+    tiles as 9 column blocks of [64 rows][128 B] each, p as one such block, the row maxima and
+    the row sums of the two warpgroups ([2][64] f32 each), its WGMMA_BARRIERS mbarriers, and
+    1024 B of slack to align the base to the 1024-byte swizzle period."""
     if rows != 64:
         raise ValueError(f"wgmma_attn serves 64 query rows per block, got {rows}")
     block = 64 * 128
-    return 3 * WGMMA_KEY_BLOCKS * block + block + (2 * 2 * 64 + 2 * 64) * 4 + 1024
+    return 3 * WGMMA_KEY_BLOCKS * block + block + (2 * 64 + 2 * 64) * 4 + WGMMA_BARRIERS * 8 + 1024
 
 
 # The paged-only variants: the paged step (decode_paged, bench --batch) takes them, the
