@@ -60,6 +60,38 @@ def test_a_plain_sm_90_compile_stops_at_the_guard():
         ptxas.compile_log(read_source(inst.source), [inst.expression], arch="sm_90")
 
 
+# An accumulator read between a wgmma and its wait: ptxas makes the products synchronous and
+# says so in a (C75xx) "Potential Performance Loss" / "wait_group is injected" line, the
+# kind of line the seesaw's branches and its own wgmma.fence exist to avoid.
+_PLANTED_SERIALIZED = r"""
+extern "C" __global__ void __launch_bounds__(128, 1) planted_serialized(float* out) {
+    float d[32];
+    for (int i = 0; i < 32; ++i) d[i] = 0.f;
+    mla::wgmma_fence();
+    mla::WgmmaF16::m64n64(d, 0ull, 0ull);
+    mla::wgmma_commit();
+    out[threadIdx.x] = d[0];
+    mla::wgmma_wait<0>();
+    for (int i = 1; i < 32; ++i) out[threadIdx.x + 128 * i] = d[i];
+}
+"""
+
+
+def _wgmma_sync_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "(C75" in line and "wgmma" in line]
+
+
+def test_ptxas_keeps_every_wgmma_asynchronous():
+    source = read_source(INSTANCES[0].source)
+    log, _ = ptxas.compile_log(source, [i.expression for i in INSTANCES], arch="sm_90a",
+                               filename=INSTANCES[0].source)
+    assert "Used" in log and not _wgmma_sync_lines(log), log
+    # negative control: the same check reports a planted synchronous read
+    planted, _ = ptxas.compile_log(source + _PLANTED_SERIALIZED, ["planted_serialized"],
+                                   arch="sm_90a", filename=INSTANCES[0].source)
+    assert _wgmma_sync_lines(planted), planted
+
+
 def test_a_wrong_smem_fact_fails_the_compile(monkeypatch):
     inst = INSTANCES[1]
     real = registry.compile_defines()
