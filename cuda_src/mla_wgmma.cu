@@ -36,15 +36,16 @@
 // 256w + 255 of O (128 f32 accumulators a thread). Warpgroup 0's softmax goes first (from the
 // running max m to m0), then warpgroup 1's (from m0 to m1) while warpgroup 0 runs its own
 // value product p0 V0_L (A from registers) and warpgroup 1 its p0 V0_R (A = p from shared
-// memory); then each runs p1 V1: the tensor cores have a product queued through every
-// softmax. The row maxima cross in shared memory; the max is lazy (mla_common.cuh), so the
-// rescale of O is skipped unless a row's max grew by more than 2^8. Named barriers pair one
-// warpgroup's bar.arrive with the other's bar.sync (kBarP0 .. kBarK1Free below).
+// memory); then each runs p1 V1: the tensor cores have a product queued through warpgroup
+// 1's softmax. The row maxima cross in shared memory; the max is lazy (mla_common.cuh), so
+// the rescale of O is skipped unless a row's max grew by more than 2^8. Each handoff from
+// one warpgroup to the other is an mbarrier (kBarP0 .. kBarK1Free below).
 // Copies: each warpgroup copies its own stage with cp.async (the pages looked up during the
 // scores before), in two groups: the blocks its own products free first go out as soon as
 // they are free, the rest once the other warpgroup is done with them; the scores start on
-// the first group and wait for the second after 16 of their 36 steps. The copied bytes reach
-// the tensor cores' proxy through fence.proxy.async before the barrier that publishes them.
+// the first group and wait for the second after 20 (warpgroup 0) or 16 (1) of their 36
+// steps. A reader waits on its group's mbarrier (the copying threads' cp.async arrivals),
+// then fence.proxy.async: the copied bytes reach the tensor cores' proxy.
 //
 // Exactness: the cache and q are 16-bit and exact (the registry instantiates QT = CacheT
 // only; the scale multiplies the f32 scores). p alone is rounded to CacheT, once, before the
