@@ -110,7 +110,8 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// ---- mbarriers (sm_80+): arrive -> wait orderings compute-sanitizer's racecheck models ----
+// ---- mbarriers: arrive -> wait orderings compute-sanitizer's racecheck models (try_wait:
+// sm_90 and later; the kernels that use them are built for sm_90 or sm_90a) ----
 __device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned arrivals) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(arrivals) : "memory");
 }
@@ -131,7 +132,6 @@ __device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
 __device__ __forceinline__ void mbar_arrive_after_copies(unsigned long long* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
-
 
 // ---- programmatic dependent launch (sm_90+) ---------------------------------------------
 // A kernel launched with programmatic stream serialization (sandbox/pdl.py) may start while
