@@ -257,6 +257,11 @@ template <typename W>
 __device__ __forceinline__ void seesaw_pages(const W& walk, int t, int row_start, int row_end,
                                              int wt, int (&pg)[4]) {
     const int* pages = walk.request_pages();
+    if (walk.template tile_in_page<kWgTile>(row_start)) {  // one page: one entry, in pg[0]
+        const int pos = row_start + t * kWgTile;
+        pg[0] = pos < row_end ? __ldg(pages + (pos >> walk.page_shift)) : 0;
+        return;
+    }
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
         const int pos = row_start + t * kWgTile + (wt >> 3) + 16 * pass;
@@ -273,8 +278,27 @@ __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk,
                                             int row_start, int row_end, int wt,
                                             const int (&pg)[4], int four, bool rope,
                                             unsigned long long* landed) {
-    if (!(kAblateCacheLoads && t >= 2)) {
-        const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
+    const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
+    const bool copies = !(kAblateCacheLoads && t >= 2);
+    if (copies && walk.template tile_in_page<kWgTile>(row_start)) {
+        // The tile is rows (row0 & in_page) .. + 63 of page pg[0] (page 0 past the slice):
+        // one base address a tile, and every pass a fixed offset from it. Rows past row_end
+        // lie in that page too, and their zero-size copies read nothing.
+        const int row0 = row_start + t * kWgTile;
+        const size_t tile_row = (static_cast<size_t>(pg[0]) << walk.page_shift) + (row0 & in_page);
+        const auto* src = walk.cache + (tile_row + crow) * kWgKey + clane * 8;
+        unsigned char* to = stage + crow * 128 + ((clane ^ (crow & 7)) << 4);
+#pragma unroll
+        for (int pass = 0; pass < 4; ++pass) {
+            const bool valid = row0 + crow + 16 * pass < row_end;
+            const auto* from = src + pass * 16 * kWgKey;
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                cp_async_16(to + pass * 16 * 128 + (four + i) * kBlockBytes, from + 64 * (four + i),
+                            valid);
+            if (rope) cp_async_16(to + pass * 16 * 128 + 8 * kBlockBytes, from + 64 * 8, valid);
+        }
+    } else if (copies) {
 #pragma unroll
         for (int pass = 0; pass < 4; ++pass) {
             const int row = crow + 16 * pass, pos = row_start + t * kWgTile + row;
