@@ -8,6 +8,8 @@ device but sm_90.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from mlasandbox import arch_specific, archs, paged_api, ptxas, registry
@@ -61,14 +63,24 @@ def test_a_plain_sm_90_compile_stops_at_the_guard():
 
 
 # An accumulator read between a wgmma and its wait: ptxas makes the products synchronous and
-# says so in a (C75xx) "Potential Performance Loss" / "wait_group is injected" line, the
-# kind of line the seesaw's branches and its own wgmma.fence exist to avoid.
+# says so in a (C75xx) line, the kind of line the seesaw's branches and its own wgmma.fence
+# exist to avoid. The wording differs by version: "wgmma.wait_group is injected" (NVRTC 13.5),
+# "warpgroup.wait is injected ... registers defined by GMMA" (13.0, the H200 image's). The
+# planted product reads real shared-memory descriptors: 13.0's ptxas crashes (SIGSEGV) on one
+# built from zero descriptors.
 _PLANTED_SERIALIZED = r"""
 extern "C" __global__ void __launch_bounds__(128, 1) planted_serialized(float* out) {
+    __shared__ __align__(1024) unsigned char ab[2 * 8192];  // A and B, 64 x 64 each
+    for (int i = threadIdx.x; i < 2 * 8192 / 16; i += 128)
+        reinterpret_cast<uint4*>(ab)[i] = make_uint4(0u, 0u, 0u, 0u);
+    mla::fence_proxy_async();
+    __syncthreads();
+    const unsigned a = mla::smem_u32(ab);
     float d[32];
     for (int i = 0; i < 32; ++i) d[i] = 0.f;
     mla::wgmma_fence();
-    mla::WgmmaF16::m64n64(d, 0ull, 0ull);
+    const mla::Sw128Desc ad(a, 16, 1024);
+    mla::WgmmaF16::m64n64(d, ad.at(0), ad.at(8192));
     mla::wgmma_commit();
     out[threadIdx.x] = d[0];
     mla::wgmma_wait<0>();
@@ -78,7 +90,17 @@ extern "C" __global__ void __launch_bounds__(128, 1) planted_serialized(float* o
 
 
 def _wgmma_sync_lines(log: str) -> list[str]:
-    return [line for line in log.splitlines() if "(C75" in line and "wgmma" in line]
+    return [line for line in log.splitlines()
+            if "(C75" in line and re.search(r"gmma|warpgroup", line, re.IGNORECASE)]
+
+
+def test_the_check_reads_both_ptxas_wordings():
+    local = ("ptxas info    : (C7517) wgmma.wait_group is injected in around line 102 by "
+             "compiler to allow use of registers defined by GMMA in function 'k'")
+    device = ("ptxas info    : (C7517) warpgroup.wait is injected in around line 170 by "
+              "compiler to allow use of registers defined by GMMA in function 'k'")
+    other = "ptxas info    : Used 229 registers, used 1 barriers"
+    assert _wgmma_sync_lines("\n".join((local, other, device))) == [local, device]
 
 
 def test_ptxas_keeps_every_wgmma_asynchronous():
