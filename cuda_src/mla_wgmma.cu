@@ -103,13 +103,24 @@ __device__ __forceinline__ int sw_offset(int r, int k) {
 
 // A wgmma shared-memory matrix descriptor, 128-byte swizzle: start address, leading and
 // stride byte offsets (K-major: lbo unused, sbo = 1024 between 8-row groups; MN-major: lbo
-// between 64-element column blocks, sbo between groups of 8 rows of K).
-__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr, unsigned lbo,
-                                                         unsigned sbo) {
-    return static_cast<unsigned long long>((addr & 0x3FFFF) >> 4) |
-           (static_cast<unsigned long long>(lbo >> 4) << 16) |
-           (static_cast<unsigned long long>(sbo >> 4) << 32) | (1ull << 62);
-}
+// between 64-element column blocks, sbo between groups of 8 rows of K), and at(off) the
+// descriptor of the matrix `off` bytes on (a k step). The low word holds the start address
+// (addr & 0x3FFFF) >> 4 in bits 0-13 and lbo >> 4 above it; the high word sbo >> 4 and the
+// swizzle mode (bit 62 of the descriptor). A shared-memory address plus offset stays below
+// 2^18 (an SM has 228 KB), so adding off >> 4 to the low word never carries out of the
+// start field: one add a product. Building each descriptor from its address instead is four
+// dependent uniform-datapath instructions on the products' issue path (ncu, H200, 128 x 4096
+// x 128 heads: ULOP3, USHF and UIADD3 then hold a quarter of the tile loop's stall samples).
+struct Sw128Desc {
+    unsigned lo, hi;
+    __device__ __forceinline__ Sw128Desc(unsigned addr, unsigned lbo, unsigned sbo)
+        : lo(((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16)), hi((sbo >> 4) | (1u << 30)) {}
+    __device__ __forceinline__ unsigned long long at(unsigned off) const {
+        unsigned long long d;
+        asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (off >> 4)), "r"(hi));
+        return d;
+    }
+};
 
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -392,6 +403,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     const unsigned q_addr = smem_u32(q_s), p_addr = smem_u32(p_s);
     const unsigned stage0 = smem_u32(tiles), stage1 = stage0 + kWgTileBytes;
     const unsigned own_addr = wg == 0 ? stage0 : stage1;
+    const Sw128Desc q_desc(q_addr, 16, 1024), own_desc(own_addr, 16, 1024);  // the scores' A, B
 
     float o[128];  // O[64 rows][256w + 8j + 2c + {0,1}]: o[4j + {0,1}] row r0, o[4j + {2,3}] + 8
 #pragma unroll
@@ -415,8 +427,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
         wgmma_fence();
 #pragma unroll
         for (int i = 0; i < kFirst; ++i)
-            Op::m64n64(sp, sw128_desc(q_addr + seesaw_koff(WG, i), 16, 1024),
-                       sw128_desc(own_addr + seesaw_koff(WG, i), 16, 1024));
+            Op::m64n64(sp, q_desc.at(seesaw_koff(WG, i)), own_desc.at(seesaw_koff(WG, i)));
         wgmma_commit();
         mbar_wait(full + 1, phase);  // and the late group
         __syncwarp();
@@ -424,8 +435,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
         wgmma_fence();  // ours, after the wait's branch: else ptxas inserts one and serializes
 #pragma unroll
         for (int i = kFirst; i < 36; ++i)
-            Op::m64n64(sp, sw128_desc(q_addr + seesaw_koff(WG, i), 16, 1024),
-                       sw128_desc(own_addr + seesaw_koff(WG, i), 16, 1024));
+            Op::m64n64(sp, q_desc.at(seesaw_koff(WG, i)), own_desc.at(seesaw_koff(WG, i)));
         wgmma_commit();
         if (next) seesaw_pages(walk, t_own + 2, row_start, row_end, wt, pg);
         wgmma_wait<0>();
@@ -498,20 +508,18 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     // The value product O += P V[:, 256 wg ..] of a tile in stage `stage_addr`, P from
     // registers (the own tile) or from shared memory at p_src (the other warpgroup's).
     auto values_rs = [&](unsigned stage_addr, const unsigned (&pa)[4][4]) {
+        const Sw128Desc v(stage_addr + early * kBlockBytes, MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            Op::m64n256_rs(o, pa[kk], sw128_desc(stage_addr + early * kBlockBytes + kk * 16 * 128,
-                                                 MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO));
+        for (int kk = 0; kk < 4; ++kk) Op::m64n256_rs(o, pa[kk], v.at(kk * 16 * 128));
         wgmma_commit();
     };
     auto values_ss = [&](unsigned stage_addr, unsigned p_src) {
+        const Sw128Desc p(p_src, 16, 1024);
+        const Sw128Desc v(stage_addr + early * kBlockBytes, MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-            Op::m64n256_ss(o, sw128_desc(p_src + kk * 32, 16, 1024),
-                           sw128_desc(stage_addr + early * kBlockBytes + kk * 16 * 128,
-                                      MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO));
+        for (int kk = 0; kk < 4; ++kk) Op::m64n256_ss(o, p.at(kk * 32), v.at(kk * 16 * 128));
         wgmma_commit();
     };
 
