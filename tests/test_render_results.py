@@ -115,6 +115,16 @@ def test_a_serving_row_without_a_phase_shows_a_dash(run):
             in text)
 
 
+def test_a_serving_row_names_a_cache_dtype_other_than_f16(run):
+    path = run / "serving.json"
+    doc = json.loads(path.read_text())
+    assert doc["config"].get("cache_dtype", "f16") == "f16"
+    assert "16 heads, page 64, " not in _render(run)
+    doc["config"]["cache_dtype"] = "bf16"
+    path.write_text(json.dumps(doc))
+    assert "| 32 x normal:8192:4096 x 16 heads, page 64, bf16 cache | flashmla |" in _render(run)
+
+
 def test_run_header_names_unknown_facts(run):
     text = _render(run)
     assert "## fixture-gpu-2026-01-02-abc1234" in text

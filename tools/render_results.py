@@ -239,11 +239,14 @@ def vs_section(files: list, out_dir: Path) -> list[str]:
 
 
 def _shape(cfg: dict) -> str:
-    """B x lengths x heads (s_q, causal) of a paged bench's config."""
+    """B x lengths x heads (s_q, causal) of a paged bench's config, and its cache dtype where
+    it is not the default f16."""
     q = f", s_q {cfg['s_q']}" + (" causal" if cfg.get("causal") else "") if cfg.get("s_q", 1) > 1 \
         else ""
+    cache = cfg.get("cache_dtype", "f16")
     return (f"{cfg['batch']} x {cfg.get('lengths_spec') or 'lengths'} x "
-            f"{cfg['dims']['n_head']} heads{q}, page {cfg['page_size']}")
+            f"{cfg['dims']['n_head']} heads{q}, page {cfg['page_size']}"
+            + ("" if cache == "f16" else f", {cache} cache"))
 
 
 def serving_section(files: list, out_dir: Path) -> list[str]:
