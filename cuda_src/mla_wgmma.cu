@@ -40,12 +40,16 @@
 // 1's softmax. The row maxima cross in shared memory; the max is lazy (mla_common.cuh), so
 // the rescale of O is skipped unless a row's max grew by more than 2^8. Each handoff from
 // one warpgroup to the other is an mbarrier (kBarP0 .. kBarK1Free below).
-// Copies: each warpgroup copies its own stage with cp.async (the pages looked up during the
-// scores before), in two groups: the blocks its own products free first go out as soon as
+// Copies: each warpgroup copies its own stage (the pages looked up during the scores before):
+// a whole tile in one page by bulk tensor copy (TMA, 4 or 5 boxes of 64 x 64 from one thread,
+// through the cache's tensor map, the kernel's last argument) where the host passes the map
+// (pages of 64 or more; sandbox/tensor_map.py), else by cp.async from every thread; in two
+// groups: the blocks its own products free first go out as soon as
 // they are free, the rest once the other warpgroup is done with them; the scores start on
 // the first group and wait for the second after 20 (warpgroup 0) or 16 (1) of their 36
-// steps. A reader waits on its group's mbarrier (the copying threads' cp.async arrivals),
-// then fence.proxy.async: the copied bytes reach the tensor cores' proxy.
+// steps. A reader waits on its group's mbarrier (the bulk copy's bytes, or the copying
+// threads' cp.async arrivals), then fence.proxy.async: cp.async's bytes reach the tensor
+// cores' proxy.
 //
 // Exactness: the cache and q are 16-bit and exact (the registry instantiates QT = CacheT
 // only; the scale multiplies the f32 scores). p alone is rounded to CacheT, once, before the
@@ -71,12 +75,18 @@ constexpr int kWgTileBytes = kKeyBlocks * kBlockBytes;
 static_assert(kWgKey % kColBlock == 0 && kWgLora == 2 * 256, "two warpgroups of 256 columns");
 // The value product's B descriptor (MN-major): lbo between 64-column blocks, sbo between
 // groups of 8 positions.
+// Rows the bulk copy's boxes are moved by: 0, but for a negative control's planted defect
+// (tests/test_gpu_wgmma.py), which shows the reference check sees the TMA path.
+#ifndef MLA_WGMMA_TMA_ROW_SHIFT
+#define MLA_WGMMA_TMA_ROW_SHIFT 0
+#endif
 #ifndef MLA_WGMMA_V_LBO
 #define MLA_WGMMA_V_LBO kBlockBytes
 #define MLA_WGMMA_V_SBO 1024
 #endif
 
-// The mbarriers, each of 128 arrivals (a warpgroup's threads) a phase but kBarQ (256), phase
+// The mbarriers, each of 128 arrivals (a warpgroup's threads) a phase but kBarQ (256) and,
+// on the TMA path, the four copy groups' (one arrival and the expected bytes), phase
 // k & 1 in pair k: full[w][g], warpgroup w's copy group g (0 early, 1 late) of its stage has
 // landed (cp.async arrivals); kBarP0 / kBarP1, warpgroup 0's / 1's p and row maxima are
 // written; kBarK0Free, warpgroup 1 is done with p_s and stage 0; kBarK1Free, warpgroup 0 is
@@ -138,6 +148,38 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 }
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- the bulk tensor copy (TMA) of whole tiles, through the cache's tensor map ----
+// The map (sandbox/tensor_map.py) lies in global memory, written by a host copy: acquired
+// once by each issuing thread before its first box.
+__device__ __forceinline__ void tma_acquire(const void* map) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+}
+// One arrival that also expects `bytes` of bulk copies to complete on the barrier's phase.
+__device__ __forceinline__ void mbar_arrive_expect_bytes(unsigned long long* bar, unsigned bytes) {
+    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
+                 ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Box (col, row) of the map, 64 elements of 64 rows, into `dst` in the 128-byte swizzle;
+// its bytes count against `bar`'s expected transactions.
+__device__ __forceinline__ void tma_box(void* dst, const void* map, int col, int row,
+                                        unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];\n"
+        ::"r"(smem_u32(dst)), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)) : "memory");
+}
+// Arrives on `bar` once this thread's earlier cp.async copies have landed, adding the arrival
+// to the phase's count first (on a barrier of one counted arrival: the TMA path's).
+__device__ __forceinline__ void mbar_arrive_after_copies_counted(unsigned long long* bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+// The 128 threads of warpgroup wg (named barriers 1 and 2; 0 is __syncthreads').
+// Immediate ids: a register id makes ptxas reserve all 16 barriers.
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+    if (wg == 0) asm volatile("bar.sync 1, 128;\n" ::: "memory");
+    else asm volatile("bar.sync 2, 128;\n" ::: "memory");
 }
 
 // The three products, f32 accumulators: m64n64k16 (scores: A = q, B = the tile, K-major, both
@@ -280,39 +322,77 @@ __device__ __forceinline__ void seesaw_pages(const W& walk, int t, int row_start
     }
 }
 
+// The cp.async copy of tile t's column blocks four .. four + 3 (and the rope block 8 where
+// `rope`) where the tile is rows (row0 & in_page) .. + 63 of page pg (page 0 past the slice):
+// one base address a tile, and every pass a fixed offset from it. Rows at or past row_end lie
+// in that page too; their zero-size copies read nothing and zero-fill.
+template <typename W>
+__device__ __forceinline__ void seesaw_copy_one_page(unsigned char* stage, const W& walk,
+                                                     int row0, int row_end, int wt, int pg,
+                                                     int four, bool rope) {
+    const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
+    const size_t tile_row = (static_cast<size_t>(pg) << walk.page_shift) + (row0 & in_page);
+    const auto* src = walk.cache + (tile_row + crow) * kWgKey + clane * 8;
+    unsigned char* to = stage + crow * 128 + ((clane ^ (crow & 7)) << 4);
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {
+        const bool valid = row0 + crow + 16 * pass < row_end;
+        const auto* from = src + pass * 16 * kWgKey;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            cp_async_16(to + pass * 16 * 128 + (four + i) * kBlockBytes, from + 64 * (four + i),
+                        valid);
+        if (rope) cp_async_16(to + pass * 16 * 128 + 8 * kBlockBytes, from + 64 * 8, valid);
+    }
+}
+
 // One copy group of a warpgroup: column blocks four .. four + 3, and the rope block 8 where
 // `rope`, of tile t's 64 positions into `stage` (positions >= row_end zero-filled, so a tile
-// past the slice is all zeros: its scores are masked and its p is 0); `landed` is arrived on
-// once the thread's copies are in.
+// past the slice is all zeros: its scores are masked and its p is 0); `landed` completes its
+// phase once the group is in.
+// With a tensor map (`map`, every tile of the slice in one page), a whole tile goes by bulk
+// tensor copy: once every warp of the warpgroup is past the products that read the blocks,
+// thread 0 expects the bytes and issues 4 or 5 boxes; `landed` counts that one arrival. A
+// tile with rows past row_end goes by cp.async (the copy engine would read those rows, which
+// the cache need not hold valid), each thread's arrival added to the count as its copies
+// land and thread 0's counted arrival after all of them are added.
+// Without a map, cp.async by every thread, `landed` counting the 128 threads' arrivals.
 template <typename W>
-__device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk, int t,
-                                            int row_start, int row_end, int wt,
+__device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk, const void* map,
+                                            int t, int row_start, int row_end, int wt,
                                             const int (&pg)[4], int four, bool rope,
                                             unsigned long long* landed) {
     const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
     const bool copies = !(kAblateCacheLoads && t >= 2);
-    if (copies && walk.template tile_in_page<kWgTile>(row_start)) {
-        // The tile is rows (row0 & in_page) .. + 63 of page pg[0] (page 0 past the slice):
-        // one base address a tile, and every pass a fixed offset from it. Rows past row_end
-        // lie in that page too, and their zero-size copies read nothing.
-        const int row0 = row_start + t * kWgTile;
-        const size_t tile_row = (static_cast<size_t>(pg[0]) << walk.page_shift) + (row0 & in_page);
-        const auto* src = walk.cache + (tile_row + crow) * kWgKey + clane * 8;
-        unsigned char* to = stage + crow * 128 + ((clane ^ (crow & 7)) << 4);
+    const int row0 = row_start + t * kWgTile;
+    if (map != nullptr) {
+        const int wg = threadIdx.x >> 7;
+        if (copies && row0 + kWgTile <= row_end) {
+            warpgroup_sync(wg);
+            if (wt == 0) {
+                const int y =
+                    (pg[0] << walk.page_shift) + (row0 & in_page) + MLA_WGMMA_TMA_ROW_SHIFT;
+                mbar_arrive_expect_bytes(landed, (rope ? 5 : 4) * kBlockBytes);
 #pragma unroll
-        for (int pass = 0; pass < 4; ++pass) {
-            const bool valid = row0 + crow + 16 * pass < row_end;
-            const auto* from = src + pass * 16 * kWgKey;
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                cp_async_16(to + pass * 16 * 128 + (four + i) * kBlockBytes, from + 64 * (four + i),
-                            valid);
-            if (rope) cp_async_16(to + pass * 16 * 128 + 8 * kBlockBytes, from + 64 * 8, valid);
+                for (int i = 0; i < 4; ++i)
+                    tma_box(stage + (four + i) * kBlockBytes, map, kColBlock * (four + i), y,
+                            landed);
+                if (rope) tma_box(stage + 8 * kBlockBytes, map, kWgLora, y, landed);
+            }
+            return;
         }
+        if (copies) seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], four, rope);
+        mbar_arrive_after_copies_counted(landed);
+        warpgroup_sync(wg);  // every thread's arrival is added before the counted one
+        if (wt == 0) mbar_arrive(landed);
+        return;
+    }
+    if (copies && walk.template tile_in_page<kWgTile>(row_start)) {
+        seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], four, rope);
     } else if (copies) {
 #pragma unroll
         for (int pass = 0; pass < 4; ++pass) {
-            const int row = crow + 16 * pass, pos = row_start + t * kWgTile + row;
+            const int row = crow + 16 * pass, pos = row0 + row;
             const bool valid = pos < row_end;
             const size_t cache_row =
                 (static_cast<size_t>(pg[pass]) << walk.page_shift) + (pos & in_page);
@@ -341,7 +421,8 @@ template <typename CacheT, typename QT, typename W>
 __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& walk, float scale_log2,
                                                 float* __restrict__ part_acc,
                                                 float* __restrict__ part_m,
-                                                float* __restrict__ part_l) {
+                                                float* __restrict__ part_l,
+                                                const void* __restrict__ kv_map) {
     using Op = WgmmaOps<CacheT>;
     using Smem = WgmmaSmem;
 #ifdef MLA_REGISTRY_FACTS
@@ -380,8 +461,16 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
 
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + Smem::bars);
     unsigned long long* full = bars + kBarFull + 2 * wg;  // this warpgroup's two groups
-    if (tid < kWgBars) mbar_init(bars + tid, tid == kBarQ ? kWgThreads : 128);
-    __syncthreads();  // the mbarriers are initialized
+    // The bulk tensor copy where the host passed the cache's map; it sends whole tiles of
+    // one page (the host passes none under pages of 64 positions, and checked here too).
+    const void* map = kv_map != nullptr && walk.template tile_in_page<kWgTile>(row_start)
+                          ? kv_map : nullptr;
+    if (tid < kWgBars)
+        mbar_init(bars + tid, tid == kBarQ ? kWgThreads : tid < kBarP0 && map ? 1 : 128);
+    if (map != nullptr && wt == 0) tma_acquire(map);
+    // the initialized barriers, to the copy engine's proxy too (it completes the TMA phases)
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
 
     // q copied as given (exact 16-bit; the scale goes on the f32 scores) by every thread;
     // rows past n_rows are zeros. Then each warpgroup its first tile, in its two groups (the
@@ -394,8 +483,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     mbar_arrive_after_copies(bars + kBarQ);
     int pg[4];
     seesaw_pages(walk, wg, row_start, row_end, wt, pg);
-    seesaw_copy(own_stage, walk, wg, row_start, row_end, wt, pg, early, wg == 0, full);
-    seesaw_copy(own_stage, walk, wg, row_start, row_end, wt, pg, late, wg == 1, full + 1);
+    seesaw_copy(own_stage, walk, map, wg, row_start, row_end, wt, pg, early, wg == 0, full);
+    seesaw_copy(own_stage, walk, map, wg, row_start, row_end, wt, pg, late, wg == 1, full + 1);
     mbar_wait(bars + kBarQ, 0);  // q has landed, every thread's rows of it
 
     // the end of each row's visible positions in the slice (causal rows see fewer)
@@ -549,7 +638,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             wgmma_wait<0>();
             fence_regs(o);
             // stage 0's blocks 0-3 and 8 are spent: the next tile's early group
-            if (next) seesaw_copy(own_stage, walk, t_own + 2, row_start, row_end, wt, pg, early, true, full);
+            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, early, true, full);
             mbar_wait(bars + kBarP1, k & 1);  // p1 and m1
             __syncwarp();
 #pragma unroll
@@ -562,7 +651,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             rescale(scale1);
             values_ss(stage1, stage1 + 8 * kBlockBytes);
             mbar_wait(bars + kBarK0Free, k & 1);  // warpgroup 1 is done with p_s and stage 0
-            if (next) seesaw_copy(own_stage, walk, t_own + 2, row_start, row_end, wt, pg, late, false, full + 1);
+            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, late, false, full + 1);
             wgmma_wait<0>();
             fence_regs(o);
             mbar_arrive(bars + kBarK1Free);
@@ -595,9 +684,9 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             fence_regs(o);
             // stage 1's blocks 4-7 are spent: the next tile's early group; the rest once
             // warpgroup 0 is done with p1 and blocks 0-3
-            if (next) seesaw_copy(own_stage, walk, t_own + 2, row_start, row_end, wt, pg, early, false, full);
+            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, early, false, full);
             mbar_wait(bars + kBarK1Free, k & 1);
-            if (next) seesaw_copy(own_stage, walk, t_own + 2, row_start, row_end, wt, pg, late, true, full + 1);
+            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, late, true, full + 1);
         }
     }
 
@@ -648,12 +737,12 @@ wgmma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                  int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
                  float* __restrict__ part_m, float* __restrict__ part_l, int target,
                  int batch, int* __restrict__ chunk_counts, float* __restrict__ latent,
-                 float* __restrict__ lse) {
+                 float* __restrict__ lse, const void* __restrict__ kv_map) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     PagedWalk<CacheT, kWgTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
                                     causal, max_pages, page_shift, max_chunks, min_chunk,
                                     target, batch, chunk_counts, latent, lse};
-    wgmma_attn_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
+    wgmma_attn_body<CacheT>(q, walk, scale_log2, part_acc, part_m, part_l, kv_map);
 }
 
 }  // namespace mla

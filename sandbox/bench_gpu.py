@@ -358,7 +358,8 @@ class PagedBackend(CupyBackend):
                 "launches": [(ln.kernel, list(ln.grid), list(ln.block)) for ln in step.launches()],
                 "attn_kernel": step.attn_inst.name,
                 "attn_num_regs": int(getattr(step.attn_kernel, "num_regs", -1)),
-                "driver_blocks_per_sm": step.attn_blocks_per_sm}
+                "driver_blocks_per_sm": step.attn_blocks_per_sm,
+                "tile_copy": "tma" if step.uses_tma else "cp.async"}
 
     def time_paged(self, variant: str, phase: str, timing_kw: dict, arm: int = 0):
         step = self._paged_step(variant, arm)

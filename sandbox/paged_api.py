@@ -38,7 +38,7 @@ import math
 
 import numpy as np
 
-from . import interop, registry
+from . import interop, registry, tensor_map
 from .api import (DEFAULT_BATCHED_HPB, SINGLE_PASS_FAMILIES, check_device_array,
                   scratch_for_device)
 from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
@@ -212,6 +212,13 @@ class PagedDecodeStep:
             raise ValueError(f"{self.plan.programs_per_block} chunk programs a row block "
                              f"exceed the grid's y limit {info.max_grid_y} on {info.name}")
         self.attn_kernel = user.kernel(self.attn_inst) if user else get_kernel(self.attn_inst)
+        # the wgmma family's bulk tensor copies read the cache through a tensor map, for
+        # pages that hold whole 64-position tiles (sandbox/tensor_map.py); null: cp.async
+        self.kv_map = None
+        if (self.variant.family == "wgmma" and sh.page_size >= tensor_map.BOX_ROWS
+                and tensor_map.tma_enabled()):
+            self.kv_map = tensor_map.device_map(self.kv_cache.reshape(-1, d.key_dim),
+                                                sh.num_pages * sh.page_size)
         self.combine_kernel = get_kernel(self.combine_inst)
         self.project_inst = self.project_kernel = None
         if self.out is not None:
@@ -287,6 +294,18 @@ class PagedDecodeStep:
                 np.int32(p.target), np.int32(sh.batch), self.chunk_counts, self.latent,
                 self.lse)
 
+    def attn_launch_args(self) -> tuple:
+        """attn_args() and, for the wgmma family, the cache's tensor map last (a null pointer
+        where the copies go by cp.async). The contract a user kernel takes stays attn_args()."""
+        if self.variant.family != "wgmma":
+            return self.attn_args()
+        return self.attn_args() + (self.kv_map if self.kv_map is not None else _NULL,)
+
+    @property
+    def uses_tma(self) -> bool:
+        """Whether the attention kernel copies whole tiles by bulk tensor copy."""
+        return getattr(self, "kv_map", None) is not None
+
     @property
     def attn_writes_single(self) -> bool:
         """Whether the attention kernel writes the latent and lse of a request that runs one
@@ -325,7 +344,7 @@ class PagedDecodeStep:
                 with self.guard.phase("attn"):
                     self._cublas_attention()
                 return
-            args = self.attn_args()
+            args = self.attn_launch_args()
             self.guard.launch("attn", self.attn_kernel, self.attn_grid,
                               (self.attn_inst.threads, 1, 1), args,
                               smem_bytes=self.attn_inst.smem_bytes,

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from gpu_support import fresh_seed, gpu
-from mlasandbox import registry
+from mlasandbox import registry, tensor_map
 from mlasandbox.api import SINGLE_PASS_FAMILIES
 from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
 from mlasandbox.compare_paged import compare_paged
@@ -92,13 +92,15 @@ CASES = [
 
 def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale: bool = True,
               merge: bool = True, writes_single: bool | None = None,
-              forget_latent: bool = False):
+              forget_latent: bool = False, tma: bool = True, defines: tuple = ()):
     """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l).
     merge=False: the attention launch alone, its latent and lse (those of the requests that
     run one chunk). writes_single: the combine's attn_writes_single flag (None: as
     PagedDecodeStep passes it, whether the family writes a one-chunk request's latent).
     forget_latent: latent and lse are NaN-filled again between the two launches, as if the
-    attention kernel had written partials only."""
+    attention kernel had written partials only. tma: the wgmma family's whole tiles by bulk
+    tensor copy, through the cache's map, where pages hold whole tiles (else, or False:
+    cp.async, a null map). defines: -D for the attention kernel (a planted defect)."""
     import cupy as cp
 
     from mlasandbox.kernels import get_kernel
@@ -125,11 +127,18 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     counts = cp.full(batch, -7, cp.int32)   # every entry must be written
     programs = batch if max_chunks == 1 else max(target, batch)
     grid = (-(-n_rows // att.heads), programs, 1)
-    get_kernel(att)(grid, (att.threads,), (
-        q, cache, table, seqlens, i32(n_rows), i32(n_head), i32(s_q), i32(inp.causal),
-        i32(max_pages), i32(int(math.log2(page_size))), i32(max_chunks), i32(min_chunk),
-        np.float32(inp.scale * LOG2E), part_acc, part_m, part_l, i32(target), i32(batch),
-        counts, latent, lse), shared_mem=att.smem_bytes)
+    args = (q, cache, table, seqlens, i32(n_rows), i32(n_head), i32(s_q), i32(inp.causal),
+            i32(max_pages), i32(int(math.log2(page_size))), i32(max_chunks), i32(min_chunk),
+            np.float32(inp.scale * LOG2E), part_acc, part_m, part_l, i32(target), i32(batch),
+            counts, latent, lse)
+    if registry.variant(variant).family == "wgmma":
+        kv_map = None
+        if tma and page_size >= tensor_map.BOX_ROWS:
+            kv_map = tensor_map.device_map(cache.reshape(-1, cache.shape[-1]),
+                                           cache.shape[0] * page_size)
+            assert kv_map is not None, "the driver encodes no tensor map"
+        args += (kv_map if kv_map is not None else np.uint64(0),)
+    get_kernel(att, defines)(grid, (att.threads,), args, shared_mem=att.smem_bytes)
     want = request_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target)[0]
     assert (counts.get() == want).all(), "the published chunk counts are the rule's"
     shape = (batch, s_q, n_head)

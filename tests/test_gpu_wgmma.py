@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from gpu_support import HAVE_GPU, fresh_seed, gpu
-from mlasandbox import registry
+from mlasandbox import registry, tensor_map
 from mlasandbox.bf16 import as_f64
 from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
 from mlasandbox.compare import Tolerance
@@ -108,13 +108,20 @@ def _tolerance(inp, ref, cache: str) -> Tolerance:
     return Tolerance(out=bound, latent=bound, lse_abs=F32_TOL)
 
 
+# Pages of 64 hold whole tiles: run_paged's default copies them by bulk tensor copy (TMA),
+# tiles with rows past a slice's end by cp.async. Each such case also runs with a null map,
+# every tile by cp.async, so that both copy paths meet the reference.
+COPY_PATHS = [pytest.param(c, True, id=f"{c}-tma") for c in CASES if c.page_size >= 64]
+COPY_PATHS += [pytest.param(c, False, id=f"{c}-cp.async") for c in CASES]
+
+
 @gpu
 @sm90
-@pytest.mark.parametrize("case", CASES, ids=str)
-def test_wgmma_matches_the_float64_reference(case):
+@pytest.mark.parametrize("case,tma", COPY_PATHS)
+def test_wgmma_matches_the_float64_reference(case, tma):
     seed = fresh_seed()
     inp = _inputs(case, seed)
-    res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target)
+    res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target, tma=tma)
     ref = decode_paged(**inp.decode_args())
     tol = _tolerance(inp, ref, case.cache)
     cmp = compare_paged(res, ref, tol)
@@ -126,6 +133,38 @@ def test_wgmma_matches_the_float64_reference(case):
     written = ~np.isnan(part_l.get())
     want = np.arange(case.max_chunks)[None, :] < n[:, None]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
+
+
+@gpu
+@sm90
+def test_negative_control_a_bulk_copy_one_row_off_fails_and_only_on_the_tma_path():
+    case = Case("wgmma64", 64, (4097, 700), page_size=64, max_chunks=4, cache="f16", q="f16")
+    plant = ("MLA_WGMMA_TMA_ROW_SHIFT=1",)
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    ref = decode_paged(**inp.decode_args())
+    tol = _tolerance(inp, ref, case.cache)
+    res, _ = run_paged(inp, case.variant, case.max_chunks, defines=plant)
+    assert not compare_paged(res, ref, tol).ok, f"seed={seed}: a shifted box passed"
+    res, _ = run_paged(inp, case.variant, case.max_chunks, defines=plant, tma=False)
+    cmp = compare_paged(res, ref, tol)
+    assert cmp.ok, f"seed={seed}: the plant reached the cp.async path\n{cmp.summary()}"
+
+
+@gpu
+@sm90
+def test_a_wgmma_step_on_pages_of_64_copies_by_tma_unless_switched_off(monkeypatch):
+    import mlasandbox as mla
+
+    case = Case("wgmma64", 64, (4097, 130), page_size=64, cache="f16", q="f16")
+    inp = _inputs(case, fresh_seed())
+    assert mla.PagedDecodeStep(**inp.decode_args(), variant="wgmma64").uses_tma
+    monkeypatch.setenv(tensor_map.ENV_SWITCH, "0")
+    assert not mla.PagedDecodeStep(**inp.decode_args(), variant="wgmma64").uses_tma
+    monkeypatch.delenv(tensor_map.ENV_SWITCH)
+    small = _inputs(Case("wgmma64", 64, (4097,), page_size=16, cache="f16", q="f16"),
+                    fresh_seed())
+    assert not mla.PagedDecodeStep(**small.decode_args(), variant="wgmma64").uses_tma
 
 
 @gpu

@@ -204,6 +204,18 @@ def test_attn_args_follow_the_kernels_order_and_types():
     assert int(_bare_step(causal=False).attn_args()[7]) == 0
 
 
+def test_only_the_wgmma_launch_takes_the_cache_map_last():
+    step = _bare_step()
+    step.kv_map = "kv_map"
+    assert step.attn_launch_args() == step.attn_args()   # mma: the contract as it is
+    wg = _bare_step(family="wgmma")
+    wg.kv_map = "kv_map"
+    assert wg.attn_launch_args() == wg.attn_args() + ("kv_map",) and wg.uses_tma
+    wg.kv_map = None                                     # cp.async: a null pointer
+    last = wg.attn_launch_args()[-1]
+    assert isinstance(last, np.uint64) and int(last) == 0 and not wg.uses_tma
+
+
 def test_the_merge_takes_null_pointers_for_wv_b_and_the_projection_applies_it():
     for wv_b in (True, False):
         args = _bare_step(wv_b=wv_b).combine_args()

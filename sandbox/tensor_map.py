@@ -1,0 +1,151 @@
+"""The latent cache's TMA tensor map, for the wgmma family's bulk tensor copies.
+
+wgmma_attn_paged (cuda_src/mla_wgmma.cu) copies a whole cache tile that lies in one page with
+`cp.async.bulk.tensor.2d`: one thread of a warpgroup issues a box per 64-column block where
+cp.async needs 72 16-byte copies per thread and the 64-bit address of each. The copy engine
+reads the tensor map this module encodes:
+
+* a 2-D tensor of 16-bit words (UINT16: the copy moves bits, so f16 and bf16 caches share
+  it): dimension 0 the 576 elements of a cache row, dimension 1 the num_pages * page_size rows
+  of the cache, rows 1152 bytes apart;
+* box 64 x 64: 64 elements (128 bytes) of 64 rows, one column block of a tile, the layout the
+  kernel's products read;
+* SWIZZLE_128B: 16-byte chunk c of box row r lands at chunk c ^ (r & 7), which is
+  `sw_offset` in the kernel (the destination is 1024-byte aligned);
+* L2 promotion of 256 bytes; out-of-bounds elements zero-filled (the kernel sends only boxes
+  inside the cache: tiles with rows past a slice's end go by cp.async, which zero-fills them).
+
+CuPy has no binding for cuTensorMapEncodeTiled, so `encode` calls libcuda (CUDA 12.0 and
+later) through ctypes, as sandbox/pdl.py does for cuLaunchKernelEx. The 128-byte map goes into
+a device buffer (`device_map`), the kernel's last argument: a kernel parameter of a struct
+type cannot be passed through CuPy's launcher. The kernel reads it after
+`fence.proxy.tensormap::generic.acquire`, as the CUDA programming guide prescribes for a map in
+global memory.
+
+The kernel takes the copy path per launch: a null map is the cp.async path (pages under 64
+positions, no libcuda entry point, or MLASANDBOX_WGMMA_TMA=0 for an A/B run of the two copies).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MapParams", "cache_map_params", "encode", "device_map", "supported",
+           "tma_enabled", "MAP_BYTES", "BOX_ROWS", "BOX_COLS", "ENV_SWITCH"]
+
+MAP_BYTES = 128          # sizeof(CUtensorMap), 128-byte aligned
+BOX_ROWS = 64            # cache positions of a box: kWgTile in mla_wgmma.cu
+BOX_COLS = 64            # 16-bit elements of a box row: kColBlock (128 bytes, the swizzle's)
+ENV_SWITCH = "MLASANDBOX_WGMMA_TMA"
+# cuda.h's enums (tests/test_tensor_map.py reads them from the header where it is found)
+DATA_TYPE_UINT16 = 1     # CU_TENSOR_MAP_DATA_TYPE_UINT16
+INTERLEAVE_NONE = 0      # CU_TENSOR_MAP_INTERLEAVE_NONE
+SWIZZLE_128B = 3         # CU_TENSOR_MAP_SWIZZLE_128B
+L2_PROMOTION_256B = 3    # CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+OOB_FILL_NONE = 0        # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: zeros
+_MAX_DIM = 2 ** 32       # globalDim[i] <= 2^32
+_MAX_STRIDE = 2 ** 40    # globalStrides[i] < 2^40
+
+
+@dataclass(frozen=True)
+class MapParams:
+    """The arguments of cuTensorMapEncodeTiled, but the address (dimension 0 innermost)."""
+
+    data_type: int
+    dims: tuple[int, int]        # elements of a row, rows
+    strides: tuple[int]          # bytes between rows
+    box: tuple[int, int]
+    element_strides: tuple[int, int]
+    interleave: int
+    swizzle: int
+    l2_promotion: int
+    oob_fill: int
+
+
+def cache_map_params(rows: int, key_dim: int = 576, itemsize: int = 2) -> MapParams:
+    """The map of a cache of `rows` rows of `key_dim` 16-bit elements (num_pages *
+    page_size rows of 576). ValueError naming the limit where the encoder would refuse."""
+    if itemsize != 2:
+        raise ValueError(f"the tensor map copies 16-bit cache elements, got {itemsize} bytes")
+    if not 1 <= rows <= _MAX_DIM:
+        raise ValueError(f"the tensor map takes 1 to 2^32 cache rows, got {rows}")
+    row_bytes = key_dim * itemsize
+    if key_dim % BOX_COLS or row_bytes % 16 or row_bytes >= _MAX_STRIDE:
+        raise ValueError(f"cache rows of {key_dim} elements are not whole {BOX_COLS}-element "
+                         "boxes 16-byte aligned")
+    if rows < BOX_ROWS:
+        raise ValueError(f"a cache of {rows} rows holds no {BOX_ROWS}-row box")
+    return MapParams(DATA_TYPE_UINT16, (key_dim, rows), (row_bytes,), (BOX_COLS, BOX_ROWS),
+                     (1, 1), INTERLEAVE_NONE, SWIZZLE_128B, L2_PROMOTION_256B, OOB_FILL_NONE)
+
+
+_encoder = None
+
+
+def _libcuda_encoder():
+    """libcuda's cuTensorMapEncodeTiled, or None where there is none."""
+    global _encoder
+    if _encoder is None:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+            u32, u64 = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p,
+                           u64, u64, u32, u32, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int]
+            _encoder = fn
+        except (OSError, AttributeError):
+            _encoder = False
+    return _encoder or None
+
+
+def supported() -> bool:
+    """Whether this machine's libcuda encodes tensor maps (CUDA 12.0 and later)."""
+    return _libcuda_encoder() is not None
+
+
+def encode(address: int, params: MapParams, encoder=None) -> bytes:
+    """The 128 bytes of the tensor map of `params` over the device memory at `address`.
+    RuntimeError with the driver's code when it refuses; `encoder` stands in for libcuda's
+    function (the tests pass one)."""
+    fn = encoder or _libcuda_encoder()
+    if fn is None:
+        raise RuntimeError("libcuda has no cuTensorMapEncodeTiled (CUDA 12.0 or later needed)")
+    if address % 16:
+        raise ValueError(f"the tensor map's base address must be 16-byte aligned, got "
+                         f"{address:#x}")
+    buf = ctypes.create_string_buffer(MAP_BYTES + 128)
+    base = (ctypes.addressof(buf) + 127) & ~127      # CUtensorMap is 128-byte aligned
+    rank = len(params.dims)
+    arr = lambda t, v: (t * len(v))(*v)                # noqa: E731
+    rc = fn(ctypes.c_void_p(base), params.data_type, rank, ctypes.c_void_p(address),
+            arr(ctypes.c_uint64, params.dims), arr(ctypes.c_uint64, params.strides),
+            arr(ctypes.c_uint32, params.box), arr(ctypes.c_uint32, params.element_strides),
+            params.interleave, params.swizzle, params.l2_promotion, params.oob_fill)
+    if rc != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled refused the cache's map (CUresult {rc}): "
+                           f"{params}")
+    return ctypes.string_at(base, MAP_BYTES)
+
+
+def tma_enabled() -> bool:
+    """Whether the bulk tensor copy may be used: unless MLASANDBOX_WGMMA_TMA=0."""
+    return os.environ.get(ENV_SWITCH, "1").strip() != "0"
+
+
+def device_map(kv_cache, rows: int):
+    """The tensor map of the cache array `kv_cache` (rows x 576 16-bit elements,
+    C-contiguous, on the current device) in a new 128-byte device buffer, or None where the
+    driver cannot encode one."""
+    import cupy
+
+    if not supported():
+        return None
+    raw = encode(int(kv_cache.data.ptr), cache_map_params(rows, kv_cache.shape[-1],
+                                                          kv_cache.dtype.itemsize))
+    buf = cupy.empty(MAP_BYTES, cupy.uint8)             # CuPy allocations are 256-byte aligned
+    buf.set(np.frombuffer(raw, np.uint8))
+    return buf
