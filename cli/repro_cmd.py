@@ -9,8 +9,8 @@ from rich.markup import escape
 
 from mlasandbox import registry
 from mlasandbox.dims import PRESETS
-from mlasandbox.repro import (REPRO_CONTEXTS, make_case, make_paged_case, write_paged_script,
-                              write_script)
+from mlasandbox.repro import (REPRO_CONTEXTS, make_case, make_paged_case, paged_runs_on,
+                              write_paged_script, write_script)
 
 from . import render
 from .tp_cmd import band_heads, tp_option
@@ -23,7 +23,8 @@ __all__ = ["repro"]
 
 @click.command("repro")
 @click.option("--variant", "variant_name", required=True,
-              type=click.Choice(registry.variant_names()), help="The variant to reproduce.")
+              type=click.Choice([*registry.variant_names(), *registry.PAGED_ONLY_VARIANTS]),
+              help="The variant to reproduce (wgmma64: with --batch).")
 @preset_option()
 @heads_option()
 @ctx_option(REPRO_CONTEXTS, dest="contexts")
@@ -58,12 +59,17 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
 
     With --batch B: a batched paged case (--lengths, --page-size, --s-q, --causal; heads of
     --preset, dsv3 unless given), its lengths, page size, seed and chunk plan embedded,
-    checked against an embedded float64 paged reference.
+    checked against an embedded float64 paged reference. wgmma64 runs only there (q in the
+    cache dtype unless --q says): its script builds the sm_90a kernel and is NOT RUN (3) on
+    a device that is not sm_90.
     """
     command = "mlasandbox repro " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 1 and sys.argv[1] == "repro" else ""
     if rank is not None and tp is None:
         raise click.UsageError("--rank needs --tp N")
+    if batch is None and variant_name in registry.PAGED_ONLY_VARIANTS:
+        raise click.UsageError(f"variant {variant_name} serves the paged step only: give "
+                               "--batch B (the batched paged case)")
     if tp is not None:
         full = heads or PRESETS["dsv3" if batch is not None and click.get_current_context(
         ).get_parameter_source("preset") != click.core.ParameterSource.COMMANDLINE
@@ -92,8 +98,10 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
                    f"splits {case.splits} ({case.splits_from})")
 
 
-def _write_and_say(case, write, output, json_out, facts: dict, summary: str) -> None:
-    """Write the script, then its facts as JSON or two lines of text."""
+def _write_and_say(case, write, output, json_out, facts: dict, summary: str,
+                   runs_on: str = "") -> None:
+    """Write the script, then its facts as JSON or two lines of text. `runs_on` names the
+    arch the script's kernel needs, where it needs one."""
     try:
         path = write(case, output)
     except OSError as exc:
@@ -108,8 +116,9 @@ def _write_and_say(case, write, output, json_out, facts: dict, summary: str) -> 
     con.print(escape(f"wrote {path}"))
     con.print(escape(f"  {case.variant}, H={case.dims.n_head}, cache {case.cache_dtype}, q "
                      f"{case.q_dtype}, seed {case.seed}; {summary}"))
-    con.print(escape(f"  run it on a GPU: python {path}   (expect {expect}; NOT RUN, "
-                     "exit 3, means there was no GPU to run it on)"))
+    gpu = f"{runs_on} GPU" if runs_on else "GPU"
+    con.print(escape(f"  run it on {'an' if runs_on else 'a'} {gpu}: python {path}   (expect "
+                     f"{expect}; NOT RUN, exit 3, means there was no {gpu} to run it on)"))
 
 
 def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, heads, cache,
@@ -121,6 +130,11 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
                                "--lengths")
     if ctx.get_parameter_source("preset") != click.core.ParameterSource.COMMANDLINE:
         preset = "dsv3"
+    # wgmma takes q in the cache dtype only (registry.wgmma_instance): that is its default,
+    # as bench --batch's; an explicit --q f32 is refused by name
+    if (registry.variant(variant).family == "wgmma"
+            and ctx.get_parameter_source("q_dtype") != click.core.ParameterSource.COMMANDLINE):
+        q_dtype = "cache"
     try:
         case = make_paged_case(variant, batch=batch, lengths=lengths_spec or "4096",
                                s_q=s_q or 1, causal=bool(causal), page_size=page_size,
@@ -135,4 +149,4 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
                     "plan_from": case.plan_from},
                    f"paged: B={len(case.lengths)}, s_q={case.s_q}"
                    f"{' causal' if case.causal else ''}, page {case.page_size}; chunk plan "
-                   f"{case.plan}")
+                   f"{case.plan}", runs_on=paged_runs_on(case))

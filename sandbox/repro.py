@@ -19,18 +19,25 @@ says where they came from.
 `--negative-control` builds the combine without its exp(m_i - m) rescale; with a single slice
 the rescale is the identity, so the control needs S >= 2 at every context (the generator
 refuses otherwise: a control that cannot fail proves nothing).
+
+The batched paged script (make_paged_case, render_paged_script) launches PagedDecodeStep's
+kernels; it takes the paged-only wgmma64 too, whose sm_90a kernel CuPy's RawModule(code=...)
+cannot build: the script compiles it with NVRTC for that target itself (compile_for_arch),
+checks it against registry.WGMMA_RELL2_BOUND, and on a device that is not sm_90 says NOT RUN
+(exit 3) instead of compiling.
 """
 from __future__ import annotations
 
 import datetime as _dt
 import inspect
 import os
+import textwrap
 from dataclasses import dataclass
 from importlib import metadata
 
-from . import cublas_engine, registry, toolkit
+from . import arch_specific, cublas_engine, registry, toolkit
 from .api import SINGLE_PASS_FAMILIES
-from .archs import check_arch, variant_needs
+from .archs import check_arch, instance_needs, variant_needs
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .kernels import blocks_per_sm, device_info
@@ -45,7 +52,7 @@ from .splits import SPLIT_MIN_CTX, default_gate, plan_splits
 __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_filename",
            "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS", "PagedReproCase",
            "make_paged_case", "render_paged_script", "write_paged_script",
-           "default_paged_filename", "PAGED_ATTN_ARGS", "PAGED_COMBINE_ARGS"]
+           "default_paged_filename", "paged_runs_on", "PAGED_ATTN_ARGS", "PAGED_COMBINE_ARGS"]
 
 REPRO_CONTEXTS = (4095, 4096, 20000)
 # The kernel arguments of api.DecodeStep.run_attn / run_combine, in order, by name (the
@@ -68,6 +75,36 @@ PAGED_SPARE_PAGES = 2   # as make_paged_inputs' default
 NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",
                  f"-DMLA_ROPE={registry.ROPE}", *registry.compile_defines())
 _CUBLAS_TOL = {"f16": 3e-3, "bf16": 2e-2}  # mirrors bench_gpu.CUBLAS_TOLERANCE
+_UNIT_ROUNDOFF = {"f16": "2^-11", "bf16": "2^-8"}   # as registry.WGMMA_RELL2_BOUND spells it
+
+
+def _arch_target(inst) -> str | None:
+    """The arch-specific target an attention instance is built for (sm_90a), which the script
+    compiles for itself; None for the others (a user kernel's instance included)."""
+    arch = getattr(inst, "min_arch", None)
+    return arch if arch and arch_specific.is_arch_specific(arch) else None
+
+
+def _paged_tolerance(inst, cache: str) -> tuple[dict, str, str]:
+    """(TOLERANCE, the header's sentence, the comment above TOLERANCE) of a paged script.
+    wgmma rounds p to the cache dtype before the value product, so its relL2 bound is
+    registry.WGMMA_RELL2_BOUND (the bench's spot check of the family); every other kernel
+    computes in f32 on exact inputs (compare.py's 1e-4)."""
+    if getattr(inst, "kind", None) == "wgmma_attn":
+        t = registry.WGMMA_RELL2_BOUND[cache]
+        u = _UNIT_ROUNDOFF[cache]
+        return ({"out": t, "latent": t, "lse": 1e-4},
+                f"Tolerances: relL2 {t:.6g} (out, latent), 1e-4 absolute (lse): the kernel "
+                f"rounds p to {cache} before the value product; the bound is 4 x u / sqrt(3) "
+                f"+ 1e-4 with u = {u}, {cache}'s unit roundoff (MARGIN times the rms relL2 "
+                "of that rounding plus the f32 tolerance: mlasandbox's "
+                "registry.WGMMA_RELL2_BOUND, derived in tests/test_gpu_wgmma.py); lse stays f32.",
+                f"# relL2 bound = 4 * {u} / sqrt(3) + 1e-4: p rounded to {cache}\n# (mlasandbox's "
+                f"registry.WGMMA_RELL2_BOUND['{cache}'], derived in tests/test_gpu_wgmma.py)")
+    return ({"out": 1e-4, "latent": 1e-4, "lse": 1e-4},
+            "Tolerances: relL2 1e-4 (out, latent), 1e-4 absolute (lse): f32 arithmetic on "
+            "inputs exact in float64.",
+            "# f32 arithmetic on inputs exact in float64: mlasandbox compare.py's 1e-4")
 
 
 @dataclass(frozen=True)
@@ -235,7 +272,7 @@ def render_script(case: ReproCase, filename: str | None = None) -> str:
         attn = {"source": ai.source, "expression": ai.expression, "name": ai.name,
                 "threads": ai.threads,
                 "smem_bytes": ai.smem_bytes, "heads_per_block": registry.variant(case.variant).hpb,
-                "args": ATTN_ARGS}
+                "arch": _arch_target(ai), "args": ATTN_ARGS}
         combine = {"expression": ci.expression, "name": ci.name, "threads": ci.threads,
                    "col_blocks": getattr(registry, "COMBINE_COL_BLOCKS", 1),
                    "args": COMBINE_ARGS}
@@ -382,6 +419,9 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
     if arch is not None:
         check_arch(arch, "arch")
     attn, _ = _paged_instances(var, cache, q, not negative_control)
+    need = None if arch is None else instance_needs(arch, attn)
+    if need:
+        raise ValueError(f"{var.name} needs {need} (arch is {arch})")
     if blocks_per_sm in (None, "auto"):
         sms, bps, how = _auto_blocks_per_sm(var, attn, cache, q, arch, num_sms)
     else:
@@ -417,6 +457,7 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
     # a user kernel (user_kernel.py) brings its own text and -D options
     attn_text = attn.source_text() if hasattr(attn, "source_text") else read_source(attn.source)
     options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in getattr(attn, "defines", ()))
+    tolerance, tolerance_says, tolerance_from = _paged_tolerance(attn, case.cache_dtype)
     d = case.dims
     title = (f"mlasandbox repro: paged {case.variant} ({attn.name} + {comb.name}), "
              f"B={len(case.lengths)}, lengths {case.lengths_spec}, s_q={case.s_q}"
@@ -425,9 +466,7 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
              + (" [NEGATIVE CONTROL: must FAIL]" if case.negative_control else ""))
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     header = (f"Generated on {stamp}" + (f":\n    {case.command}" if case.command else ".")
-              + f"\nChunk plan: {case.plan_from}."
-              + "\nTolerances: relL2 1e-4 (out, latent), 1e-4 absolute (lse): f32 arithmetic "
-                "on inputs exact in float64.")
+              + f"\nChunk plan: {case.plan_from}.\n" + textwrap.fill(tolerance_says, 92))
     if case.negative_control:
         header += ("\nThis is the NEGATIVE CONTROL: the combine drops the exp(m_i - m) rescale "
                    "of the chunk merge, so the comparison must FAIL (exit 1).")
@@ -442,12 +481,13 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
         "@@SPARE_PAGES@@": repr(PAGED_SPARE_PAGES), "@@SEED@@": repr(case.seed),
         "@@SCALE@@": repr(float(case.scale)), "@@PLAN@@": repr(dict(case.plan)),
         "@@PLAN_FROM@@": repr(case.plan_from), "@@NEGATIVE@@": repr(case.negative_control),
-        "@@TOLERANCE@@": repr({"out": 1e-4, "latent": 1e-4, "lse": 1e-4}),
+        "@@TOLERANCE@@": repr(tolerance), "@@TOLERANCE_FROM@@": tolerance_from,
         "@@EXPECT@@": repr("FAIL" if case.negative_control else "PASS"),
         "@@OPTIONS@@": repr(options),
         "@@ATTN@@": repr({"source": attn.source, "expression": attn.expression,
                           "name": attn.name, "threads": attn.threads,
-                          "smem_bytes": attn.smem_bytes, "args": PAGED_ATTN_ARGS}),
+                          "smem_bytes": attn.smem_bytes, "arch": _arch_target(attn),
+                          "args": PAGED_ATTN_ARGS}),
         "@@COMBINE@@": repr({"source": comb.source, "expression": comb.expression,
                              "name": comb.name, "threads": comb.threads,
                              "col_blocks": registry.COMBINE_COL_BLOCKS,
@@ -456,6 +496,13 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
     }
     return _fill(PAGED_TEMPLATE, values, _check_embeddable(attn.source, attn_text),
                  _check_embeddable(comb.source, read_source(comb.source)))
+
+
+def paged_runs_on(case: PagedReproCase) -> str:
+    """The one device arch the case's attention kernel runs on ('sm_90' for an sm_90a
+    kernel), '' where any arch the family compiles for will do."""
+    target = _arch_target(case.instances()[0])
+    return arch_specific.base_arch(target) if target else ""
 
 
 def write_paged_script(case: PagedReproCase, path: str | None = None) -> str:

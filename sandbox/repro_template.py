@@ -92,12 +92,71 @@ def include_dirs(extra):
     return []  # let CuPy find them, or fail at compile saying which header is missing
 
 
+def cubin_for_arch(source, expression, arch, options, filename="kernel.cu"):
+    """(cubin, lowered name) of one name expression of `source`, compiled by NVRTC for `arch`
+    (no GPU needed): --gpu-architecture=ARCH, `options` and CuPy's own -ftz=true, as
+    mlasandbox's arch_specific.compile_cubin builds it. A rejected compile raises with
+    NVRTC's log."""
+    from cupy.cuda import nvrtc
+
+    opts = [f"--gpu-architecture={arch}", *options, "-ftz=true"]
+    prog = nvrtc.createProgram(source, filename, [], [])
+    try:
+        nvrtc.addNameExpression(prog, expression)
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except Exception as exc:
+            log = nvrtc.getProgramLog(prog).rstrip("\x00")
+            raise RuntimeError(f"NVRTC failed to compile {filename} for {arch} ({exc}):\n"
+                               f"{log}\noptions: {' '.join(opts)}") from None
+        return bytes(nvrtc.getCUBIN(prog)), nvrtc.getLoweredName(prog, expression)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def compile_for_arch(source, expression, arch, options, filename="kernel.cu"):
+    """The cupy.RawKernel of `expression` built for an arch-specific target (sm_90a, which
+    wgmma.mma_async needs). cupy.RawModule(code=...) adds the device's own arch (sm_90) to
+    the options itself, so NVRTC runs here (cubin_for_arch) and CuPy loads the cubin from a
+    temporary file with cupy.RawModule(path=...), by the lowered name."""
+    import cupy
+
+    cubin, lowered = cubin_for_arch(source, expression, arch, options, filename)
+    with tempfile.TemporaryDirectory(prefix="mlasandbox-repro-") as d:
+        path = os.path.join(d, os.path.splitext(os.path.basename(filename))[0] + ".cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        # get_function loads the module onto the device now: the file may go afterwards
+        return cupy.RawModule(path=path).get_function(lowered)
+
+
+def device_arch():
+    """sm_XY of the current device (compute capability X.Y)."""
+    import cupy
+
+    return "sm_" + cupy.cuda.Device().compute_capability
+
+
+def arch_refusal(have):
+    """The NOT RUN line when the attention kernel is built for an arch-specific target
+    (ATTN["arch"], e.g. sm_90a) and this device, `have`, is not that target's arch: sm_90a
+    code runs on compute capability 9.0 only, not on a newer GPU. None when it can run."""
+    target = ATTN["arch"] if ATTN else None
+    if not target or have == target[:-1]:
+        return None
+    return f"NOT RUN: {VARIANT} needs {target}, this device is {have}; nothing was checked"
+
+
 def compile_kernels(inc):
     import cupy
 
     opts = tuple(NVRTC_OPTIONS) + tuple(f"-I{d}" for d in inc)
-    attn = cupy.RawModule(code=ATTN_SOURCE, options=opts,
-                          name_expressions=[ATTN["expression"]]).get_function(ATTN["expression"])
+    if ATTN["arch"]:
+        attn = compile_for_arch(ATTN_SOURCE, ATTN["expression"], ATTN["arch"], opts,
+                                ATTN["source"])
+    else:
+        attn = cupy.RawModule(code=ATTN_SOURCE, options=opts, name_expressions=[
+            ATTN["expression"]]).get_function(ATTN["expression"])
     if ATTN["smem_bytes"] > 48 * 1024:  # past the default 48 KB: the kernel must opt in
         attn.max_dynamic_shared_size_bytes = ATTN["smem_bytes"]
         attn.preferred_shared_memory_carveout = 100
@@ -131,13 +190,19 @@ def versions():
 
 
 def device_versions(say):
-    """Print the GPU and the versions; False (after the NOT RUN line) without a usable GPU."""
+    """Print the GPU and the versions; False (after the NOT RUN line) without a usable GPU, or
+    with one that cannot run the attention kernel's arch-specific target (arch_refusal)."""
     try:
         for k, v in versions():
             say(f"  {k:<13} {v}")
+        have = device_arch()
     except Exception as exc:
         print(f"NOT RUN: no usable CUDA device ({type(exc).__name__}: {exc}); nothing was "
               "checked")
+        return False
+    refusal = arch_refusal(have)
+    if refusal:
+        print(refusal)
         return False
     return True
 
@@ -181,6 +246,7 @@ import contextlib
 import os
 import platform
 import sys
+import tempfile
 
 import numpy as np
 
@@ -426,8 +492,9 @@ Self-contained: CuPy and NumPy only (no mlasandbox). Run:
 It prints the GPU and versions; draws the batch's inputs from the seed on the host (the arrays
 of mlasandbox.paged_inputs.make_paged_inputs: a permuted block table, NaN in every unused page
 and past each request's length, INVALID_PAGE in every table entry past a request's pages);
-compiles the embedded CUDA source with NVRTC and launches the paged attention over grid
-(row blocks, MAX_CHUNKS, B), then the paged combine over (n_rows, col blocks, B) (with
+compiles the embedded CUDA source with NVRTC (an attention kernel with ATTN["arch"], such as
+wgmma64's sm_90a: for that target, by compile_for_arch) and launches the paged attention over
+grid (row blocks, MAX_CHUNKS, B), then the paged combine over (n_rows, col blocks, B) (with
 COMBINE["attn_writes_single"] it does not merge a request of one chunk, whose latent and lse
 the attention kernel wrote, and projects that latent), each phase synchronized so that an
 error names it; compares latent, lse and out with an embedded float64
@@ -437,13 +504,17 @@ one PASS / FAIL / ERROR / NOT RUN line.
 Importing this file runs nothing: host_inputs() and reference() need NumPy alone.
 
 Exit status: 0 PASS; 1 FAIL (wrong numbers); 2 ERROR (the kernels did not compile, or a launch
-or a fault stopped them); 3 NOT RUN (no usable CUDA device here: nothing was checked).
+or a fault stopped them); 3 NOT RUN (no usable CUDA device here, or, for an arch-specific
+kernel, a device of another arch: "NOT RUN: wgmma64 needs sm_90a, this device is sm_XY", since
+sm_90a code runs on sm_90 only; nothing was checked, and a negative control that is NOT RUN
+has not failed).
 """
 import argparse
 import contextlib
 import os
 import platform
 import sys
+import tempfile
 
 import numpy as np
 
@@ -464,6 +535,7 @@ PLAN = @@PLAN@@                    # the chunk plan: max_chunks, min_chunk, tile
                                    # target (chunk programs of one wave per row block)
 PLAN_FROM = @@PLAN_FROM@@
 NEGATIVE_CONTROL = @@NEGATIVE@@
+@@TOLERANCE_FROM@@
 TOLERANCE = @@TOLERANCE@@          # relL2 for out and latent, max |error| for lse (live rows)
 EXPECT = @@EXPECT@@
 INVALID_PAGE = 2 ** 31 - 1         # table entries past a request's pages

@@ -1,6 +1,7 @@
 """The lab tools on the device: timing (events, graph replay, L2 flush, fallback), the
 ceilings, a small bench and sweep end to end, the CLI writing its files, and the repro
-scripts run in a subprocess (every variant passes; the negative control fails)."""
+scripts, batch-1 and paged (wgmma64 included), run in a subprocess (every variant passes; the
+negative control fails)."""
 from __future__ import annotations
 
 import json
@@ -190,6 +191,42 @@ def test_the_repro_negative_control_fails(tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("FAIL:") and "negative control" in last
+
+
+# The paged scripts: mma16 and the sm_90a wgmma64, which the script builds with its own NVRTC
+# call; on a device that is not sm_90 its script must say NOT RUN (exit 3), not PASS.
+PAGED_REPRO = [("mma16", 64, "f16", "f32"), ("wgmma64", 16, "f16", "f16"),
+               ("wgmma64", 64, "bf16", "bf16")]
+
+
+def _paged_repro(tmp_path, variant, page_size, cache, q, negative_control):
+    from mlasandbox.kernels import device_info
+    from mlasandbox.repro import make_paged_case, write_paged_script
+
+    case = make_paged_case(variant, batch=4, lengths="4097,0,1,300", s_q=2, causal=True,
+                           page_size=page_size, heads=16, cache=cache, q=q, seed=11,
+                           negative_control=negative_control)
+    out = _run(write_paged_script(case, str(tmp_path / "p.py")))
+    if variant == "wgmma64" and device_info().arch != "sm_90":
+        assert out.returncode == 3, out.stdout + out.stderr
+        assert f"NOT RUN: wgmma64 needs sm_90a, this device is {device_info().arch}" in out.stdout
+        return None
+    return out
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["check", "negative_control"])
+@pytest.mark.parametrize("variant,page_size,cache,q", PAGED_REPRO)
+def test_the_paged_repro_script_passes_and_its_negative_control_fails(tmp_path, variant,
+                                                                      page_size, cache, q,
+                                                                      control):
+    out = _paged_repro(tmp_path, variant, page_size, cache, q, control)
+    if out is None:
+        return
+    rc, verdict = (1, "FAIL:") if control else (0, "PASS:")
+    assert out.returncode == rc, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith(verdict) and variant in last and f"page={page_size}" in last
+    assert ("negative control" in last) == control
 
 
 def test_repro_auto_splits_are_the_launchers():

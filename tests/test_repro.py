@@ -26,6 +26,17 @@ from tolerances import assert_within, f64_bounds
 
 HAVE_GPU, GPU_REASON = toolkit.device_available()
 VARIANTS = registry.variant_names()
+# what a script may import: the standard library's few, CuPy and NumPy (tempfile holds the
+# cubin of an sm_90a kernel between NVRTC and cupy.RawModule(path=...))
+SCRIPT_IMPORTS = {"argparse", "contextlib", "os", "platform", "sys", "tempfile", "numpy",
+                  "cupy", "cupy_backends"}
+
+
+def top_imports(text: str) -> set:
+    tree = ast.parse(text)
+    return ({n.names[0].name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)}
+            | {n.module.split(".")[0] for n in ast.walk(tree)
+               if isinstance(n, ast.ImportFrom) and n.module})
 
 
 def script_ns(tmp_path, case, name="r.py"):
@@ -56,12 +67,8 @@ def test_a_script_per_variant_pins_the_case(scripts, variant):
     assert ns["SCALE"] == Dims(n_head=16).default_scale
     assert ns["EXPECT"] == "PASS" and not ns["NEGATIVE_CONTROL"]
     assert "import mlasandbox" not in text and "from mlasandbox" not in text
-    imports = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(text))
-               if isinstance(n, ast.Import)}
-    imports |= {n.module.split(".")[0] for n in ast.walk(ast.parse(text))
-                if isinstance(n, ast.ImportFrom) and n.module}
-    assert imports <= {"argparse", "contextlib", "os", "platform", "sys", "numpy", "cupy",
-                       "cupy_backends"}, imports
+    imports = top_imports(text)
+    assert imports <= SCRIPT_IMPORTS, imports
     if registry.variant(variant).is_cuda:
         inst = case.attn_instance
         assert ns["ATTN"]["expression"] == inst.expression
@@ -375,3 +382,142 @@ def test_repro_cli_batch(tmp_path, paged_registry):
             argv = ["repro", *args]
         r = CliRunner().invoke(main, argv)
         assert r.exit_code == 2 and words in r.output, r.output
+
+
+# ---------------------------------------------------------------------------- wgmma64 (sm_90a)
+
+WGMMA = dict(batch=4, lengths="4097,0,1,300", s_q=2, causal=True, heads=16, blocks_per_sm=1,
+             num_sms=132)
+
+
+def wgmma_ns(tmp_path, page_size=16, cache="f16", **kw):
+    case = repro.make_paged_case("wgmma64", page_size=page_size, cache=cache, q=cache,
+                                 **{**WGMMA, **kw})
+    return (case, *paged_ns(tmp_path, case, f"w{page_size}{cache}.py"))
+
+
+@pytest.mark.parametrize("page_size,cache", [(16, "f16"), (64, "bf16")])
+def test_the_wgmma_script_pins_its_kernel_target_and_launch(tmp_path, page_size, cache):
+    case, ns, text = wgmma_ns(tmp_path, page_size, cache)
+    inst = registry.wgmma_instance(cache, cache)
+    assert ns["VARIANT"] == "wgmma64" and ns["PAGE_SIZE"] == page_size
+    assert "import mlasandbox" not in text and "from mlasandbox" not in text
+    assert top_imports(text) <= SCRIPT_IMPORTS
+    # grid, block and shared memory are the registry's, as for mma16
+    assert ns["ATTN"]["expression"] == inst.expression and ns["ATTN"]["arch"] == "sm_90a"
+    assert (ns["ATTN"]["threads"], ns["ATTN"]["smem_bytes"]) == (256, inst.smem_bytes)
+    assert ns["PLAN"]["rows_per_block"] == 64 and ns["PLAN"]["tile"] == registry.WGMMA_TILE
+    assert ns["ATTN"]["args"] == repro.PAGED_ATTN_ARGS
+    assert ns["COMBINE"]["attn_writes_single"] == 1    # a single-pass family, as in the step
+    assert ns["ATTN_SOURCE"] == read_source("mla_wgmma.cu")
+    # built by the script's own NVRTC call for sm_90a, loaded from the cubin's file
+    assert "compile_for_arch(ATTN_SOURCE" in text and "cupy.RawModule(path=path)" in text
+    assert "--gpu-architecture={arch}" in text and "nvrtc.getCUBIN(prog)" in text
+    assert "NOT RUN: {VARIANT} needs {target}, this device is {have}" in text
+
+
+@pytest.mark.parametrize("cache,u", [("f16", 2.0 ** -11), ("bf16", 2.0 ** -8)],
+                         ids=["f16", "bf16"])
+def test_the_wgmma_script_checks_the_wgmma_bound(tmp_path, cache, u):
+    _, ns, text = wgmma_ns(tmp_path, cache=cache)
+    bound = registry.WGMMA_RELL2_BOUND[cache]
+    assert bound == pytest.approx(4 * u / 3 ** 0.5 + 1e-4, rel=1e-12)   # the comment's formula
+    assert ns["TOLERANCE"] == {"out": bound, "latent": bound, "lse": 1e-4}
+    assert f"registry.WGMMA_RELL2_BOUND['{cache}']" in text
+    assert "tests/test_gpu_wgmma.py" in text
+    # the exact kernels keep compare.py's 1e-4
+    mma = repro.make_paged_case("mma16", cache=cache, q=cache, page_size=16, **WGMMA)
+    assert paged_ns(tmp_path, mma, "m.py")[0]["TOLERANCE"]["latent"] == 1e-4
+    # the bound has power: a latent off by half of it passes, twice it fails
+    host = ns["host_inputs"]()
+    want = ns["reference"](*host)
+    assert ns["compare"](dict(want, latent=want["latent"] * (1 + bound / 2)), want)[0]
+    assert not ns["compare"](dict(want, latent=want["latent"] * (1 + 2 * bound)), want)[0]
+
+
+def test_the_wgmma_scripts_kernel_compiles_for_sm_90a_and_nothing_else(tmp_path):
+    """The script's cubin_for_arch on the host (NVRTC needs no GPU): a cubin and the lowered
+    name for sm_90a; the same call for sm_90 stops at the source's #error, so the script's
+    compile really goes to the arch it names."""
+    _, ns, _ = wgmma_ns(tmp_path)
+    attn = ns["ATTN"]
+    opts = tuple(ns["NVRTC_OPTIONS"]) + tuple(f"-I{d}" for d in toolkit.cuda_include_dirs())
+    cubin, lowered = ns["cubin_for_arch"](ns["ATTN_SOURCE"], attn["expression"], attn["arch"],
+                                          opts, attn["source"])
+    assert cubin[:4] == b"\x7fELF" and len(cubin) > 10_000
+    assert lowered.startswith("_ZN3mla16wgmma_attn_paged")
+    with pytest.raises(RuntimeError, match="compile it for sm_90a"):
+        ns["cubin_for_arch"](ns["ATTN_SOURCE"], attn["expression"], "sm_90", opts,
+                             attn["source"])
+
+
+@pytest.mark.parametrize("device,verdict", [("sm_80", "NOT RUN"), ("sm_100", "NOT RUN"),
+                                            ("sm_90", "ERROR")])
+def test_the_wgmma_script_is_not_run_on_a_device_that_is_not_sm_90(tmp_path, monkeypatch,
+                                                                   capsys, device, verdict):
+    """A device of another arch gets the NOT RUN line and exit 3 before any compile; on sm_90
+    the script goes on to compile (here a stand-in compile that fails: exit 2, ERROR)."""
+    _, ns, _ = wgmma_ns(tmp_path)
+    g = ns["main"].__globals__
+    monkeypatch.setitem(g, "versions", lambda: [("GPU", f"Fake ({device})")])
+    monkeypatch.setitem(g, "device_arch", lambda: device)
+
+    def compile_kernels(inc):
+        raise RuntimeError("the stand-in compile")
+
+    monkeypatch.setitem(g, "compile_kernels", compile_kernels)
+    rc = ns["main"]([])
+    out = capsys.readouterr().out
+    assert "PASS:" not in out and "FAIL:" not in out
+    if verdict == "NOT RUN":
+        assert rc == 3, out
+        assert (f"NOT RUN: wgmma64 needs sm_90a, this device is {device}; nothing was "
+                "checked") in out and "the stand-in compile" not in out
+    else:
+        assert rc == 2 and "ERROR: compile error" in out and "NOT RUN" not in out, out
+
+
+def test_only_an_arch_specific_kernel_is_refused_by_arch(tmp_path):
+    _, ns, _ = wgmma_ns(tmp_path)
+    mma = repro.make_paged_case("mma16", page_size=16, **WGMMA)
+    mns, _ = paged_ns(tmp_path, mma, "m.py")
+    assert mns["ATTN"]["arch"] is None
+    for have in ("sm_80", "sm_90", "sm_100"):
+        assert mns["arch_refusal"](have) is None
+        assert (ns["arch_refusal"](have) is None) == (have == "sm_90")
+
+
+def test_the_paged_kernels_take_the_scripts_arguments():
+    """Every paged attention kernel's parameters, read from its source, are PAGED_ATTN_ARGS
+    by name and in order: the script launches wgmma_attn_paged with the same tuple as the
+    others."""
+    kinds = [k for k in registry.PAGED_KINDS if k not in ("combine", "check_paged")]
+    assert "wgmma_attn" in kinds and "mma_attn" in kinds
+    for kind in kinds:
+        fam = registry.FAMILIES[kind]
+        name = fam.paged_function.split("::")[-1]
+        m = re.search(rf"\n{name}\((.*?)\)\s*\{{", read_source(fam.source), re.S)
+        assert m, f"{name} not found in {fam.source}"
+        params = tuple(re.findall(r"(\w+)\s*$", p.strip())[0] for p in m.group(1).split(","))
+        assert params == repro.PAGED_ATTN_ARGS, (kind, params)
+
+
+def test_repro_cli_wgmma64(tmp_path):
+    out = tmp_path / "w.py"
+    base = ["repro", "--variant", "wgmma64", "--heads", "16", "--blocks-per-sm", "1"]
+    r = CliRunner().invoke(main, [*base, "--batch", "3", "--lengths", "4097,0,300",
+                                  "--page-size", "16", "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert info["variant"] == "wgmma64" and info["q"] == "f16" and info["page_size"] == 16
+    text = out.read_text()
+    compile(text, str(out), "exec")
+    assert "'arch': 'sm_90a'" in text and "EXPECT = 'PASS'" in text
+    r = CliRunner().invoke(main, [*base, "--batch", "3", "-o", str(tmp_path / "t.py")])
+    assert r.exit_code == 0 and "run it on an sm_90 GPU" in " ".join(r.output.split())
+    for args, words in (([], "--batch"), (["--ctx", "4096"], "--batch"),
+                        (["--batch", "2", "--q", "f32"], "q in the cache dtype"),
+                        (["--batch", "2", "--arch", "sm_80"], "needs sm_90a")):
+        r = CliRunner().invoke(main, [*base, *args, "-o", str(tmp_path / "no.py")])
+        assert r.exit_code == 2 and words in r.output, (args, r.output)
+        assert not (tmp_path / "no.py").exists()
