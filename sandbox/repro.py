@@ -35,7 +35,7 @@ import textwrap
 from dataclasses import dataclass
 from importlib import metadata
 
-from . import arch_specific, cublas_engine, registry, toolkit
+from . import arch_specific, cublas_engine, registry, tensor_map, toolkit
 from .api import SINGLE_PASS_FAMILIES
 from .archs import check_arch, instance_needs, variant_needs
 from .dims import PRESETS, Dims
@@ -45,14 +45,16 @@ from .limits import check_problem
 from .chunks import plan_chunks
 from .paged_api import check_page_size, paged_variant
 from .paged_inputs import parse_lengths
-from .repro_template import ENGINE_WRAPPER, HELPERS, NO_ENGINE, PAGED_TEMPLATE, TEMPLATE
+from .repro_template import (ENGINE_WRAPPER, HELPERS, NO_ENGINE, PAGED_TEMPLATE, TEMPLATE,
+                             TENSOR_MAP)
 from .sources import read_source
 from .splits import SPLIT_MIN_CTX, default_gate, plan_splits
 
 __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_filename",
            "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS", "PagedReproCase",
            "make_paged_case", "render_paged_script", "write_paged_script",
-           "default_paged_filename", "paged_runs_on", "PAGED_ATTN_ARGS", "PAGED_COMBINE_ARGS"]
+           "default_paged_filename", "paged_runs_on", "PAGED_ATTN_ARGS", "PAGED_WGMMA_ARGS",
+           "PAGED_COMBINE_ARGS"]
 
 REPRO_CONTEXTS = (4095, 4096, 20000)
 # The kernel arguments of api.DecodeStep.run_attn / run_combine, in order, by name (the
@@ -67,6 +69,9 @@ PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n
                    "causal", "max_pages", "page_shift", "max_chunks", "min_chunk",
                    "scale_log2", "part_acc", "part_m", "part_l", "target", "batch",
                    "chunk_counts", "latent", "lse")
+# The wgmma family's launch takes the cache's tensor map after them
+# (PagedDecodeStep.attn_launch_args).
+PAGED_WGMMA_ARGS = PAGED_ATTN_ARGS + ("kv_map",)
 PAGED_COMBINE_ARGS = ("part_acc", "part_m", "part_l", "cache_seqlens", "n_rows", "n_head",
                       "max_chunks", "attn_writes_single", "wv_b", "v_head", "out", "latent",
                       "lse", "out_part", "tickets", "chunk_counts")
@@ -250,6 +255,21 @@ def _engine_source() -> str:
     src = src.replace(future, "")
     return src.replace(rel, "# (bf16 helpers f32_to_bf16_bits, bf16_bits_to_f32: defined "
                             "above in this script)\n")
+
+
+def _tensor_map_source() -> str:
+    """tensor_map.py, pasted into a wgmma script: only its __future__ import goes."""
+    src = inspect.getsource(tensor_map)
+    future = "from __future__ import annotations\n"
+    if future not in src:
+        raise RuntimeError("tensor_map.py changed: its __future__ import not found; update "
+                           "repro._tensor_map_source")
+    return src.replace(future, "")
+
+
+def _paged_attn_args(inst) -> tuple:
+    """The attention kernel's arguments by name: the wgmma family's take the tensor map."""
+    return PAGED_WGMMA_ARGS if getattr(inst, "kind", None) == "wgmma_attn" else PAGED_ATTN_ARGS
 
 
 def _check_embeddable(name: str, text: str) -> str:
@@ -487,7 +507,9 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
         "@@ATTN@@": repr({"source": attn.source, "expression": attn.expression,
                           "name": attn.name, "threads": attn.threads,
                           "smem_bytes": attn.smem_bytes, "arch": _arch_target(attn),
-                          "args": PAGED_ATTN_ARGS}),
+                          "args": _paged_attn_args(attn)}),
+        "@@TENSOR_MAP@@": (TENSOR_MAP.replace("@@TENSOR_MAP_SOURCE@@", _tensor_map_source())
+                           if _paged_attn_args(attn) == PAGED_WGMMA_ARGS else ""),
         "@@COMBINE@@": repr({"source": comb.source, "expression": comb.expression,
                              "name": comb.name, "threads": comb.threads,
                              "col_blocks": registry.COMBINE_COL_BLOCKS,

@@ -552,6 +552,9 @@ COMBINE_SOURCE = r"""@@COMBINE_SOURCE@@"""
 @@HELPERS@@
 
 
+@@TENSOR_MAP@@
+
+
 # ==== inputs ===================================================================================
 def host_inputs():
     """(q, kv_cache, block_table, cache_seqlens, wv_b) as NumPy arrays: the draws of
@@ -659,6 +662,8 @@ def run_cuda(kernels, q, cache, table, lengths, wv_b):
                               cupy.float32),
         "tickets": cupy.zeros(batch * n_rows, cupy.uint32),
     }
+    if "kv_map" in ATTN["args"]:   # wgmma64: whole tiles by bulk tensor copy, else cp.async
+        values["kv_map"] = cache_map(cache)
     programs = batch if mc == 1 else max(PLAN["target"], batch)   # chunk programs a row block
     grid = (-(-n_rows // PLAN["rows_per_block"]), programs, 1)
     block, smem = (ATTN["threads"], 1, 1), ATTN["smem_bytes"]
@@ -741,4 +746,19 @@ def main(argv=None):
 
 if __name__ == "__main__":
     sys.exit(main())
+'''
+
+# The wgmma family's tensor map: sandbox/tensor_map.py verbatim but its __future__ import,
+# and the script's use of it (PagedDecodeStep's rule: pages of 64 or more, unless
+# MLASANDBOX_WGMMA_TMA=0; else a null pointer, the cp.async copy).
+TENSOR_MAP = '''# ==== the cache's tensor map (sandbox/tensor_map.py, verbatim but its __future__ import)
+@@TENSOR_MAP_SOURCE@@
+
+
+def cache_map(cache):
+    """The map argument of the attention kernel for the device cache `cache`."""
+    if PAGE_SIZE < BOX_ROWS or not tma_enabled():
+        return np.uint64(0)
+    kv_map = device_map(cache.reshape(-1, KEY_DIM), cache.shape[0] * cache.shape[1])
+    return np.uint64(0) if kv_map is None else kv_map
 '''

@@ -29,7 +29,7 @@ VARIANTS = registry.variant_names()
 # what a script may import: the standard library's few, CuPy and NumPy (tempfile holds the
 # cubin of an sm_90a kernel between NVRTC and cupy.RawModule(path=...))
 SCRIPT_IMPORTS = {"argparse", "contextlib", "os", "platform", "sys", "tempfile", "numpy",
-                  "cupy", "cupy_backends"}
+                  "cupy", "cupy_backends", "ctypes", "dataclasses"}
 
 
 def top_imports(text: str) -> set:
@@ -407,7 +407,7 @@ def test_the_wgmma_script_pins_its_kernel_target_and_launch(tmp_path, page_size,
     assert ns["ATTN"]["expression"] == inst.expression and ns["ATTN"]["arch"] == "sm_90a"
     assert (ns["ATTN"]["threads"], ns["ATTN"]["smem_bytes"]) == (256, inst.smem_bytes)
     assert ns["PLAN"]["rows_per_block"] == 64 and ns["PLAN"]["tile"] == registry.WGMMA_TILE
-    assert ns["ATTN"]["args"] == repro.PAGED_ATTN_ARGS
+    assert ns["ATTN"]["args"] == repro.PAGED_WGMMA_ARGS
     assert ns["COMBINE"]["attn_writes_single"] == 1    # a single-pass family, as in the step
     assert ns["ATTN_SOURCE"] == read_source("mla_wgmma.cu")
     # built by the script's own NVRTC call for sm_90a, loaded from the cubin's file
@@ -489,8 +489,8 @@ def test_only_an_arch_specific_kernel_is_refused_by_arch(tmp_path):
 
 def test_the_paged_kernels_take_the_scripts_arguments():
     """Every paged attention kernel's parameters, read from its source, are PAGED_ATTN_ARGS
-    by name and in order: the script launches wgmma_attn_paged with the same tuple as the
-    others."""
+    by name and in order, and the wgmma family's PAGED_WGMMA_ARGS (the tensor map last): the
+    script launches each with the tuple its ATTN["args"] names."""
     kinds = [k for k in registry.PAGED_KINDS if k not in ("combine", "check_paged")]
     assert "wgmma_attn" in kinds and "mma_attn" in kinds
     for kind in kinds:
@@ -499,7 +499,33 @@ def test_the_paged_kernels_take_the_scripts_arguments():
         m = re.search(rf"\n{name}\((.*?)\)\s*\{{", read_source(fam.source), re.S)
         assert m, f"{name} not found in {fam.source}"
         params = tuple(re.findall(r"(\w+)\s*$", p.strip())[0] for p in m.group(1).split(","))
-        assert params == repro.PAGED_ATTN_ARGS, (kind, params)
+        want = repro.PAGED_WGMMA_ARGS if kind == "wgmma_attn" else repro.PAGED_ATTN_ARGS
+        assert params == want, (kind, params)
+
+
+def test_the_wgmma_script_builds_the_library_s_tensor_map(tmp_path, monkeypatch):
+    """The script's map code is tensor_map.py's text; its cache_map passes the map where pages
+    hold whole tiles (and the switch is on), a null pointer else; mma16's script has none."""
+    from mlasandbox import tensor_map
+
+    src = inspect.getsource(tensor_map).replace("from __future__ import annotations\n", "")
+    for page, want_map in ((64, True), (16, False)):
+        _, ns, text = wgmma_ns(tmp_path, page, "bf16")
+        assert src in text
+        assert vars(ns["cache_map_params"](640)) == vars(tensor_map.cache_map_params(640))
+        calls = []
+        ns["cache_map"].__globals__["device_map"] = lambda c, rows: calls.append(rows) or "MAP"
+        cache = np.zeros((10, page, 576), np.uint16)
+        got = ns["cache_map"](cache)
+        assert (got == "MAP" and calls == [10 * page]) if want_map else \
+            (isinstance(got, np.uint64) and int(got) == 0 and not calls)
+        if want_map:
+            monkeypatch.setenv(tensor_map.ENV_SWITCH, "0")
+            assert int(ns["cache_map"](cache)) == 0
+            monkeypatch.delenv(tensor_map.ENV_SWITCH)
+    case = repro.make_paged_case("mma16", **PAGED)
+    ns, text = paged_ns(tmp_path, case, "m.py")
+    assert "cache_map" not in ns and "kv_map" not in ns["ATTN"]["args"]
 
 
 def test_repro_cli_wgmma64(tmp_path):
