@@ -16,9 +16,8 @@
 // PagedWalk::begin); a block's 64 rows are query rows r = i * H + h of its request (16 heads
 // x s_q 4, or 64 of 128 heads), partials (m, l, acc[512]) in the log2 domain
 // [B][max_chunks][n_rows]. Where a request runs one chunk (PagedWalk::single(); every request
-// under a single-pass plan) the kernel writes its rows' latent = acc / l and lse in place of
-// their acc partials ((m, l) stay written), and the merge skips them (combine_paged's
-// attn_writes_single).
+// under a single-pass plan) the kernel also writes its rows' latent = acc / l and lse, and the
+// merge skips them (combine_paged's attn_writes_single).
 //
 // Shared memory, every operand in the 128-byte-swizzle layout wgmma reads: a matrix of 64
 // rows is stored as column blocks of 64 16-bit elements (128 bytes), block after block, each
@@ -699,10 +698,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     }
     if (c == 0) { lsum[wg * kWgRows + r0] = l_run[0]; lsum[wg * kWgRows + r0 + 8] = l_run[1]; }
     __syncthreads();
-    // Where the request runs one chunk (walk.single()), latent = acc / l and lse, as the merge
-    // of that one partial would write them (mla_walk.cuh, single pass), in place of the acc
-    // partial: the merge skips such a request (attn_writes_single), so nothing reads that
-    // partial, and its 128 KB a block was half the epilogue's stores. (m, l) stay written.
+    // Where the request runs one chunk (walk.single()), also latent = acc / l and lse, as the
+    // merge of that one partial would write them (mla_walk.cuh, single pass).
     const bool single = walk.single();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -715,13 +712,12 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             part_l[partial] = l;
             if (single) walk.lse[walk.latent_row(partial)] = single_pass_lse(m_run[h], l);
         }
-        if (!single) {
-            float* dst = part_acc + partial * kWgLora + wg * 256 + 2 * c;
+        float* dst = part_acc + partial * kWgLora + wg * 256 + 2 * c;
 #pragma unroll
-            for (int j = 0; j < 32; ++j)
-                *reinterpret_cast<float2*>(dst + 8 * j) =
-                    make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
-        } else {
+        for (int j = 0; j < 32; ++j)
+            *reinterpret_cast<float2*>(dst + 8 * j) =
+                make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+        if (single) {
             const float inv_l = single_pass_inv_l(l);
             float* lat = walk.latent + walk.latent_row(partial) * kWgLora + wg * 256 + 2 * c;
 #pragma unroll

@@ -275,14 +275,11 @@ def check_mixed_chunks(case, tolerance=lambda inp, ref: None):
     assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
 
 
-def check_a_merge_that_skips_unwritten_requests_fails(case, tolerance=lambda inp, ref: None,
-                                                      single_partials: bool = True):
+def check_a_merge_that_skips_unwritten_requests_fails(case, tolerance=lambda inp, ref: None):
     """The negative control of check_mixed_chunks: latent and lse NaN-filled again between the
     launches (an attention kernel that writes partials only) and the merge still skipping the
     one-chunk requests leaves exactly those NaN, and the comparison fails; the same launches
-    with the flag off (the merge of every request) pass. single_partials=False: a family that
-    writes a one-chunk request's latent in place of its acc partial (wgmma64); the launches
-    that pass are then the step's own (latent kept, the merge skipping those requests)."""
+    with the flag off (the merge of every request) pass."""
     one = one_chunk_requests(case)
     seed = fresh_seed()
     inp = _inputs(case, seed)
@@ -293,9 +290,7 @@ def check_a_merge_that_skips_unwritten_requests_fails(case, tolerance=lambda inp
     lat = to_host(bad.latent)
     assert np.isnan(lat[one]).all() and not np.isnan(lat[~one]).any(), f"{case} seed={seed}"
     assert not compare_paged(bad, ref, tol).ok, f"{case} seed={seed}: NaN rows passed"
-    good, _ = (run_paged(inp, case.variant, case.max_chunks, writes_single=False, **kw)
-               if single_partials else
-               run_paged(inp, case.variant, case.max_chunks, target=case.target))
+    good, _ = run_paged(inp, case.variant, case.max_chunks, writes_single=False, **kw)
     cmp = compare_paged(good, ref, tol)
     assert cmp.ok, f"{case} seed={seed}: the merge of every request\n{cmp.summary()}"
 
