@@ -73,13 +73,13 @@ constexpr int kKeyBlocks = kWgKey / kColBlock;       // 9
 constexpr int kBlockBytes = 64 * 128;                // one column block of 64 rows
 constexpr int kWgTileBytes = kKeyBlocks * kBlockBytes;
 static_assert(kWgKey % kColBlock == 0 && kWgLora == 2 * 256, "two warpgroups of 256 columns");
-// The value product's B descriptor (MN-major): lbo between 64-column blocks, sbo between
-// groups of 8 positions.
 // Rows the bulk copy's boxes are moved by: 0, but for a negative control's planted defect
 // (tests/test_gpu_wgmma.py), which shows the reference check sees the TMA path.
 #ifndef MLA_WGMMA_TMA_ROW_SHIFT
 #define MLA_WGMMA_TMA_ROW_SHIFT 0
 #endif
+// The value product's B descriptor (MN-major): lbo between 64-column blocks, sbo between
+// groups of 8 positions.
 #ifndef MLA_WGMMA_V_LBO
 #define MLA_WGMMA_V_LBO kBlockBytes
 #define MLA_WGMMA_V_SBO 1024

@@ -194,6 +194,7 @@ class PagedDecodeStep:
                                     for a in (self.latent, self.lse, self.out)))
         self.fused_combine, self.out_part, self.tickets = False, None, None
         self.check_inst = self.check_kernel = None
+        self.kv_map = None
         self.plan: ChunkPlan | None = None
         if not self.variant.is_cuda:
             return
@@ -212,13 +213,10 @@ class PagedDecodeStep:
             raise ValueError(f"{self.plan.programs_per_block} chunk programs a row block "
                              f"exceed the grid's y limit {info.max_grid_y} on {info.name}")
         self.attn_kernel = user.kernel(self.attn_inst) if user else get_kernel(self.attn_inst)
-        # the wgmma family's bulk tensor copies read the cache through a tensor map, for
-        # pages that hold whole 64-position tiles (sandbox/tensor_map.py); null: cp.async
-        self.kv_map = None
-        if (self.variant.family == "wgmma" and sh.page_size >= tensor_map.BOX_ROWS
-                and tensor_map.tma_enabled()):
-            self.kv_map = tensor_map.device_map(self.kv_cache.reshape(-1, d.key_dim),
-                                                sh.num_pages * sh.page_size)
+        # the wgmma family's bulk tensor copies read the cache through a tensor map
+        # (sandbox/tensor_map.py); None: cp.async
+        if self.variant.family == "wgmma":
+            self.kv_map = tensor_map.step_map(self.kv_cache)
         self.combine_kernel = get_kernel(self.combine_inst)
         self.project_inst = self.project_kernel = None
         if self.out is not None:
@@ -304,7 +302,7 @@ class PagedDecodeStep:
     @property
     def uses_tma(self) -> bool:
         """Whether the attention kernel copies whole tiles by bulk tensor copy."""
-        return getattr(self, "kv_map", None) is not None
+        return self.kv_map is not None
 
     @property
     def attn_writes_single(self) -> bool:

@@ -38,6 +38,7 @@ __all__ = [
     "mma_smem_bytes", "CHECK_THREADS", "paged_attention_instance", "paged_combine_instance",
     "paged_check_instance", "PAGED_KINDS", "PAGED_ONLY_VARIANTS", "wgmma_instance",
     "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
+    "UNIT_ROUNDOFF",
     "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
     "PROJECT_V_ROWS", "PROJECT_M_ROWS", "PROJECT_WIDE_V_ROWS", "PROJECT_WIDE_M_ROWS",
     "project_kind", "project_instance", "combine_col_blocks",
@@ -276,8 +277,8 @@ PAGED_ONLY_VARIANTS: dict[str, Variant] = {
 # latent and out with rms u / sqrt(3) x sqrt(sum_j w_j^2 |v_j|^2) / |sum_j w_j v_j|, u the
 # dtype's unit roundoff (2^-11 f16, 2^-8 bf16); the ratio is about 1 on random inputs, so the
 # bench's spot check takes MARGIN 4 times u / sqrt(3), plus the f32 bound 1e-4. lse stays f32.
-WGMMA_RELL2_BOUND = {"f16": 4 * 2.0 ** -11 / 3 ** 0.5 + 1e-4,
-                     "bf16": 4 * 2.0 ** -8 / 3 ** 0.5 + 1e-4}
+UNIT_ROUNDOFF = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}
+WGMMA_RELL2_BOUND = {k: 4 * u / 3 ** 0.5 + 1e-4 for k, u in UNIT_ROUNDOFF.items()}
 
 
 def wgmma_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:

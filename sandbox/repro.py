@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import inspect
+import math
 import os
 import textwrap
 from dataclasses import dataclass
@@ -80,7 +81,6 @@ PAGED_SPARE_PAGES = 2   # as make_paged_inputs' default
 NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",
                  f"-DMLA_ROPE={registry.ROPE}", *registry.compile_defines())
 _CUBLAS_TOL = {"f16": 3e-3, "bf16": 2e-2}  # mirrors bench_gpu.CUBLAS_TOLERANCE
-_UNIT_ROUNDOFF = {"f16": "2^-11", "bf16": "2^-8"}   # as registry.WGMMA_RELL2_BOUND spells it
 
 
 def _arch_target(inst) -> str | None:
@@ -97,7 +97,7 @@ def _paged_tolerance(inst, cache: str) -> tuple[dict, str, str]:
     computes in f32 on exact inputs (compare.py's 1e-4)."""
     if getattr(inst, "kind", None) == "wgmma_attn":
         t = registry.WGMMA_RELL2_BOUND[cache]
-        u = _UNIT_ROUNDOFF[cache]
+        u = f"2^{round(math.log2(registry.UNIT_ROUNDOFF[cache]))}"
         return ({"out": t, "latent": t, "lse": 1e-4},
                 f"Tolerances: relL2 {t:.6g} (out, latent), 1e-4 absolute (lse): the kernel "
                 f"rounds p to {cache} before the value product; the bound is 4 x u / sqrt(3) "
@@ -478,6 +478,7 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
     attn_text = attn.source_text() if hasattr(attn, "source_text") else read_source(attn.source)
     options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in getattr(attn, "defines", ()))
     tolerance, tolerance_says, tolerance_from = _paged_tolerance(attn, case.cache_dtype)
+    attn_args = _paged_attn_args(attn)
     d = case.dims
     title = (f"mlasandbox repro: paged {case.variant} ({attn.name} + {comb.name}), "
              f"B={len(case.lengths)}, lengths {case.lengths_spec}, s_q={case.s_q}"
@@ -507,9 +508,9 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
         "@@ATTN@@": repr({"source": attn.source, "expression": attn.expression,
                           "name": attn.name, "threads": attn.threads,
                           "smem_bytes": attn.smem_bytes, "arch": _arch_target(attn),
-                          "args": _paged_attn_args(attn)}),
+                          "args": attn_args}),
         "@@TENSOR_MAP@@": (TENSOR_MAP.replace("@@TENSOR_MAP_SOURCE@@", _tensor_map_source())
-                           if _paged_attn_args(attn) == PAGED_WGMMA_ARGS else ""),
+                           if attn_args == PAGED_WGMMA_ARGS else ""),
         "@@COMBINE@@": repr({"source": comb.source, "expression": comb.expression,
                              "name": comb.name, "threads": comb.threads,
                              "col_blocks": registry.COMBINE_COL_BLOCKS,

@@ -748,17 +748,14 @@ if __name__ == "__main__":
     sys.exit(main())
 '''
 
-# The wgmma family's tensor map: sandbox/tensor_map.py verbatim but its __future__ import,
-# and the script's use of it (PagedDecodeStep's rule: pages of 64 or more, unless
-# MLASANDBOX_WGMMA_TMA=0; else a null pointer, the cp.async copy).
+# The wgmma family's tensor map: sandbox/tensor_map.py verbatim but its __future__ import
+# (step_map: PagedDecodeStep's map), and a null pointer where it gives none (cp.async).
 TENSOR_MAP = '''# ==== the cache's tensor map (sandbox/tensor_map.py, verbatim but its __future__ import)
 @@TENSOR_MAP_SOURCE@@
 
 
 def cache_map(cache):
     """The map argument of the attention kernel for the device cache `cache`."""
-    if PAGE_SIZE < BOX_ROWS or not tma_enabled():
-        return np.uint64(0)
-    kv_map = device_map(cache.reshape(-1, KEY_DIM), cache.shape[0] * cache.shape[1])
+    kv_map = step_map(cache)
     return np.uint64(0) if kv_map is None else kv_map
 '''

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MapParams", "cache_map_params", "encode", "device_map", "supported",
+__all__ = ["MapParams", "cache_map_params", "encode", "device_map", "step_map", "supported",
            "tma_enabled", "MAP_BYTES", "BOX_ROWS", "BOX_COLS", "ENV_SWITCH"]
 
 MAP_BYTES = 128          # sizeof(CUtensorMap), 128-byte aligned
@@ -136,16 +136,26 @@ def tma_enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip() != "0"
 
 
-def device_map(kv_cache, rows: int):
-    """The tensor map of the cache array `kv_cache` (rows x 576 16-bit elements,
-    C-contiguous, on the current device) in a new 128-byte device buffer, or None where the
+def device_map(rows):
+    """The tensor map of the cache rows `rows` (a C-contiguous [rows, 576] array of 16-bit
+    elements on the current device) in a new 128-byte device buffer, or None where the
     driver cannot encode one."""
     import cupy
 
     if not supported():
         return None
-    raw = encode(int(kv_cache.data.ptr), cache_map_params(rows, kv_cache.shape[-1],
-                                                          kv_cache.dtype.itemsize))
+    raw = encode(int(rows.data.ptr), cache_map_params(rows.shape[0], rows.shape[1],
+                                                      rows.dtype.itemsize))
     buf = cupy.empty(MAP_BYTES, cupy.uint8)             # CuPy allocations are 256-byte aligned
     buf.set(np.frombuffer(raw, np.uint8))
     return buf
+
+
+def step_map(kv_cache):
+    """The map argument of the wgmma launch for the paged cache `kv_cache` ([num_pages,
+    page_size, 576]): its device map where a page holds whole tiles (page_size >= BOX_ROWS)
+    and the switch is on; None otherwise, or where the driver encodes no map (the kernel
+    then copies every tile by cp.async)."""
+    if kv_cache.shape[1] < BOX_ROWS or not tma_enabled():
+        return None
+    return device_map(kv_cache.reshape(-1, kv_cache.shape[-1]))

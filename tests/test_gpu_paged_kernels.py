@@ -132,10 +132,8 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
             np.float32(inp.scale * LOG2E), part_acc, part_m, part_l, i32(target), i32(batch),
             counts, latent, lse)
     if registry.variant(variant).family == "wgmma":
-        kv_map = None
+        kv_map = tensor_map.step_map(cache) if tma else None
         if tma and page_size >= tensor_map.BOX_ROWS:
-            kv_map = tensor_map.device_map(cache.reshape(-1, cache.shape[-1]),
-                                           cache.shape[0] * page_size)
             assert kv_map is not None, "the driver encodes no tensor map"
         args += (kv_map if kv_map is not None else np.uint64(0),)
     get_kernel(att, defines)(grid, (att.threads,), args, shared_mem=att.smem_bytes)

@@ -110,3 +110,21 @@ def test_the_switch_turns_the_bulk_copy_off(monkeypatch):
     assert tensor_map.tma_enabled()
     monkeypatch.setenv(tensor_map.ENV_SWITCH, "0")
     assert not tensor_map.tma_enabled()
+
+
+def test_step_map_maps_pages_of_whole_tiles_unless_switched_off(monkeypatch):
+    """The one rule PagedDecodeStep, run_paged and the repro script use: a map (here the
+    stand-in's) for pages of 64 or more, over the cache's rows; None for smaller pages and
+    under MLASANDBOX_WGMMA_TMA=0, without asking the driver."""
+    import numpy as np
+
+    calls = []
+    monkeypatch.setattr(tensor_map, "device_map", lambda rows: calls.append(rows.shape) or "MAP")
+    monkeypatch.delenv(tensor_map.ENV_SWITCH, raising=False)
+    assert tensor_map.step_map(np.zeros((3, 64, 576), np.uint16)) == "MAP"
+    assert tensor_map.step_map(np.zeros((2, 128, 576), np.uint16)) == "MAP"
+    assert calls == [(192, 576), (256, 576)]
+    assert tensor_map.step_map(np.zeros((9, 16, 576), np.uint16)) is None
+    monkeypatch.setenv(tensor_map.ENV_SWITCH, "0")
+    assert tensor_map.step_map(np.zeros((3, 64, 576), np.uint16)) is None
+    assert len(calls) == 2
