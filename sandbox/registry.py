@@ -250,7 +250,7 @@ WGMMA_THREADS = 256
 WGMMA_TILE = 64
 WGMMA_ROWS = (64,)      # query rows per block: one wgmma M
 WGMMA_KEY_BLOCKS = KEY_DIM // 64  # 128-byte column blocks of a 576-wide row (9)
-WGMMA_BARRIERS = 9  # mbarriers of the seesaw (kWgBars in mla_wgmma.cu)
+WGMMA_BARRIERS = 2 * WGMMA_KEY_BLOCKS + 5  # mbarriers of the seesaw (kWgBars in mla_wgmma.cu)
 
 
 def wgmma_smem_bytes(rows: int = 64) -> int:
@@ -281,15 +281,23 @@ UNIT_ROUNDOFF = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}
 WGMMA_RELL2_BOUND = {k: 4 * u / 3 ** 0.5 + 1e-4 for k, u in UNIT_ROUNDOFF.items()}
 
 
-def wgmma_instance(cache: str = "f16", q: str = "f32") -> KernelInstance:
+def wgmma_instance(cache: str = "f16", q: str = "f32", partials: bool = True) -> KernelInstance:
     """The paged wgmma kernel (it has no batch-1 launch). q comes in the cache dtype, as
     FlashMLA takes it: an f32 q would be rounded to 16 bits for the tensor cores, an error
-    the family does not take on silently."""
+    the family does not take on silently.
+
+    partials=False is the instance of a single-pass plan (ChunkPlan.single_pass: one chunk a
+    request, no merge launched): it writes each request's latent and lse and skips the
+    partials (m, l, acc[512]) nobody reads, 128 KB a 64-row block. Launched under a plan of
+    several chunk slots it writes them anyway, at the cost of a branch the partials=True
+    instance does not have (a run-time branch there slowed batch 1 by 7%,
+    docs/wgmma-deep-dive.md)."""
     _check_attention_dtypes(cache, q)
     if q != cache:
         raise ValueError(f"wgmma64 takes q in the cache dtype ({cache}), got q={q}: convert q "
                          "to the cache dtype, or use mma16/mma32 for an f32 q")
-    return KernelInstance("wgmma_attn", cache, q, heads=WGMMA_ROWS[0], paged=True)
+    return KernelInstance("wgmma_attn", cache, q, heads=WGMMA_ROWS[0], partials=bool(partials),
+                          paged=True)
 
 
 @dataclass(frozen=True)
@@ -297,7 +305,7 @@ class Family:
     """One kernel template of cuda_src/: what every instance of it shares.
 
     `template_args` are the template values of the C++ name, in order, among "heads",
-    "cache", "q", "rescale". `heads` are the heads-per-block values instantiated (attn_rows:
+    "cache", "q", "rescale", "partials". `heads` are the heads-per-block values instantiated (attn_rows:
     1, not a template value). `macro` names its launch values in compile_defines()
     (MLA_<macro>_THREADS, ...). `min_arch` is the oldest architecture NVRTC compiles it for
     (sm_75, the oldest NVRTC 13 targets, for plain CUDA; sm_80: cp.async, ldmatrix and
@@ -336,7 +344,8 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
     Family("combine", "mla_combine.cu", "mla::combine", ("cache", "rescale"), "COMBINE",
            COMBINE_THREADS, min_arch="sm_75", paged_function="mla::combine_paged"),
     # paged only: the sm_90a tensor-core kernel (wgmma section below)
-    Family("wgmma_attn", "mla_wgmma.cu", "mla::wgmma_attn_paged", ("cache", "q"), "WGMMA",
+    Family("wgmma_attn", "mla_wgmma.cu", "mla::wgmma_attn_paged", ("cache", "q", "partials"),
+           "WGMMA",
            WGMMA_THREADS, WGMMA_TILE, WGMMA_ROWS, wgmma_smem_bytes, "sm_90a",
            paged_function="mla::wgmma_attn_paged"),
     # one launch for batch 1 and paged batches alike: rows m * H + h of the latent
@@ -383,7 +392,8 @@ class KernelInstance:
     `heads` is the heads served per block (1 for attn_rows; None for q_absorb and combine),
     `cache` the 16-bit element of the cache (q_absorb: of its inputs; combine: of wv_b), `q`
     the query element (None for combine), `rescale` the combine's merge (False is the
-    negative control; None for the other kinds). `paged`: the family's paged launch
+    negative control; None for the other kinds), `partials` whether the wgmma kernel writes
+    the partials of a single-pass plan (None for the other kinds). `paged`: the family's paged launch
     (Family.paged_function: a batch of requests in a paged cache), not its batch-1 one.
     """
 
@@ -392,6 +402,7 @@ class KernelInstance:
     q: str | None = None
     heads: int | None = None
     rescale: bool | None = None
+    partials: bool | None = None
     paged: bool = False
 
     def __post_init__(self):
@@ -405,8 +416,9 @@ class KernelInstance:
     @property
     def params(self) -> dict:
         """The template values, as the readable name spells them, in template order."""
-        vals = {"heads": self.heads, "cache": self.cache, "q": self.q,
-                "rescale": None if self.rescale is None else str(self.rescale).lower()}
+        flag = {k: None if v is None else str(v).lower()
+                for k, v in (("rescale", self.rescale), ("partials", self.partials))}
+        vals = {"heads": self.heads, "cache": self.cache, "q": self.q, **flag}
         return {k: vals[k] for k in self.family.template_args}
 
     @property
@@ -426,7 +438,8 @@ class KernelInstance:
         if not f.template_args:
             return function
         cxx = {"heads": str(self.heads), "cache": CXX_TYPES.get(self.cache),
-               "q": CXX_TYPES.get(self.q), "rescale": str(self.rescale).lower()}
+               "q": CXX_TYPES.get(self.q), "rescale": str(self.rescale).lower(),
+               "partials": str(self.partials).lower()}
         return f"{function}<{', '.join(cxx[k] for k in f.template_args)}>"
 
     @property
@@ -643,6 +656,7 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
                     out.append(paged_attention_instance(var, cache, q))
             if q == cache:
                 out.append(wgmma_instance(cache, q))
+                out.append(wgmma_instance(cache, q, partials=False))
         out.append(combine_instance(cache, True))
         out.append(paged_combine_instance(cache, True))
         out.append(project_instance(cache))

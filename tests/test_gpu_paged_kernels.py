@@ -92,7 +92,8 @@ CASES = [
 
 def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale: bool = True,
               merge: bool = True, writes_single: bool | None = None,
-              forget_latent: bool = False, tma: bool = True, defines: tuple = ()):
+              forget_latent: bool = False, tma: bool = True, defines: tuple = (),
+              partials: bool = True):
     """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l).
     merge=False: the attention launch alone, its latent and lse (those of the requests that
     run one chunk). writes_single: the combine's attn_writes_single flag (None: as
@@ -100,7 +101,8 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     forget_latent: latent and lse are NaN-filled again between the two launches, as if the
     attention kernel had written partials only. tma: the wgmma family's whole tiles by bulk
     tensor copy, through the cache's map, where pages hold whole tiles (else, or False:
-    cp.async, a null map). defines: -D for the attention kernel (a planted defect)."""
+    cp.async, a null map). defines: -D for the attention kernel (a planted defect).
+    partials=False: the wgmma instance of a single-pass plan (registry.wgmma_instance)."""
     import cupy as cp
 
     from mlasandbox.kernels import get_kernel
@@ -112,6 +114,8 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     cache_dt = "bf16" if cache.dtype == cp.uint16 else "f16"
     q_dt = "f32" if q.dtype == cp.float32 else cache_dt
     att = registry.paged_attention_instance(variant, cache_dt, q_dt)
+    if not partials:
+        att = registry.wgmma_instance(cache_dt, q_dt, partials=False)
     comb = registry.paged_combine_instance(cache_dt, rescale)
     if writes_single is None:
         writes_single = registry.variant(variant).family in SINGLE_PASS_FAMILIES

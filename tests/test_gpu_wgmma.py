@@ -180,6 +180,60 @@ def test_negative_control_the_combine_without_rescale_fails_the_wgmma_bound():
     assert not cmp.ok, f"seed={seed}: the wgmma bound passed a combine without rescale"
 
 
+# The instance of a single-pass plan (partials=False): one chunk a request, the latent and
+# lse written, the partials left as they were (NaN: run_paged fills them), which the same
+# launch with the default instance writes (the check's power). Under a plan of several chunk
+# slots the same instance writes them after all, and the merge gives the reference.
+SINGLE_PASS = Case("wgmma64", 128, (4097, 0, 1, 140), page_size=64, max_chunks=1,
+                   cache="bf16", q="bf16")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("partials", [False, True])
+def test_the_single_pass_instance_writes_latent_and_lse_and_no_partials(partials):
+    case = SINGLE_PASS
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, part_l = run_paged(inp, case.variant, 1, merge=False, partials=partials)
+    ref = decode_paged(**{**inp.decode_args(), "wv_b": None})
+    cmp = compare_paged(res, ref, _tolerance(inp, ref, case.cache))
+    assert cmp.ok, f"partials={partials} seed={seed}\n{cmp.summary()}"
+    live = np.asarray(case.lengths) > 0
+    written = ~np.isnan(part_l.get()[:, 0, :])          # [B, n_rows]
+    assert (written[live] == partials).all(), f"seed={seed}: partials written {partials}"
+
+
+@gpu
+@sm90
+def test_the_single_pass_instance_keeps_the_partials_of_a_plan_of_several_chunks():
+    case = Case("wgmma64", 64, (4097, 1, 700), page_size=64, max_chunks=4, target=6,
+                cache="f16", q="f16")
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target, partials=False)
+    ref = decode_paged(**inp.decode_args())
+    cmp = compare_paged(res, ref, _tolerance(inp, ref, case.cache))
+    assert cmp.ok, f"seed={seed}\n{cmp.summary()}"
+
+
+@gpu
+@sm90
+def test_a_single_pass_wgmma_step_matches_the_reference():
+    import mlasandbox as mla
+
+    case = SINGLE_PASS
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    step = mla.PagedDecodeStep(**inp.decode_args(), variant="wgmma64", splits=1)
+    assert step.single_pass and step.attn_inst.partials is False
+    step.run()
+    ref = decode_paged(**inp.decode_args())
+    got = mla.PagedResult(step.latent, step.lse, step.out)
+    cmp = compare_paged(got, ref, _tolerance(inp, ref, case.cache))
+    assert cmp.ok, f"seed={seed}\n{cmp.summary()}"
+
+
 # Requests of 0, 1 and several chunks in one batch (test_gpu_paged_kernels.MIXED): wgmma64
 # writes the latent and lse of a request of one chunk itself, and the merge skips it. 128
 # heads (two row blocks); 64 heads x s_q 2 causal, where row block 0 (query token 0) of the

@@ -653,3 +653,23 @@ def test_a_single_pass_plan_skips_the_merge_and_keeps_the_projection(fake_device
     names = [entry[0] for entry in fake_device.log]
     want = ["attn<paged=true>"] + (["project<paged=true>"] if with_wv_b else [])
     assert names == want and [ln.kernel for ln in step.launches()] == want
+
+
+@pytest.mark.parametrize("splits,partials", [(1, False), (4, True)])
+def test_a_single_pass_wgmma_step_runs_the_instance_that_skips_the_partials(
+        fake_device, monkeypatch, seeds, splits, partials):
+    # one chunk a request (splits=1): no merge reads the partials, so the step compiles the
+    # wgmma instance that does not write them; a plan of several chunk slots keeps them
+    monkeypatch.setattr(registry, "paged_attention_instance",
+                        lambda var, cache, q: registry.wgmma_instance(cache, q))
+    inp = make_paged_inputs(Dims(n_head=16), [0, 300, 1000], page_size=16, q_dtype="f16",
+                            seed=seeds.one())
+    args = inp.decode_args()
+    for k in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b"):
+        args[k] = args[k].view(HostArray)
+    step = PagedDecodeStep(**args, variant="wgmma64", splits=splits)
+    assert step.plan.single_pass == (not partials) == step.single_pass
+    assert step.attn_inst == registry.wgmma_instance("f16", "f16", partials=partials)
+    step.run()
+    assert fake_device.log[0][0] == step.attn_inst.name
+    assert ("partials=false" in fake_device.log[0][0]) == (not partials)

@@ -306,7 +306,9 @@ def test_a_paged_profile_runs_the_paged_child_and_filters_the_paged_kernel(monke
                      "300,0,4097"]
     pattern = re.compile(cmd[cmd.index("-k") + 1].removeprefix("regex:"))
     assert pattern.search("void mla::wgmma_attn_paged<__nv_bfloat16, __nv_bfloat16>(const T2 *)")
-    assert run_.kernel == "wgmma_attn<cache=bf16,q=bf16,paged=true>"
+    assert run_.kernel == "wgmma_attn<cache=bf16,q=bf16,partials=true,paged=true>"
+    # the single-pass instance (partials=false) has the same base name: the filter takes it
+    assert pattern.search("void mla::wgmma_attn_paged<__half, __half, (bool)0>(const T2 *)")
     ncu.profile_attention("mma16", 16, 1, paged=spec)  # batch-1 variants: their paged launch
     assert re.compile(seen[-3][seen[-3].index("-k") + 1].removeprefix("regex:")).search(
         "void mla::mma_attn_paged<(int)16, __half, float>(const T3 *)")

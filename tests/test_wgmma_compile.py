@@ -16,21 +16,27 @@ from mlasandbox import arch_specific, archs, paged_api, ptxas, registry
 from mlasandbox.sources import read_source
 
 INSTANCES = [registry.wgmma_instance(c, c) for c in ("f16", "bf16")]
+# the instance of a single-pass plan, which skips the partials (registry.wgmma_instance)
+NO_PARTIALS = [registry.wgmma_instance(c, c, partials=False) for c in ("f16", "bf16")]
 
 
 @pytest.fixture(scope="module")
 def report():
-    return ptxas.ptxas_report(INSTANCES, arch="sm_90")
+    return ptxas.ptxas_report(INSTANCES + NO_PARTIALS, arch="sm_90")
 
 
 def test_the_registry_holds_the_paged_only_family():
     inst = registry.paged_attention_instance("wgmma64", "bf16", "bf16")
     assert inst == INSTANCES[1] and inst.paged and inst.heads == 64
-    assert inst.name == "wgmma_attn<cache=bf16,q=bf16,paged=true>"
-    assert inst.expression == "mla::wgmma_attn_paged<__nv_bfloat16, __nv_bfloat16>"
+    assert inst.name == "wgmma_attn<cache=bf16,q=bf16,partials=true,paged=true>"
+    assert inst.expression == "mla::wgmma_attn_paged<__nv_bfloat16, __nv_bfloat16, true>"
+    single = NO_PARTIALS[1]
+    assert single.name == "wgmma_attn<cache=bf16,q=bf16,partials=false,paged=true>"
+    assert single.expression == "mla::wgmma_attn_paged<__nv_bfloat16, __nv_bfloat16, false>"
+    assert single != inst and (single.threads, single.smem_bytes) == (256, inst.smem_bytes)
     assert (inst.threads, inst.tile_rows, inst.min_arch) == (256, 64, "sm_90a")
     assert inst.smem_bytes == registry.wgmma_smem_bytes(64) <= 227 * 1024
-    assert set(INSTANCES) <= set(registry.all_instances())
+    assert set(INSTANCES + NO_PARTIALS) <= set(registry.all_instances())
     assert "wgmma64" in paged_api.paged_variant_names()
     assert "wgmma64" not in registry.variant_names()  # the batch-1 commands do not offer it
 
@@ -41,7 +47,7 @@ def test_an_f32_q_is_refused_by_name():
 
 
 def test_ptxas_reports_it_for_sm_90a_without_spills(report):
-    for inst in INSTANCES:
+    for inst in INSTANCES + NO_PARTIALS:
         r = report[inst.name]
         assert r.arch == "sm_90a", inst.name
         assert 0 < r.registers <= 255 and not r.spills, (inst.name, r)
@@ -105,8 +111,8 @@ def test_the_check_reads_both_ptxas_wordings():
 
 def test_ptxas_keeps_every_wgmma_asynchronous():
     source = read_source(INSTANCES[0].source)
-    log, _ = ptxas.compile_log(source, [i.expression for i in INSTANCES], arch="sm_90a",
-                               filename=INSTANCES[0].source)
+    log, _ = ptxas.compile_log(source, [i.expression for i in INSTANCES + NO_PARTIALS],
+                               arch="sm_90a", filename=INSTANCES[0].source)
     assert "Used" in log and not _wgmma_sync_lines(log), log
     # negative control: the same check reports a planted synchronous read
     planted, _ = ptxas.compile_log(source + _PLANTED_SERIALIZED, ["planted_serialized"],
