@@ -89,37 +89,13 @@ static_assert(kWgKey % kColBlock == 0 && kWgLora == 2 * 256, "two warpgroups of 
 #endif
 
 // The mbarriers, each of 128 arrivals (a warpgroup's threads) a phase but kBarQ (256) and,
-// on the TMA path, the column blocks' (one arrival and the expected bytes), phase k & 1 in
-// pair k: box[w][b], column block b of stage w has landed (a box of the bulk copy, or the
-// cp.async arrivals of the block's rows), so that the scores start on a tile's first block
-// while the rest are in flight; kBarP0 / kBarP1, warpgroup 0's / 1's p and row maxima are
+// on the TMA path, the four copy groups' (one arrival and the expected bytes), phase
+// k & 1 in pair k: full[w][g], warpgroup w's copy group g (0 early, 1 late) of its stage has
+// landed (cp.async arrivals); kBarP0 / kBarP1, warpgroup 0's / 1's p and row maxima are
 // written; kBarK0Free, warpgroup 1 is done with p_s and stage 0; kBarK1Free, warpgroup 0 is
 // done with stage 1's blocks 0-3 and 8. mbarriers rather than named barriers: racecheck
 // models an mbarrier's arrive -> wait (docs/tiled16-deep-dive.md).
-enum : int {
-    kBarBox = 0, kBarP0 = 2 * kKeyBlocks, kBarP1, kBarK0Free, kBarK1Free, kBarQ, kWgBars
-};
-// 1: the four handoffs (kBarP0 .. kBarK1Free) on named barriers 3-6 instead (bar.arrive by
-// the warpgroup that hands over, bar.sync by the one that waits; 0 is __syncthreads', 1-2
-// warpgroup_sync's), an A/B of the two primitives; racecheck does not model named barriers.
-#ifndef MLA_WGMMA_NAMED_HANDOFFS
-#define MLA_WGMMA_NAMED_HANDOFFS 0
-#endif
-template <int kBar> __device__ __forceinline__ void handoff_arrive(unsigned long long* bars) {
-#if MLA_WGMMA_NAMED_HANDOFFS
-    asm volatile("bar.arrive %0, 256;\n" ::"n"(kBar - kBarP0 + 3) : "memory");
-#else
-    mbar_arrive(bars + kBar);
-#endif
-}
-template <int kBar>
-__device__ __forceinline__ void handoff_wait(unsigned long long* bars, unsigned parity) {
-#if MLA_WGMMA_NAMED_HANDOFFS
-    asm volatile("bar.sync %0, 256;\n" ::"n"(kBar - kBarP0 + 3) : "memory");
-#else
-    mbar_wait(bars + kBar, parity);
-#endif
-}
+enum : int { kBarFull = 0, kBarP0 = 4, kBarP1, kBarK0Free, kBarK1Free, kBarQ, kWgBars };
 
 struct WgmmaSmem {
     static constexpr int q = 0;
@@ -349,66 +325,49 @@ __device__ __forceinline__ void seesaw_pages(const W& walk, int t, int row_start
     }
 }
 
-// The column blocks of a copy group, in the order the scores read them: four .. four + 3,
-// then the rope block 8 where `rope`.
-__device__ __forceinline__ int group_block(int four, int i) { return i < 4 ? four + i : 8; }
-
-// Where a thread arrives once its cp.async copies of a column block have landed: counted
-// (adding the arrival to the phase's count) on a barrier of one counted arrival, the TMA
-// path's, else one of the barrier's 128 expected arrivals.
-__device__ __forceinline__ void arrive_after_block(unsigned long long* bar, bool counted) {
-    if (counted) mbar_arrive_after_copies_counted(bar);
-    else mbar_arrive_after_copies(bar);
-}
-
 // The cp.async copy of tile t's column blocks four .. four + 3 (and the rope block 8 where
 // `rope`) where the tile is rows (row0 & in_page) .. + 63 of page pg (page 0 past the slice):
-// one base address a tile, and every pass a fixed offset from it; block by block, each
-// block's barrier (box + block) told once this thread's rows of it have landed. Rows at or
-// past row_end lie in that page too; their zero-size copies read nothing and zero-fill.
+// one base address a tile, and every pass a fixed offset from it. Rows at or past row_end lie
+// in that page too; their zero-size copies read nothing and zero-fill.
 template <typename W>
 __device__ __forceinline__ void seesaw_copy_one_page(unsigned char* stage, const W& walk,
                                                      int row0, int row_end, int wt, int pg,
-                                                     int four, bool rope,
-                                                     unsigned long long* box, bool counted) {
+                                                     int four, bool rope) {
     const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
     const size_t tile_row = (static_cast<size_t>(pg) << walk.page_shift) + (row0 & in_page);
     const auto* src = walk.cache + (tile_row + crow) * kWgKey + clane * 8;
     unsigned char* to = stage + crow * 128 + ((clane ^ (crow & 7)) << 4);
 #pragma unroll
-    for (int i = 0; i < 5; ++i) {
-        if (i == 4 && !rope) break;
-        const int blk = group_block(four, i);
+    for (int pass = 0; pass < 4; ++pass) {
+        const bool valid = row0 + crow + 16 * pass < row_end;
+        const auto* from = src + pass * 16 * kWgKey;
 #pragma unroll
-        for (int pass = 0; pass < 4; ++pass)
-            cp_async_16(to + pass * 16 * 128 + blk * kBlockBytes,
-                        src + pass * 16 * kWgKey + 64 * blk, row0 + crow + 16 * pass < row_end);
-        arrive_after_block(box + blk, counted);
+        for (int i = 0; i < 4; ++i)
+            cp_async_16(to + pass * 16 * 128 + (four + i) * kBlockBytes, from + 64 * (four + i),
+                        valid);
+        if (rope) cp_async_16(to + pass * 16 * 128 + 8 * kBlockBytes, from + 64 * 8, valid);
     }
 }
 
 // One copy group of a warpgroup: column blocks four .. four + 3, and the rope block 8 where
 // `rope`, of tile t's 64 positions into `stage` (positions >= row_end zero-filled, so a tile
-// past the slice is all zeros: its scores are masked and its p is 0); barrier box + b
-// completes its phase once column block b is in.
+// past the slice is all zeros: its scores are masked and its p is 0); `landed` completes its
+// phase once the group is in.
 // With a tensor map (`map`, every tile of the slice in one page), a whole tile goes by bulk
 // tensor copy: once every warp of the warpgroup is past the products that read the blocks,
-// thread 0 issues the group's 4 or 5 boxes, each expecting its bytes on its block's barrier,
-// which counts that one arrival. A tile with rows past row_end goes by cp.async (the copy
-// engine would read those rows, which the cache need not hold valid), each thread's arrival
-// added to a block's count as its copies of it land and thread 0's counted arrival after
-// all of them are added.
-// Without a map, cp.async by every thread, each block's barrier counting the 128 threads'
-// arrivals.
+// thread 0 expects the bytes and issues 4 or 5 boxes; `landed` counts that one arrival. A
+// tile with rows past row_end goes by cp.async (the copy engine would read those rows, which
+// the cache need not hold valid), each thread's arrival added to the count as its copies
+// land and thread 0's counted arrival after all of them are added.
+// Without a map, cp.async by every thread, `landed` counting the 128 threads' arrivals.
 template <typename W>
 __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk, const void* map,
                                             int t, int row_start, int row_end, int wt,
                                             const int (&pg)[4], int four, bool rope,
-                                            unsigned long long* box) {
+                                            unsigned long long* landed) {
     const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
     const bool copies = !(kAblateCacheLoads && t >= 2);
     const int row0 = row_start + t * kWgTile;
-    const int blocks = rope ? 5 : 4;
     if (map != nullptr) {
         const int wg = threadIdx.x >> 7;
         if (copies && row0 + kWgTile <= row_end) {
@@ -416,65 +375,47 @@ __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk,
             if (wt == 0) {
                 const int y =
                     (pg[0] << walk.page_shift) + (row0 & in_page) + MLA_WGMMA_TMA_ROW_SHIFT;
+                mbar_arrive_expect_bytes(landed, (rope ? 5 : 4) * kBlockBytes);
 #pragma unroll
-                for (int i = 0; i < 5; ++i) {
-                    if (i == blocks) break;
-                    const int blk = group_block(four, i);
-                    mbar_arrive_expect_bytes(box + blk, kBlockBytes);
-                    tma_box(stage + blk * kBlockBytes, map, kColBlock * blk, y, box + blk);
-                }
+                for (int i = 0; i < 4; ++i)
+                    tma_box(stage + (four + i) * kBlockBytes, map, kColBlock * (four + i), y,
+                            landed);
+                if (rope) tma_box(stage + 8 * kBlockBytes, map, kWgLora, y, landed);
             }
             return;
         }
-        if (copies) {
-            seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], four, rope, box, true);
-        } else {
-#pragma unroll
-            for (int i = 0; i < 5; ++i)
-                if (i < blocks) mbar_arrive_after_copies_counted(box + group_block(four, i));
-        }
+        if (copies) seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], four, rope);
+        mbar_arrive_after_copies_counted(landed);
         warpgroup_sync(wg);  // every thread's arrival is added before the counted one
-        if (wt == 0) {
-#pragma unroll
-            for (int i = 0; i < 5; ++i)
-                if (i < blocks) mbar_arrive(box + group_block(four, i));
-        }
+        if (wt == 0) mbar_arrive(landed);
         return;
     }
     if (copies && walk.template tile_in_page<kWgTile>(row_start)) {
-        seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], four, rope, box, false);
-        return;
-    }
-    decltype(walk.cache) from[4];
-    unsigned char* to[4];
-    bool valid[4];
+        seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], four, rope);
+    } else if (copies) {
 #pragma unroll
-    for (int pass = 0; pass < 4; ++pass) {
-        const int row = crow + 16 * pass, pos = row0 + row;
-        valid[pass] = pos < row_end;
-        const size_t cache_row =
-            (static_cast<size_t>(pg[pass]) << walk.page_shift) + (pos & in_page);
-        from[pass] = walk.cache + (valid[pass] ? cache_row * kWgKey : 0) + clane * 8;
-        to[pass] = stage + row * 128 + ((clane ^ (row & 7)) << 4);
-    }
+        for (int pass = 0; pass < 4; ++pass) {
+            const int row = crow + 16 * pass, pos = row0 + row;
+            const bool valid = pos < row_end;
+            const size_t cache_row =
+                (static_cast<size_t>(pg[pass]) << walk.page_shift) + (pos & in_page);
+            const auto* from = walk.cache + (valid ? cache_row * kWgKey : 0) + clane * 8;
+            unsigned char* to = stage + row * 128 + ((clane ^ (row & 7)) << 4);
 #pragma unroll
-    for (int i = 0; i < 5; ++i) {
-        if (i == blocks) break;
-        const int blk = group_block(four, i);
-        if (copies) {
-#pragma unroll
-            for (int pass = 0; pass < 4; ++pass)
-                cp_async_16(to[pass] + blk * kBlockBytes, from[pass] + 64 * blk, valid[pass]);
+            for (int i = 0; i < 4; ++i)
+                cp_async_16(to + (four + i) * kBlockBytes, from + 64 * (four + i), valid);
+            if (rope) cp_async_16(to + 8 * kBlockBytes, from + 64 * 8, valid);
         }
-        mbar_arrive_after_copies(box + blk);  // once this thread's copies of it have landed
     }
+    mbar_arrive_after_copies(landed);  // once this thread's copies have landed
 }
 
-// The column block warpgroup WG's scores read s-th (s = 0..8), in the order its copy groups
-// send them: warpgroup 0 blocks 0-3 and the rope block 8 (early), then 4-7; warpgroup 1
-// blocks 4-7 (early), then 0-3 and 8.
-__device__ __forceinline__ int seesaw_block(int wg, int s) {
-    return wg == 0 ? (s < 4 ? s : s == 4 ? 8 : s - 1) : (s < 4 ? 4 + s : s - 4);
+// The byte offset in q and in a tile of k16 step i of warpgroup WG's scores: its early four
+// blocks first (and the rope block 8 on warpgroup 0's early side), then the rest.
+__device__ __forceinline__ unsigned seesaw_koff(int wg, int i) {
+    const int blk = wg == 0 ? (i < 16 ? i >> 2 : i < 20 ? 8 : 4 + ((i - 20) >> 2))
+                            : (i < 16 ? 4 + (i >> 2) : i < 20 ? 8 : (i - 20) >> 2);
+    return blk * kBlockBytes + (i & 3) * 32;
 }
 template <typename A, typename B> struct SameType { static constexpr bool value = false; };
 template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
@@ -522,7 +463,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     const int early = 4 * wg, late = 4 * (1 - wg);
 
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + Smem::bars);
-    unsigned long long* box = bars + kBarBox + kKeyBlocks * wg;  // this warpgroup's stage
+    unsigned long long* full = bars + kBarFull + 2 * wg;  // this warpgroup's two groups
     // The bulk tensor copy where the host passed the cache's map; it sends whole tiles of
     // one page (the host passes none under pages of 64 positions, and checked here too).
     const void* map = kv_map != nullptr && walk.template tile_in_page<kWgTile>(row_start)
@@ -545,8 +486,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     mbar_arrive_after_copies(bars + kBarQ);
     int pg[4];
     seesaw_pages(walk, wg, row_start, row_end, wt, pg);
-    seesaw_copy(own_stage, walk, map, wg, row_start, row_end, wt, pg, early, wg == 0, box);
-    seesaw_copy(own_stage, walk, map, wg, row_start, row_end, wt, pg, late, wg == 1, box);
+    seesaw_copy(own_stage, walk, map, wg, row_start, row_end, wt, pg, early, wg == 0, full);
+    seesaw_copy(own_stage, walk, map, wg, row_start, row_end, wt, pg, late, wg == 1, full + 1);
     mbar_wait(bars + kBarQ, 0);  // q has landed, every thread's rows of it
 
     // the end of each row's visible positions in the slice (causal rows see fewer)
@@ -563,26 +504,31 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     // share of the row sum: the f32 p of its own tiles, on the scale of m_run
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
 
-    // The scores of this warpgroup's tile t_own over all 576 dims, a column block as soon as
-    // it has landed, in the order the copies send them (seesaw_block); the next own tile's
-    // pages are looked up meanwhile. WG: the warpgroup, a literal at each call (the lambda
-    // is inlined), so that each branch unrolls its own step list.
+    // The scores of this warpgroup's tile t_own over all 576 dims, its early group's blocks
+    // first (warpgroup 0: 0-3 and the rope block 8; 1: 4-7), the rest once they have landed;
+    // the next own tile's pages are looked up meanwhile. WG: the warpgroup, a literal at
+    // each call (the lambda is inlined), so that each branch unrolls its own step list.
     auto scores = [&](const int WG, int t_own, bool next, float (&sp)[32]) {
+        const int kFirst = WG == 0 ? 20 : 16;
 #pragma unroll
         for (int i = 0; i < 32; ++i) sp[i] = 0.f;
         const unsigned phase = (t_own >> 1) & 1;  // the stage's fill of this pair
+        mbar_wait(full, phase);  // the warpgroup's early group has landed
+        __syncwarp();
+        fence_proxy_async();     // the copied bytes -> the tensor cores' proxy
+        wgmma_fence();
 #pragma unroll
-        for (int s = 0; s < kKeyBlocks; ++s) {
-            const unsigned off = seesaw_block(WG, s) * kBlockBytes;
-            mbar_wait(box + seesaw_block(WG, s), phase);  // the block has landed
-            __syncwarp();
-            fence_proxy_async();  // the copied bytes -> the tensor cores' proxy
-            wgmma_fence();  // ours, after the wait's branch: else ptxas inserts one, serializing
+        for (int i = 0; i < kFirst; ++i)
+            Op::m64n64(sp, q_desc.at(seesaw_koff(WG, i)), own_desc.at(seesaw_koff(WG, i)));
+        wgmma_commit();
+        mbar_wait(full + 1, phase);  // and the late group
+        __syncwarp();
+        fence_proxy_async();
+        wgmma_fence();  // ours, after the wait's branch: else ptxas inserts one and serializes
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk)
-                Op::m64n64(sp, q_desc.at(off + kk * 32), own_desc.at(off + kk * 32));
-            wgmma_commit();
-        }
+        for (int i = kFirst; i < 36; ++i)
+            Op::m64n64(sp, q_desc.at(seesaw_koff(WG, i)), own_desc.at(seesaw_koff(WG, i)));
+        wgmma_commit();
         if (next) seesaw_pages(walk, t_own + 2, row_start, row_end, wt, pg);
         wgmma_wait<0>();
         fence_regs(sp);
@@ -591,10 +537,10 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     // mla_common.cuh): m_run becomes the new max, own_scale = 2^(m_base - m_run), pa the
     // A fragments of p rounded to CacheT, also written for the other warpgroup into p_out
     // (warpgroup 0: p_s; 1: its stage's spent rope block) with the new max into mx_s[wg];
-    // then the handoff kBarP0 + wg tells the other warpgroup. Returns the f32 sums of p.
+    // then the barrier `ready` tells the other warpgroup. Returns the f32 sums of p.
     auto softmax = [&](float (&sp)[32], int t_own, const float (&m_base)[2],
                        float (&own_scale)[2], unsigned (&pa)[4][4], float (&sums)[2],
-                       unsigned char* p_out) {
+                       unsigned char* p_out, unsigned long long* ready) {
         const int base = row_start + t_own * kWgTile;
         const int lim0 = re0 - base, lim1 = re1 - base;
         float mx0 = -INFINITY, mx1 = -INFINITY;
@@ -640,8 +586,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
         }
         if (c == 0) { mx_s[wg * kWgRows + r0] = m_run[0]; mx_s[wg * kWgRows + r0 + 8] = m_run[1]; }
         fence_proxy_async();  // p -> the other warpgroup's wgmma
-        if (wg == 0) handoff_arrive<kBarP0>(bars);
-        else handoff_arrive<kBarP1>(bars);
+        mbar_arrive(ready);
     };
     auto rescale = [&](const float (&sc)[2]) {  // O *= sc by row, skipped where every sc is 1
         if (__any_sync(0xffffffffu, sc[0] != 1.f || sc[1] != 1.f)) {
@@ -688,7 +633,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             unsigned pa[4][4];
             scores(0, t_own, next, sp);
             const float m_base[2] = {m_run[0], m_run[1]};
-            softmax(sp, t_own, m_base, scale0, pa, sums, p_s);
+            softmax(sp, t_own, m_base, scale0, pa, sums, p_s, bars + kBarP0);
             l_run[0] = l_run[0] * scale0[0] + sums[0];
             l_run[1] = l_run[1] * scale0[1] + sums[1];
             rescale(scale0);
@@ -696,8 +641,8 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             wgmma_wait<0>();
             fence_regs(o);
             // stage 0's blocks 0-3 and 8 are spent: the next tile's early group
-            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, early, true, box);
-            handoff_wait<kBarP1>(bars, k & 1);  // p1 and m1
+            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, early, true, full);
+            mbar_wait(bars + kBarP1, k & 1);  // p1 and m1
             __syncwarp();
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -708,11 +653,11 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             }
             rescale(scale1);
             values_ss(stage1, stage1 + 8 * kBlockBytes);
-            handoff_wait<kBarK0Free>(bars, k & 1);  // warpgroup 1 is done with p_s and stage 0
-            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, late, false, box);
+            mbar_wait(bars + kBarK0Free, k & 1);  // warpgroup 1 is done with p_s and stage 0
+            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, late, false, full + 1);
             wgmma_wait<0>();
             fence_regs(o);
-            handoff_arrive<kBarK1Free>(bars);
+            mbar_arrive(bars + kBarK1Free);
         }
     } else {
         for (int k = 0; k < n_pairs; ++k) {
@@ -721,7 +666,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             float sp[32], scale0[2], scale1[2], sums[2], m0[2];
             unsigned pa[4][4];
             scores(1, t_own, next, sp);
-            handoff_wait<kBarP0>(bars, k & 1);  // p0 and m0
+            mbar_wait(bars + kBarP0, k & 1);  // p0 and m0
             __syncwarp();
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -730,21 +675,21 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             }
             rescale(scale0);
             values_ss(stage0, p_addr);
-            softmax(sp, t_own, m0, scale1, pa, sums, own_stage + 8 * kBlockBytes);
+            softmax(sp, t_own, m0, scale1, pa, sums, own_stage + 8 * kBlockBytes, bars + kBarP1);
             l_run[0] = l_run[0] * scale0[0] * scale1[0] + sums[0];
             l_run[1] = l_run[1] * scale0[1] * scale1[1] + sums[1];
             wgmma_wait<0>();  // p0's product
             fence_regs(o);
-            handoff_arrive<kBarK0Free>(bars);
+            mbar_arrive(bars + kBarK0Free);
             rescale(scale1);
             values_rs(stage1, pa);
             wgmma_wait<0>();
             fence_regs(o);
             // stage 1's blocks 4-7 are spent: the next tile's early group; the rest once
             // warpgroup 0 is done with p1 and blocks 0-3
-            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, early, false, box);
-            handoff_wait<kBarK1Free>(bars, k & 1);
-            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, late, true, box);
+            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, early, false, full);
+            mbar_wait(bars + kBarK1Free, k & 1);
+            if (next) seesaw_copy(own_stage, walk, map, t_own + 2, row_start, row_end, wt, pg, late, true, full + 1);
         }
     }
 

@@ -250,7 +250,7 @@ WGMMA_THREADS = 256
 WGMMA_TILE = 64
 WGMMA_ROWS = (64,)      # query rows per block: one wgmma M
 WGMMA_KEY_BLOCKS = KEY_DIM // 64  # 128-byte column blocks of a 576-wide row (9)
-WGMMA_BARRIERS = 2 * WGMMA_KEY_BLOCKS + 5  # mbarriers of the seesaw (kWgBars in mla_wgmma.cu)
+WGMMA_BARRIERS = 9  # mbarriers of the seesaw (kWgBars in mla_wgmma.cu)
 
 
 def wgmma_smem_bytes(rows: int = 64) -> int:

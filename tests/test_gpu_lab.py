@@ -102,9 +102,22 @@ def test_ceilings_are_plausible(stream):
     if info.arch == "sm_90":
         import cupy
 
+        from mlasandbox.ceilings import fma_throughput
+
         clock_khz = cupy.cuda.runtime.deviceGetAttribute(13, info.device_id)  # cudaDevAttrClockRate
         peak = info.num_sms * 128 * 2 * clock_khz * 1e3 / 1e12
-        assert 0.5 * peak < c["fma_TFLOPs"] < 1.02 * peak, (c["fma_TFLOPs"], peak)
+        # The floor is on the fastest repeat (fma_TFLOPs_best), measured up to three times:
+        # under pytest -n 16 the other workers share the SMs, and the median read 30.6
+        # against a floor of 33.5 once (H200). A count of 1 FLOP per FMA would read half the
+        # peak on an idle GPU, below the floor on every attempt; above 1.02 x peak no repeat
+        # can be, whatever the load.
+        best = c["fma_TFLOPs_best"]
+        for _ in range(2):
+            if best > 0.5 * peak:
+                break
+            best = max(best, fma_throughput(stream=stream, **SMALL_TIMING)["fma_TFLOPs_best"])
+        assert 0.5 * peak < best < 1.02 * peak, (best, peak)
+        assert c["fma_TFLOPs"] < 1.02 * peak, (c["fma_TFLOPs"], peak)
 
 
 def test_a_small_bench_end_to_end():

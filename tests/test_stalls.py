@@ -349,7 +349,16 @@ def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
     ("wgmma64", ncu.PagedSpec((4096, 70), 64, 1, False), "wgmma_attn_paged")])
 def test_on_the_gpu_ncu_profiles_a_paged_step_and_finds_its_tile_loop(variant, spec, kernel):
     q = "f16" if variant == "wgmma64" else "f32"
-    run_ = ncu.profile_attention(variant, 16, 0, q=q, paged=spec)
+    try:
+        run_ = ncu.profile_attention(variant, 16, 0, q=q, paged=spec)
+    except ncu.NcuError as exc:
+        # ncu's kernel replay saves and restores the device memory the kernel touches; with
+        # the other test workers on the same GPU that once ended in "==ERROR== LaunchFailed"
+        # after all four passes (H200, -n 16). Profiled again, alone that is not a defect
+        # of the kernel or of the profile; any other ncu failure is reported as it is.
+        if "LaunchFailed" not in str(exc):
+            raise
+        run_ = ncu.profile_attention(variant, 16, 0, q=q, paged=spec)
     name, lines = stalls.read_source_csv(run_.source_csv)
     assert kernel in name
     report = stalls.summarize(name, lines)
