@@ -305,8 +305,8 @@ class Family:
     """One kernel template of cuda_src/: what every instance of it shares.
 
     `template_args` are the template values of the C++ name, in order, among "heads",
-    "cache", "q", "rescale", "partials". `heads` are the heads-per-block values instantiated (attn_rows:
-    1, not a template value). `macro` names its launch values in compile_defines()
+    "cache", "q", "rescale", "partials". `heads` are the heads-per-block values instantiated
+    (attn_rows: 1, not a template value). `macro` names its launch values in compile_defines()
     (MLA_<macro>_THREADS, ...). `min_arch` is the oldest architecture NVRTC compiles it for
     (sm_75, the oldest NVRTC 13 targets, for plain CUDA; sm_80: cp.async, ldmatrix and
     mma.sync; sm_90: mbarrier.try_wait.parity), found by compiling for each.
@@ -393,8 +393,8 @@ class KernelInstance:
     `cache` the 16-bit element of the cache (q_absorb: of its inputs; combine: of wv_b), `q`
     the query element (None for combine), `rescale` the combine's merge (False is the
     negative control; None for the other kinds), `partials` whether the wgmma kernel writes
-    the partials of a single-pass plan (None for the other kinds). `paged`: the family's paged launch
-    (Family.paged_function: a batch of requests in a paged cache), not its batch-1 one.
+    the partials of a single-pass plan (None for the other kinds). `paged`: the family's paged
+    launch (Family.paged_function: a batch of requests in a paged cache), not its batch-1 one.
     """
 
     kind: str
