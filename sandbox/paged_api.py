@@ -212,9 +212,8 @@ class PagedDecodeStep:
         if self.plan.programs_per_block > info.max_grid_y:
             raise ValueError(f"{self.plan.programs_per_block} chunk programs a row block "
                              f"exceed the grid's y limit {info.max_grid_y} on {info.name}")
-        if self.variant.family == "wgmma" and self.plan.single_pass:
-            # no merge runs, so nobody reads the partials: the instance that skips them
-            self.attn_inst = registry.wgmma_instance(sh.cache_dtype, sh.q_dtype, partials=False)
+        if not user:  # a single-pass plan runs no merge: the instance that skips the partials
+            self.attn_inst = registry.instance_for_plan(self.attn_inst, self.plan.single_pass)
         self.attn_kernel = user.kernel(self.attn_inst) if user else get_kernel(self.attn_inst)
         # the wgmma family's bulk tensor copies read the cache through a tensor map
         # (sandbox/tensor_map.py); None: cp.async

@@ -24,6 +24,7 @@ compile, and each kernel static_asserts them against its own constants and layou
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +37,7 @@ __all__ = [
     "ROWS_THREADS", "ROWS_TILE", "rows_instance", "rows_smem_bytes", "variant_for_hpb",
     "Family", "FAMILIES", "KINDS", "compile_defines", "resolve_variant", "check_cuda_dims",
     "mma_smem_bytes", "CHECK_THREADS", "paged_attention_instance", "paged_combine_instance",
+    "instance_for_plan",
     "paged_check_instance", "PAGED_KINDS", "PAGED_ONLY_VARIANTS", "wgmma_instance",
     "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
     "UNIT_ROUNDOFF",
@@ -345,8 +347,7 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
            COMBINE_THREADS, min_arch="sm_75", paged_function="mla::combine_paged"),
     # paged only: the sm_90a tensor-core kernel (wgmma section below)
     Family("wgmma_attn", "mla_wgmma.cu", "mla::wgmma_attn_paged", ("cache", "q", "partials"),
-           "WGMMA",
-           WGMMA_THREADS, WGMMA_TILE, WGMMA_ROWS, wgmma_smem_bytes, "sm_90a",
+           "WGMMA", WGMMA_THREADS, WGMMA_TILE, WGMMA_ROWS, wgmma_smem_bytes, "sm_90a",
            paged_function="mla::wgmma_attn_paged"),
     # one launch for batch 1 and paged batches alike: rows m * H + h of the latent
     Family("project", "mla_project.cu", "mla::project", ("cache",), "PROJECT",
@@ -552,6 +553,15 @@ def paged_attention_instance(var: Variant | str, cache: str = "f16",
     if inst.paged:
         return inst
     return KernelInstance(inst.kind, inst.cache, inst.q, heads=inst.heads, paged=True)
+
+
+def instance_for_plan(inst: KernelInstance, single_pass: bool) -> KernelInstance:
+    """The instance a paged step launches for its plan: under a single-pass plan (one chunk a
+    request, no merge) the wgmma kernel that skips the partials (partials=False, same launch
+    values); every other instance, and every other plan, as given."""
+    if single_pass and getattr(inst, "kind", None) == "wgmma_attn":
+        return dataclasses.replace(inst, partials=False)
+    return inst
 
 
 def paged_combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance:

@@ -116,8 +116,7 @@ def test_ceilings_are_plausible(stream):
             if best > 0.5 * peak:
                 break
             best = max(best, fma_throughput(stream=stream, **SMALL_TIMING)["fma_TFLOPs_best"])
-        assert 0.5 * peak < best < 1.02 * peak, (best, peak)
-        assert c["fma_TFLOPs"] < 1.02 * peak, (c["fma_TFLOPs"], peak)
+        assert 0.5 * peak < best < 1.02 * peak, (best, peak)  # the median is below the best
 
 
 def test_a_small_bench_end_to_end():

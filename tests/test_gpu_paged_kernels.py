@@ -114,8 +114,9 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     cache_dt = "bf16" if cache.dtype == cp.uint16 else "f16"
     q_dt = "f32" if q.dtype == cp.float32 else cache_dt
     att = registry.paged_attention_instance(variant, cache_dt, q_dt)
-    if not partials:
-        att = registry.wgmma_instance(cache_dt, q_dt, partials=False)
+    if not partials:  # whatever the plan: a multi-chunk launch must write them after all
+        att = registry.instance_for_plan(att, single_pass=True)
+        assert att.partials is False, f"{variant} has no instance without partials"
     comb = registry.paged_combine_instance(cache_dt, rescale)
     if writes_single is None:
         writes_single = registry.variant(variant).family in SINGLE_PASS_FAMILIES

@@ -151,3 +151,10 @@ def test_the_batch_1_paths_refuse_it_by_name():
     with pytest.raises(ValueError, match="wgmma64 serves the paged step only"):
         make_config(variants=("wgmma64",))        # bench without --batch
     assert paged_api.paged_variant("wgmma64", 1, 128) is registry.PAGED_ONLY_VARIANTS["wgmma64"]
+
+
+def test_a_single_pass_plan_picks_the_instance_without_partials_for_wgmma_only():
+    inst, mma = INSTANCES[0], registry.paged_attention_instance("mma16", "f16", "f32")
+    assert registry.instance_for_plan(inst, True) == NO_PARTIALS[0]
+    assert registry.instance_for_plan(inst, False) is inst
+    assert registry.instance_for_plan(mma, True) is mma and mma.partials is None
