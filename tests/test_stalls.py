@@ -324,10 +324,49 @@ def _have_ncu() -> bool:
     return True
 
 
+# What ncu prints when its kernel replay fails on the device rather than on the kernel. Under
+# pytest -n 16 the other workers share the GPU with the profiled process, and ncu's replay
+# (which saves and restores the memory the kernel touches) ended once in "LaunchFailed" after
+# all four passes and once in "Failed to prepare kernel for profiling ... Unknown Error on
+# device 0" (H200). Both GPU profiles here take one more try on these lines alone; a second
+# failure, or any other ncu failure, is reported as it is.
+_NCU_DEVICE_FAILURES = ("LaunchFailed", "Failed to prepare kernel for profiling",
+                        "Unknown Error on device")
+
+
+def _profile_on_a_shared_gpu(*args, **kwargs):
+    try:
+        return ncu.profile_attention(*args, **kwargs)
+    except ncu.NcuError as exc:
+        if not any(line in str(exc) for line in _NCU_DEVICE_FAILURES):
+            raise
+    return ncu.profile_attention(*args, **kwargs)
+
+
+def test_only_ncus_device_failures_are_profiled_again(monkeypatch):
+    calls = []
+
+    def fails(message):
+        def profile(*args, **kwargs):
+            calls.append(args)
+            if len(calls) == 1:
+                raise ncu.NcuError(message)
+            return "second"
+        return profile
+
+    monkeypatch.setattr(ncu, "profile_attention", fails("ncu exited 9:\n==ERROR== LaunchFailed"))
+    assert _profile_on_a_shared_gpu("mma16") == "second" and len(calls) == 2
+    calls.clear()
+    monkeypatch.setattr(ncu, "profile_attention", fails("ncu exited 1: bad option"))
+    with pytest.raises(ncu.NcuError, match="bad option"):
+        _profile_on_a_shared_gpu("mma16")
+    assert len(calls) == 1
+
+
 @pytest.mark.skipif(not _have_ncu(), reason="needs ncu (Nsight Compute)")
 @gpu  # checked first: without a GPU, that is the reason to give
 def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
-    run_ = ncu.profile_attention("tiled16", 16, 8192, save_dir=str(tmp_path))
+    run_ = _profile_on_a_shared_gpu("tiled16", 16, 8192, save_dir=str(tmp_path))
     kernel, lines = stalls.read_source_csv(run_.source_csv)
     report = stalls.summarize(kernel, lines)
     # 8192 rows over S slices of 32-row tiles: whatever S is, the score loop's 295-ish
@@ -349,16 +388,7 @@ def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
     ("wgmma64", ncu.PagedSpec((4096, 70), 64, 1, False), "wgmma_attn_paged")])
 def test_on_the_gpu_ncu_profiles_a_paged_step_and_finds_its_tile_loop(variant, spec, kernel):
     q = "f16" if variant == "wgmma64" else "f32"
-    try:
-        run_ = ncu.profile_attention(variant, 16, 0, q=q, paged=spec)
-    except ncu.NcuError as exc:
-        # ncu's kernel replay saves and restores the device memory the kernel touches; with
-        # the other test workers on the same GPU that once ended in "==ERROR== LaunchFailed"
-        # after all four passes (H200, -n 16). Profiled again, alone that is not a defect
-        # of the kernel or of the profile; any other ncu failure is reported as it is.
-        if "LaunchFailed" not in str(exc):
-            raise
-        run_ = ncu.profile_attention(variant, 16, 0, q=q, paged=spec)
+    run_ = _profile_on_a_shared_gpu(variant, 16, 0, q=q, paged=spec)
     name, lines = stalls.read_source_csv(run_.source_csv)
     assert kernel in name
     report = stalls.summarize(name, lines)
