@@ -43,13 +43,19 @@ CASES = ((16, 100, 3, "f16", "f32"), (13, 777, 5, "f16", "f32"), (12, 70, 100, "
 # Paged: (heads, lengths, page_size, s_q, causal, splits, cache, q): a partial row block and
 # one-row pages; causal MTP rows of which some see nothing, in bf16; FlashMLA's page size with
 # the auto chunk plan; pages of 64 with 16-bit q, where wgmma64 copies whole tiles by TMA;
-# one chunk a request (splits 1), where wgmma64 runs its instance without partials.
+# one chunk a request (splits 1), where wgmma64 runs its instance without partials; nine
+# requests of 16 heads x 4 causal query tokens (four row blocks, 33 programs each), where
+# mma16 runs the flat schedule (programs carried across requests, chunks.py). Every mma16
+# case of at most registry.ATTN_MERGE_MAX_CHUNKS chunks a request merges in the attention
+# kernel (tickets, a fence, the last block's reads of the others' partials).
 PAGED_CASES = ((13, (0, 1, 70, 300), 1, 1, False, 3, "f16", "f32"),
                (16, (0, 17, 129, 64), 16, 2, True, 5, "bf16", "bf16"),
                (5, (200, 0, 5), 64, 2, True, None, "f16", "f32"),
                (64, (0, 700, 65, 2000), 16, 1, False, 3, "f16", "f16"),
                (32, (200, 0, 129), 64, 2, True, 3, "bf16", "bf16"),
-               (128, (0, 700, 65, 200), 64, 1, False, 1, "f16", "f16"))
+               (128, (0, 700, 65, 200), 64, 1, False, 1, "f16", "f16"),
+               (16, (2134, 1982, 3451, 702, 3942, 3939, 2175, 0, 1), 64, 4, True, None,
+                "bf16", "bf16"))
 PAGED_VARIANTS = ("split", "batched4", "mma16", "mma32")
 # wgmma64 takes q in the cache dtype only (and runs on sm_90a): the cases whose q is 16-bit
 WGMMA_VARIANTS = ("wgmma64",)

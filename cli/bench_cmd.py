@@ -32,7 +32,7 @@ from mlasandbox.bench import run_bench, write_csv
 from mlasandbox.bench_config import DEFAULT_CONTEXTS, make_config, plan_work, q_dtype_of
 from mlasandbox.bench_paged import (SERVING_PRESETS, make_paged_config, paged_work,
                                     plan_report, run_paged_bench, serving_help)
-from mlasandbox.chunks import request_chunks
+from mlasandbox.chunks import batch_chunks
 from mlasandbox.geometry import theoretical_blocks_per_sm
 from mlasandbox.peers import PEER_NAMES
 from mlasandbox.plot import PlotUnavailable, plot_depth
@@ -216,15 +216,24 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _schedule_cell(r: dict) -> str:
+    """How the plan runs: the flat schedule's U or the per-request rule, and who merges."""
+    rule = f"flat, {r['flat_unit']} tiles a program" if r.get("flat_unit") else "per request"
+    if r["chunks_max"] <= 1:
+        return f"{rule}, no merge"
+    return f"{rule}, {'merged in attn' if r.get('attn_merges') else 'combine merges'}"
+
+
 def _paged_plan_table(rep: dict) -> FitTable:
     """The chunk plan of each variant; at a narrow console the derived columns go first."""
     columns = (Column("variant"), Column("rows/block", "right", drop=3),
                Column("tile", "right", drop=2), Column("grid"), Column("chunks/request", "right"),
-               Column("programs run", "right"), Column("FLOPs", "right", drop=4),
+               Column("programs run", "right"), Column("schedule", drop=2),
+               Column("FLOPs", "right", drop=4),
                Column("bytes (ideal)", "right", drop=5), Column("how", drop=1, fold=True))
     cells = [(r["variant"], str(r["rows_per_block"]), str(r["tile"]), str(tuple(r["grid"])),
               f"{r['chunks_min']}..{r['chunks_max']}", f"{r['programs_run']} of {r['programs']}",
-              f"{r['flops']:.3e}", f"{r['ideal_bytes'] / 1e6:,.1f} MB",
+              _schedule_cell(r), f"{r['flops']:.3e}", f"{r['ideal_bytes'] / 1e6:,.1f} MB",
               escape(r["blocks_per_sm"])) for r in rep["plans"]]
     return FitTable(columns, cells,
                     title=f"chunk plans: B={rep['batch']}, lengths {rep['lengths']['spec']} "
@@ -334,8 +343,8 @@ def _paged_cost(cfg, rep):
     p = rep["plans"][0] if rep["plans"] else None
     n_chunks = None
     if p is not None:
-        n_chunks, _ = request_chunks(cfg.lengths, p["max_chunks"], p["tile"], p["min_chunk"],
-                                     p["target"])
+        n_chunks, _ = batch_chunks(cfg.lengths, p["max_chunks"], p["tile"], p["min_chunk"],
+                                   p["target"], p.get("flat", False))
     return metrics.paged_step_cost(cfg.variants[0], cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
                                    cfg.cache_dtype, q_dtype_of(cfg.q_dtype, cfg.cache_dtype),
                                    n_chunks, p["grid"][0] if p else 1)

@@ -374,6 +374,22 @@ __device__ __forceinline__ void stage_q8(const QT* __restrict__ q, int head0, in
     }
 }
 
+// The raw rows [head0, head0 + kHeadsT) of q (16-bit elements, kKey a row) into shared
+// memory as [row][kKey / 8] 16-byte chunks by cp.async, rows >= n_head zero-filled; the
+// caller commits. The copy of a q staged ahead (mla_mma.cu's flat walk), not cache traffic:
+// the memory ablation (kAblateCacheLoads) leaves it in place.
+template <int kHeadsT, int kKey, int kThreadsT, typename QT>
+__device__ __forceinline__ void cp_async_q8(uint4* dst, const QT* __restrict__ q, int head0,
+                                            int n_head) {
+    static_assert(sizeof(QT) == 2 && kKey % 8 == 0, "16-byte chunks of 8 16-bit elements");
+    constexpr int kChunks = kKey / 8;
+    for (int i = threadIdx.x; i < kHeadsT * kChunks; i += kThreadsT) {
+        const int j = i / kChunks;
+        cp_async_16(dst + i, q + static_cast<size_t>(head0 + j) * kKey + 8 * (i - j * kChunks),
+                    head0 + j < n_head);
+    }
+}
+
 // ---- the registry's launch values ---------------------------------------------------------
 // sandbox/registry.py launches each kernel with a block size, a tile and an amount of dynamic
 // shared memory it computes itself, and passes those values to every compile it makes, with

@@ -65,6 +65,13 @@ constexpr int kRedStride = kMmaTile + 8;                  // floats per [k-group
                                                           // land on distinct bank pairs
 static_assert(kKSteps % kScoreKGroups == 0, "whole k-steps per k-group");
 constexpr int kMmaSmemMax = 227 * 1024;                   // what a Hopper block may opt into
+constexpr int kMmaFlatHeads = 16;                         // the paged instance that runs the
+                                                          // flat schedule (mla_walk.cuh)
+// 0: a planted defect for a negative control (tests/test_gpu_paged_kernels.py): a flat
+// program's next piece keeps the q of the request before it.
+#ifndef MLA_FLAT_STAGE_Q
+#define MLA_FLAT_STAGE_Q 1
+#endif
 
 template <int HM> struct MmaSmem {
     static constexpr int heads = 16 * HM;
@@ -120,22 +127,56 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c4 = lane & 3;  // fragment row group and column pair
     BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
-    if (!walk.begin(kHeads, kMmaLora, part_acc, part_m, part_l, work)) return;
-    const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
-    const size_t part_base = work.part_base;
+    if (!walk.begin(kHeads, kMmaLora, part_acc, part_m, part_l, work)) {
+        if constexpr (W::flat())  // a neutral partial is a chunk of its request too
+            if (walk.wrote_neutral)
+                walk.template arrive<kHeads, kMmaThreads>(work.head0, part_acc, part_m, part_l);
+        return;
+    }
+    const int head0 = work.head0;
+    int row_start = work.row_start, row_end = work.row_end;  // (the flat walk's next piece
+    size_t part_base = work.part_base;                       // moves them)
     const int n_head = walk.rows();  // rows of q (heads; paged: s_q x heads of a request)
 
+    // The flat walk's next piece is of another request, whose q the body stages between two
+    // tiles: a 16-bit q is copied into the upper half of q_hl's buffer, which red leaves
+    // free, with the first tile of that piece, a tile before it is needed (q_raw); an f32 q
+    // (twice the bytes) is asked into L2 then and read from there. The first tile of the
+    // program's first piece is copied before its q is staged: the cursor calls entered()
+    // only for a later piece, from the loop.
+    constexpr int kQChunks = kHeads * kMmaChunks;  // 16-byte chunks of q's rows, 8 elements each
+    constexpr bool kQRaw = W::flat() && sizeof(QT) == 2;
+    static_assert(!kQRaw || Smem::red_bytes + kQChunks * 16 <= Smem::q_bytes,
+                  "q_raw lies in the part of q_hl's buffer that red leaves free");
+    uint4* q_raw = reinterpret_cast<uint4*>(smem + Smem::q + Smem::q_bytes) - kQChunks;
+    // The copy cursor is at the first tile of a piece of request b, in the loop (after the
+    // barrier that ends the first piece's q stage): the body finishes the tile before it,
+    // then stages b's q.
+    auto entered = [&](int b) {
+        const QT* rows = q + static_cast<size_t>(b) * n_head * kMmaKey;  // request b's q
+        if constexpr (kQRaw) {
+            cp_async_q8<kHeads, kMmaKey, kMmaThreads>(q_raw, rows, head0, n_head);
+            cp_async_commit();
+        } else {
+            const char* mine = reinterpret_cast<const char*>(rows + head0 * kMmaKey);
+            const int lines = (min(kHeads, n_head - head0) * kMmaKey * sizeof(QT) + 127) / 128;
+            for (int i = tid; i < lines; i += kMmaThreads) prefetch_l2(mine + 128 * i);
+        }
+    };
     auto load_tile = [&](int tile_index, int buf) {  // two stage buffers
-        walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(tiles, buf, tile_index,
-                                                                      row_start, row_end);
+        if constexpr (W::flat())
+            walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(
+                tiles, buf, tile_index, row_start, row_end, entered);
+        else
+            walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(tiles, buf, tile_index,
+                                                                          row_start, row_end);
     };
     walk.template fetch<kMmaTile, kMmaThreads>(0, row_start, row_end);
     load_tile(0, 0);
 
-    // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
-    const QT* q_rows = walk.q(q);
-    stage_q8<kHeads, kMmaKey, kMmaThreads>(q_rows, head0, n_head, scale_log2,
-                                           [&](int j, int c, const float (&x)[8]) {
+    // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout,
+    // and (m, l) of a fresh slice; from global memory, or (stage_q_raw) from q_raw.
+    auto store_q8 = [&](int j, int c, const float (&x)[8]) {
         unsigned hi_w[4], lo_w[4];  // pairs of 16-bit halves
 #pragma unroll
         for (int e = 0; e < 8; e += 2) {
@@ -149,8 +190,15 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
         *reinterpret_cast<uint4*>(q_hl + off) = make_uint4(hi_w[0], hi_w[1], hi_w[2], hi_w[3]);
         *reinterpret_cast<uint4*>(q_hl + kHeads * kMmaKey + off) =
             make_uint4(lo_w[0], lo_w[1], lo_w[2], lo_w[3]);
-    });
-    for (int j = tid; j < kHeads; j += kMmaThreads) { m_s[j] = -INFINITY; l_s[j] = 0.f; }
+    };
+    auto fresh_stats = [&] {
+        for (int j = tid; j < kHeads; j += kMmaThreads) { m_s[j] = -INFINITY; l_s[j] = 0.f; }
+    };
+    auto stage_q = [&] {
+        stage_q8<kHeads, kMmaKey, kMmaThreads>(walk.q(q), head0, n_head, scale_log2, store_q8);
+        fresh_stats();
+    };
+    stage_q();
 
     // Value accumulators: [m tile][n8 tile][{row g: cols 2c4, 2c4+1; row g+8: same}]
     float acc[HM][8][4];
@@ -162,7 +210,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     const unsigned q_base = smem_u32(q_hl);
     const unsigned p_base = smem_u32(p_hl);
     float* red = reinterpret_cast<float*>(smem + Smem::red);
-    const int n_tiles = (row_end - row_start + kMmaTile - 1) / kMmaTile;
+    const int n_tiles = walk.template stream_tiles<kMmaTile>(row_start, row_end);
     // ldmatrix row addresses: lane l feeds row (l & 7) of matrix (l >> 3).
     const int lm_mat = lane >> 3, lm_row = lane & 7;
 
@@ -178,7 +226,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     // This warp's q fragments, hi and lo, for the whole slice. A: matrices (heads 0-7 | 8-15
     // of the m tile) x (k lo | k hi).
     unsigned qf_hi[kGroupKSteps][4], qf_lo[kGroupKSteps][4];
-    {
+    auto load_q = [&] {
         const int a_head = 16 * s_mt + (lm_mat & 1) * 8 + lm_row, a_khalf = lm_mat >> 1;
         __syncthreads();  // q_hl is staged
 #pragma unroll
@@ -187,7 +235,8 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             ldsm_x4(qa, qf_hi[j]);
             ldsm_x4(qa + kHeads * kMmaKey * 2, qf_lo[j]);
         }
-    }
+    };
+    load_q();
     // (red overwrites q_hl: the barrier at the top of the first tile orders every warp's
     // fragment loads above before any warp's first partials.)
 
@@ -201,6 +250,46 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     unsigned b_off[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) b_off[j] = swizzled_chunk(b_row, 2 * (ks0 + j) + b_khalf, kMmaChunks) * 16;
+
+    // The slice's partials (m, l, acc) and, where it is all its rows' positions (single()),
+    // latent and lse; (m, l) of the last softmax step are visible since the barrier before
+    // the value phase.
+    auto write_partials = [&] {
+        // acc[mt][t][0..1]: head 16mt + g, columns 64w + 8t + 2c4 + {0,1}; [2..3]: head + 8.
+        const bool single = walk.single();  // also latent = acc / l and lse (mla_walk.cuh)
+#pragma unroll
+        for (int mt = 0; mt < HM; ++mt)
+#pragma unroll
+            for (int hh = 0; hh < 2; ++hh) {
+                const int h = head0 + 16 * mt + g + 8 * hh;
+                if (h >= n_head) continue;
+                const size_t col0 = (part_base + h) * kMmaLora + warp * 64 + 2 * c4;
+                float* dst = part_acc + col0;
+#pragma unroll
+                for (int t = 0; t < 8; ++t)
+                    *reinterpret_cast<float2*>(dst + 8 * t) =
+                        make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
+                if (single) {
+                    const float inv_l = single_pass_inv_l(l_s[16 * mt + g + 8 * hh]);
+                    // batch 1: col0 itself, so the batch-1 kernels' machine code stays as it is
+                    const size_t lat0 =
+                        W::latent_is_partial()
+                            ? col0
+                            : walk.latent_row(part_base + h) * kMmaLora + warp * 64 + 2 * c4;
+#pragma unroll
+                    for (int t = 0; t < 8; ++t)
+                        *reinterpret_cast<float2*>(walk.latent + lat0 + 8 * t) =
+                            make_float2(acc[mt][t][2 * hh] * inv_l, acc[mt][t][2 * hh + 1] * inv_l);
+                }
+            }
+        if (tid < kHeads && head0 + tid < n_head) {
+            part_m[part_base + head0 + tid] = m_s[tid];
+            part_l[part_base + head0 + tid] = l_s[tid];
+            if (single)
+                walk.lse[walk.latent_row(part_base + head0 + tid)] =
+                    single_pass_lse(m_s[tid], l_s[tid]);
+        }
+    };
 
     for (int it = 0; it < n_tiles; ++it) {
         const int buf = it & 1;
@@ -253,8 +342,8 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             const int h = warp + (lane / kLanesPerHead) * kMmaWarps;
             const int r0 = (lane % kLanesPerHead) * kRowsPerLane;
             // >= 1 for lane 0 of every head but a paged one that sees nothing yet
-            const int rows_valid =
-                walk.row_end(head0 + h, row_end) - (row_start + it * kMmaTile + r0);
+            const int rows_valid = walk.row_end(head0 + h, row_end) -
+                                   (row_start + walk.piece_tile(it) * kMmaTile + r0);
             float sc[kRowsPerLane];
 #pragma unroll
             for (int r = 0; r < kRowsPerLane; ++r) sc[r] = 0.f;
@@ -348,42 +437,59 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
                 }
             }
         }
-    }
-
-    // acc[mt][t][0..1]: head 16mt + g, columns 64w + 8t + 2c4 + {0,1}; [2..3]: head + 8.
-    // (m, l) of the last softmax step are visible since the barrier before the value phase.
-    const bool single = walk.single();  // also latent = acc / l and lse (mla_walk.cuh)
+        if constexpr (W::flat()) {
+            if (walk.piece_done(it, n_tiles)) {  // the next tile starts the next piece
+                write_partials();
+                walk.template arrive<kHeads, kMmaThreads>(head0, part_acc, part_m, part_l);
+                __syncthreads();  // every warp has read m_s, l_s, p and this tile
+                walk.next_piece(work, it + 1);
+                row_start = work.row_start;
+                row_end = work.row_end;
+                part_base = work.part_base;
 #pragma unroll
-    for (int mt = 0; mt < HM; ++mt)
+                for (int mt = 0; mt < HM; ++mt)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-            const int h = head0 + 16 * mt + g + 8 * hh;
-            if (h >= n_head) continue;
-            const size_t col0 = (part_base + h) * kMmaLora + warp * 64 + 2 * c4;
-            float* dst = part_acc + col0;
+                    for (int t = 0; t < 8; ++t)
+                        acc[mt][t][0] = acc[mt][t][1] = acc[mt][t][2] = acc[mt][t][3] = 0.f;
+                if (!MLA_FLAT_STAGE_Q) {
+                    fresh_stats();
+                } else if constexpr (kQRaw) {
+                    // q_raw was copied with this piece's first tile (entered). Row j's lo
+                    // halves land where q_raw holds row j, so half the rows at a time: read
+                    // them, then overwrite them.
+                    constexpr int kRound = kQChunks / 2, kPer = (kRound + kMmaThreads - 1) / kMmaThreads;
+                    static_assert(kRound % kMmaChunks == 0, "whole rows a round");
+                    cp_async_wait<0>();
 #pragma unroll
-            for (int t = 0; t < 8; ++t)
-                *reinterpret_cast<float2*>(dst + 8 * t) = make_float2(acc[mt][t][2 * hh], acc[mt][t][2 * hh + 1]);
-            if (single) {
-                const float inv_l = single_pass_inv_l(l_s[16 * mt + g + 8 * hh]);
-                // batch 1: col0 itself, so the batch-1 kernels' machine code stays as it is
-                const size_t lat0 =
-                    W::latent_is_partial()
-                        ? col0
-                        : walk.latent_row(part_base + h) * kMmaLora + warp * 64 + 2 * c4;
+                    for (int r0 = 0; r0 < kQChunks; r0 += kRound) {
+                        uint4 raw[kPer];
+                        __syncthreads();  // q_raw landed / the round before is stored
 #pragma unroll
-                for (int t = 0; t < 8; ++t)
-                    *reinterpret_cast<float2*>(walk.latent + lat0 + 8 * t) =
-                        make_float2(acc[mt][t][2 * hh] * inv_l, acc[mt][t][2 * hh + 1] * inv_l);
+                        for (int i = 0; i < kPer; ++i)
+                            if (tid + i * kMmaThreads < kRound) raw[i] = q_raw[r0 + tid + i * kMmaThreads];
+                        __syncthreads();
+#pragma unroll
+                        for (int i = 0; i < kPer; ++i) {
+                            const int idx = r0 + tid + i * kMmaThreads, j = idx / kMmaChunks;
+                            if (tid + i * kMmaThreads >= kRound) continue;
+                            float x[8];
+                            unpack_f32<QT>(raw[i], x);
+#pragma unroll
+                            for (int e = 0; e < 8; ++e) x[e] *= scale_log2;
+                            store_q8(j, idx - j * kMmaChunks, x);
+                        }
+                    }
+                    fresh_stats();
+                    load_q();
+                } else {
+                    stage_q();  // into red's buffer, which the next tile's barrier guards
+                    load_q();
+                }
             }
         }
-    if (tid < kHeads && head0 + tid < n_head) {
-        part_m[part_base + head0 + tid] = m_s[tid];
-        part_l[part_base + head0 + tid] = l_s[tid];
-        if (single)
-            walk.lse[walk.latent_row(part_base + head0 + tid)] =
-                single_pass_lse(m_s[tid], l_s[tid]);
     }
+    write_partials();
+    if constexpr (W::flat()) walk.template arrive<kHeads, kMmaThreads>(head0, part_acc, part_m, part_l);
 }
 
 template <int HEADS, typename CacheT, typename QT>
@@ -396,7 +502,11 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
     mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
-// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HEADS), P, 1).
+// The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HEADS), P, 1). mma16 runs
+// the flat schedule where it pays (a program carried across requests, its next piece's q
+// staged between two tiles); mma32 keeps the per-request rule: its q fills q_hl's buffer,
+// which leaves no room to copy the next piece's q ahead. merge_tickets (mma16; null: the
+// combine merges) makes mma16 merge every request itself (PagedWalk::arrive).
 template <int HEADS, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
@@ -405,12 +515,19 @@ mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
                float* __restrict__ part_m, float* __restrict__ part_l, int target,
                int batch, int* __restrict__ chunk_counts,
-               float* __restrict__ latent, float* __restrict__ lse) {
+               float* __restrict__ latent, float* __restrict__ lse,
+               int* __restrict__ merge_tickets) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
-    PagedWalk<CacheT, kMmaTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
-                                     causal, max_pages, page_shift, max_chunks, min_chunk,
-                                     target, batch, chunk_counts, latent, lse};
+    constexpr bool kFlat = HEADS == kMmaFlatHeads;
+#ifdef MLA_REGISTRY_FACTS
+    static_assert(MLA_MMA_FLAT_HEADS == kMmaFlatHeads, "registry.MMA_FLAT_HEADS differs");
+#endif
+    PagedWalk<CacheT, kMmaTile, kFlat> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head,
+                                            s_q, causal, max_pages, page_shift, max_chunks,
+                                            min_chunk, target, batch, chunk_counts, latent, lse,
+                                            kFlat ? merge_tickets : nullptr};
     mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
+    if constexpr (kFlat) walk.write_if_empty(kMmaFlatHeads, kMmaLora);
 }
 
 }  // namespace mla

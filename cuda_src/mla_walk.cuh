@@ -23,6 +23,12 @@
 //   w.fetch<kRows, kThreads>(t, ...) look up what copying tile t needs (paged: its pages)
 //   w.copy_tile<...>(...)            one tile's cp.async copy (cp_async_tile's arguments)
 //   w.part_base()                    the slice's first partial, recomputed (attn_rows)
+//   w.stream_tiles<kRows>(s, e)      tiles the body runs: the slice's, or under the flat
+//                                    schedule all the program's pieces' (PagedWalk<.., true>)
+//   w.piece_tile(it)                 the body's tile `it` as a tile of its current slice
+//   W::flat()                        the walk may carry the body across pieces: where
+//                                    w.piece_done(it), the body writes the piece's partials,
+//                                    calls w.next_piece(slice, it + 1) and stages its q
 //   w.single()                       whether the program's rows get all their positions in
 //                                    this one slice: then the body also writes latent and lse
 //   w.latent_row(partial)            the latent / lse row of partial `partial` (single())
@@ -65,10 +71,13 @@ __device__ __forceinline__ int warp_max_int(int v) {
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-// u, the balanced chunk length in tiles, of the batch of `batch` lengths. Called by whole warps.
-__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
-                                                int max_chunks, int tile, int min_chunk,
-                                                int target) {
+// W = sum_b t_b, the non-empty requests and max t_b of the batch. Called by whole warps.
+struct BatchTiles {
+    long long total;
+    int busy, max_t;
+};
+__device__ __forceinline__ BatchTiles batch_tiles(const int* __restrict__ lengths, int batch,
+                                                  int tile) {
     const int lane = threadIdx.x & 31;
     long long total = 0;
     int busy = 0, max_t = 0;
@@ -78,14 +87,19 @@ __device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths,
         busy += t > 0;
         max_t = max(max_t, t);
     }
-    total = warp_sum_ll(total);
-    busy = warp_sum_int(busy);
-    max_t = warp_max_int(max_t);
-    int lo = max(min_chunk / tile, static_cast<int>((total + target - 1) / target));
-    int hi = target <= busy
-                 ? max_t
-                 : static_cast<int>(min(static_cast<long long>(max_t),
-                                        (total + (target - busy) - 1) / (target - busy)));
+    return {warp_sum_ll(total), warp_sum_int(busy), warp_max_int(max_t)};
+}
+// u, the balanced chunk length in tiles, of the batch of `batch` lengths, whose sums `bt`
+// are. Called by whole warps.
+__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
+                                                int max_chunks, int tile, int min_chunk,
+                                                int target, const BatchTiles& bt) {
+    const int lane = threadIdx.x & 31;
+    int lo = max(min_chunk / tile, static_cast<int>((bt.total + target - 1) / target));
+    int hi = target <= bt.busy
+                 ? bt.max_t
+                 : static_cast<int>(min(static_cast<long long>(bt.max_t),
+                                        (bt.total + (target - bt.busy) - 1) / (target - bt.busy)));
     hi = max(lo, hi);
     while (lo < hi) {
         const int mid = lo + (hi - lo) / 2;
@@ -114,6 +128,9 @@ __device__ __forceinline__ ChunkSpan request_span(int len, int u, int max_chunks
 struct ChunkSlot {
     int b, c, n, len;
 };
+__device__ __forceinline__ ChunkSlot locate_chunk_at(const int* __restrict__ lengths, int batch,
+                                                     int p, int u, int max_chunks, int tile,
+                                                     int* __restrict__ counts);
 __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ lengths, int batch,
                                                   int p, int max_chunks, int tile,
                                                   int min_chunk, int target,
@@ -132,7 +149,17 @@ __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ length
         if (p < span.n) slot = {0, p, span.n, span.len};
         return slot;
     }
-    const int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target);
+    return locate_chunk_at(lengths, batch, p,
+                           batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target,
+                                            batch_tiles(lengths, batch, tile)),
+                           max_chunks, tile, counts);
+}
+// locate_chunk at the batch's unit u (batch_chunk_unit).
+__device__ __forceinline__ ChunkSlot locate_chunk_at(const int* __restrict__ lengths, int batch,
+                                                     int p, int u, int max_chunks, int tile,
+                                                     int* __restrict__ counts) {
+    const int lane = threadIdx.x & 31;
+    ChunkSlot slot{-1, 0, 0, tile};
     int before = 0;  // chunks of the requests of earlier rounds
     for (int r0 = 0; r0 < batch; r0 += 32) {
         const int b = r0 + lane;
@@ -158,6 +185,80 @@ __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ length
         before += __shfl_sync(0xffffffffu, incl, 31);
     }
     return slot;
+}
+
+// ---- the flat schedule (sandbox/chunks.py, flat_unit) ------------------------------------
+// Program p runs tiles [p U, (p + 1) U) of the batch's requests laid end to end, across
+// request boundaries, one partial a request it meets: U = max(min_chunk / tile,
+// ceil(W / target), ceil(max t_b / (max_chunks - 1))) (the last term: a request meets at most
+// max_chunks programs). Chosen over the per-request rule's unit u when the batch has two
+// non-empty requests or more, max_chunks >= 2 and U + kFlatMargin < u; 0: the per-request
+// rule runs. Only a kernel built on PagedWalk<..., true> runs it (registry.runs_flat).
+enum : int { kFlatMargin = 1 };  // sandbox/chunks.py FLAT_MARGIN
+#ifdef MLA_REGISTRY_FACTS
+static_assert(kFlatMargin == MLA_FLAT_MARGIN, "chunks.FLAT_MARGIN differs from kFlatMargin");
+#endif
+__device__ __forceinline__ int flat_unit(const BatchTiles& bt, int u, int max_chunks, int tile,
+                                         int min_chunk, int target) {
+    if (max_chunks < 2 || bt.busy < 2) return 0;
+    const int unit = max(max(min_chunk / tile, static_cast<int>((bt.total + target - 1) / target)),
+                         (bt.max_t + max_chunks - 2) / (max_chunks - 1));
+    return unit + kFlatMargin < u ? unit : 0;
+}
+// Partials of a request of t tiles whose first tile is t0 of the concatenation: the programs
+// its tiles meet (0 for an empty request).
+__device__ __forceinline__ int flat_count(int t0, int t, int unit) {
+    return t > 0 ? (t0 + t - 1) / unit - t0 / unit + 1 : 0;
+}
+// A request as the flat schedule sees it: b, its tiles t, its first tile t0 of the batch's
+// concatenation, its length.
+struct FlatRequest {
+    int b, t, len, t0;
+};
+// The request in which program p's range [p U, (p + 1) U) starts (b = -1: p U is past the
+// batch's last tile). `counts` not null: the warp also writes every request's partial count.
+// Called by whole warps; a prefix sum of the tile counts over 32 requests a round.
+__device__ __forceinline__ FlatRequest flat_locate(const int* __restrict__ lengths, int batch,
+                                                   int p, int unit, int tile,
+                                                   int* __restrict__ counts) {
+    const int lane = threadIdx.x & 31;
+    const int p0 = p * unit;
+    FlatRequest found{-1, 0, 0, 0};
+    int before = 0;  // tiles of the requests of earlier rounds
+    for (int r0 = 0; r0 < batch; r0 += 32) {
+        const int b = r0 + lane;
+        const int len = b < batch ? __ldg(lengths + b) : 0;
+        const int t = (len + tile - 1) / tile;
+        int incl = t;  // inclusive scan over the lanes
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            const int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        const int t0 = before + incl - t;
+        if (counts != nullptr && b < batch) counts[b] = flat_count(t0, t, unit);
+        const unsigned mine = __ballot_sync(0xffffffffu, t > 0 && t0 <= p0 && p0 < t0 + t);
+        if (mine != 0u) {
+            const int src = __ffs(mine) - 1;
+            found = {r0 + src, __shfl_sync(0xffffffffu, t, src),
+                     __shfl_sync(0xffffffffu, len, src), __shfl_sync(0xffffffffu, t0, src)};
+            if (counts == nullptr) break;
+        }
+        before += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    return found;
+}
+// The next request after request `after`, whose tiles end at tile `t0` of the
+// concatenation, with a position, if it starts before tile `end` (b = -1 if none): what a
+// program's range meets after `after`.
+__device__ __forceinline__ FlatRequest flat_next(const int* __restrict__ lengths, int batch,
+                                                 int after, int t0, int end, int tile) {
+    for (int b = after + 1; b < batch && t0 < end; ++b) {
+        const int len = __ldg(lengths + b);
+        const int t = (len + tile - 1) / tile;
+        if (t > 0) return {b, t, len, t0};
+    }
+    return {-1, 0, 0, t0};
 }
 
 // Asks for the 128-byte line at p to be brought into L2 (no register is written).
@@ -197,11 +298,18 @@ struct ContiguousWalk {
     // With one slice, partial h is head h's latent row.
     __device__ __forceinline__ size_t latent_row(size_t partial) const { return partial; }
     __device__ __forceinline__ static constexpr bool latent_is_partial() { return true; }
+    __device__ __forceinline__ static constexpr bool flat() { return false; }
 
     __device__ __forceinline__ bool begin(int heads, int latent, float* part_acc, float* part_m,
                                           float* part_l, BlockSlice& out) const {
         return begin_slice(heads, n_head, n_ctx, splits, latent, part_acc, part_m, part_l, out);
     }
+    // One slice a block: its tiles, and tile `it` is the slice's.
+    template <int kRows>
+    __device__ __forceinline__ static int stream_tiles(int row_start, int row_end) {
+        return (row_end - row_start + kRows - 1) / kRows;
+    }
+    __device__ __forceinline__ static int piece_tile(int it) { return it; }
     __device__ __forceinline__ int rows() const { return n_head; }
     template <typename QT> __device__ __forceinline__ const QT* q(const QT* q0) const { return q0; }
     __device__ __forceinline__ int row_end(int, int slice_end) const { return slice_end; }
@@ -232,7 +340,16 @@ struct ContiguousWalk {
 enum : int { kPagedMaxPasses = 2 };  // copy passes of a tile per thread, at most (an enum:
                                      // NVRTC emits namespace constants into every PTX)
 
-template <typename CacheT, int kTile>
+// 0: a planted defect for a negative control (tests/test_gpu_paged_kernels.py): the merge
+// in the attention kernel (PagedWalk::arrive) adds the partials without rescaling them.
+#ifndef MLA_MERGE_RESCALE
+#define MLA_MERGE_RESCALE 1
+#endif
+
+// kFlat: the walk also runs the flat schedule (flat_unit), carrying a program from one
+// request's piece to the next: the body calls next_piece() where piece_done(), and the copy
+// cursor (cp_req, cp_row, cp_end) runs a tile ahead across the same boundaries.
+template <typename CacheT, int kTile, bool kFlat = false>
 struct PagedWalk {
     const CacheT* cache;
     const int* table;           // block_table [B, max_pages]
@@ -242,12 +359,25 @@ struct PagedWalk {
     int* chunk_counts;          // [B]: each request's chunk count, for the combine
     float* latent;              // [B][n_rows][512] and [B][n_rows]: written where single()
     float* lse;
+    // kFlat only: where set ([B][row blocks], zero between launches), the attention kernel
+    // merges every request of two chunks or more itself (arrive) and no combine runs.
+    int* merge_tickets = nullptr;
     size_t q_row0 = 0;          // request b's first q row (also its first latent row)
     int visible0 = 0;           // row r sees positions < visible0 (+ r / n_head when causal)
     int req = 0, chunk = 0;     // the program's request and chunk (begin)
     int chunks = 1;             // the request's chunk count (begin; 1 in a single-pass plan)
     int page[kPagedMaxPasses] = {};  // the pages of this thread's rows of the next tile to copy
+    // kFlat only. The flat schedule's U (0: the per-request rule, one piece) and the end of
+    // the program's range, (p + 1) U, in tiles of the concatenation. The body's piece is of
+    // request req, whose tiles end at tile req_end of the concatenation; it began at the
+    // body's tile piece_it0 and ends before piece_end. The copy cursor is at position cp_row
+    // of request cp_req (tiles ending at cp_req_end), whose piece ends at position cp_end.
+    int unit = 0, prog_end = 0, prog_tiles = 0, req_end = 0, piece_it0 = 0, piece_end = 0;
+    int cp_req = 0, cp_req_end = 0, cp_row = 0, cp_end = 0;
+    bool cp_first = false;  // the cursor's tile is the first of a piece after the program's first
+    bool wrote_neutral = false;  // begin wrote the block's neutral partial (and returned false)
 
+    __device__ __forceinline__ static constexpr bool flat() { return kFlat; }
     // The plan: one chunk slot a request (grid y = B, program p is request p).
     __device__ __forceinline__ bool single_plan() const { return max_chunks == 1; }
     // The program's request runs exactly one chunk (every request in a single-pass plan):
@@ -293,9 +423,26 @@ struct PagedWalk {
             out.row_end = len;
         } else {
             const bool publish = blockIdx.x == 0 && p == 0 && threadIdx.x < 32;
-            const ChunkSlot slot = locate_chunk(cache_seqlens, batch, p, max_chunks, kTile,
-                                                min_chunk, target,
-                                                publish ? chunk_counts : nullptr);
+            ChunkSlot slot;
+            if constexpr (kFlat) {
+                if (batch > 1) {
+                    const BatchTiles bt = batch_tiles(cache_seqlens, batch, kTile);
+                    const int u = batch_chunk_unit(cache_seqlens, batch, max_chunks, kTile,
+                                                   min_chunk, target, bt);
+                    unit = flat_unit(bt, u, max_chunks, kTile, min_chunk, target);
+                    if (unit > 0)
+                        return begin_flat(head0, static_cast<int>(bt.total),
+                                          publish ? chunk_counts : nullptr, out);
+                    slot = locate_chunk_at(cache_seqlens, batch, p, u, max_chunks, kTile,
+                                           publish ? chunk_counts : nullptr);
+                } else {
+                    slot = locate_chunk(cache_seqlens, batch, p, max_chunks, kTile, min_chunk,
+                                        target, publish ? chunk_counts : nullptr);
+                }
+            } else {
+                slot = locate_chunk(cache_seqlens, batch, p, max_chunks, kTile, min_chunk,
+                                    target, publish ? chunk_counts : nullptr);
+            }
             if (slot.b < 0) return false;
             req = slot.b;
             chunk = slot.c;
@@ -309,9 +456,18 @@ struct PagedWalk {
         visible0 = causal ? len - (s_q - 1) : len;
         out.row_end = max(min(out.row_end, visible(min(head0 + heads, n_rows) - 1)),
                           out.row_start);
-        if (out.row_start < out.row_end) return true;
+        if (out.row_start < out.row_end) {
+            if constexpr (kFlat) {  // one piece: the cursor walks the slice
+                cp_req = req;
+                cp_row = out.row_start;
+                cp_end = out.row_end;
+                prog_tiles = piece_end = (out.row_end - out.row_start + kTile - 1) / kTile;
+            }
+            return true;
+        }
         write_neutral(heads, n_rows, latent_dim, out, part_acc, part_m, part_l);
         if (single()) write_empty_latent(heads, head0, q_row0, latent_dim);
+        if constexpr (kFlat) wrote_neutral = true;
         return false;
     }
     // latent 0 and lse -inf for rows [head0, head0 + heads) below n_rows of the request whose
@@ -324,6 +480,138 @@ struct PagedWalk {
                 latent[row * latent_dim + k] = 0.f;
             if (threadIdx.x == 0) lse[row] = -INFINITY;
         }
+    }
+    // ---- the merge in the attention kernel (kFlat, merge_tickets set) --------------------
+    // A block that has written its partial of a request of two chunks or more takes the
+    // ticket of (request, row block); the block whose ticket is the request's last merges
+    // the request's partials of its rows, in chunk order and rescaled as the combine does
+    // (mla_combine.cu), into latent and lse, and sets the ticket back to 0 for the next
+    // launch. At the end of a flat program all pieces but a program's first end together,
+    // so the merges run in parallel, one a request, where the combine would start. Each
+    // thread's fence before the ticket publishes its partial; the merger's fence after it
+    // orders its reads (L2, __ldcg) after every other block's partial.
+    template <int kHeads, int kThreads>
+    __device__ __forceinline__ void arrive(int head0, const float* part_acc, const float* part_m,
+                                           const float* part_l) const {
+        static_assert(kThreads % kHeads == 0 && MLA_KV_LORA % (4 * (kThreads / kHeads)) == 0,
+                      "whole float4 columns per thread of a row");
+        if (merge_tickets == nullptr || chunks < 2) return;
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int* ticket = merge_tickets + static_cast<size_t>(req) * gridDim.x + blockIdx.x;
+            last = atomicAdd(ticket, 1) == chunks - 1;
+            if (last) *ticket = 0;
+        }
+        __syncthreads();
+        if (!last) return;
+        __threadfence();
+        constexpr int kTpr = kThreads / kHeads, kPer = MLA_KV_LORA / 4 / kTpr;
+        const int j = static_cast<int>(threadIdx.x) / kTpr, lane = static_cast<int>(threadIdx.x) % kTpr;
+        if (head0 + j >= n_rows) return;
+        const size_t first = static_cast<size_t>(req) * max_chunks * n_rows + head0 + j;
+        float m = -INFINITY;
+        for (int c = 0; c < chunks; ++c) {
+            const size_t k = first + static_cast<size_t>(c) * n_rows;
+            if (__ldcg(part_l + k) > 0.f) m = fmaxf(m, __ldcg(part_m + k));
+        }
+        float4 acc[kPer];
+#pragma unroll
+        for (int i = 0; i < kPer; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        float l = 0.f;
+#pragma unroll 2
+        for (int c = 0; c < chunks; ++c) {
+            const size_t k = first + static_cast<size_t>(c) * n_rows;
+            const float lc = __ldcg(part_l + k);
+            const float w = lc > 0.f ? (MLA_MERGE_RESCALE ? exp2f(__ldcg(part_m + k) - m) : 1.f)
+                                     : 0.f;
+            l += w * lc;
+            const float4* src = reinterpret_cast<const float4*>(part_acc + k * MLA_KV_LORA) + lane;
+#pragma unroll
+            for (int i = 0; i < kPer; ++i) {
+                const float4 a = __ldcg(src + i * kTpr);
+                acc[i].x = fmaf(w, a.x, acc[i].x);
+                acc[i].y = fmaf(w, a.y, acc[i].y);
+                acc[i].z = fmaf(w, a.z, acc[i].z);
+                acc[i].w = fmaf(w, a.w, acc[i].w);
+            }
+        }
+        const float inv_l = single_pass_inv_l(l);
+        const size_t row = q_row0 + head0 + j;
+        float4* dst = reinterpret_cast<float4*>(latent + row * MLA_KV_LORA) + lane;
+#pragma unroll
+        for (int i = 0; i < kPer; ++i)
+            dst[i * kTpr] = make_float4(acc[i].x * inv_l, acc[i].y * inv_l, acc[i].z * inv_l,
+                                        acc[i].w * inv_l);
+        if (lane == 0) lse[row] = single_pass_lse(m, l);
+    }
+    // An empty request has no chunk, so no block merges it: program p < B writes request p's
+    // rows of its row block (latent 0, lse -inf) where the kernel merges (merge_tickets).
+    __device__ __forceinline__ void write_if_empty(int heads, int latent_dim) const {
+        const int p = blockIdx.y;
+        if (merge_tickets == nullptr || p >= batch || __ldg(cache_seqlens + p) != 0) return;
+        write_empty_latent(heads, static_cast<int>(blockIdx.x) * heads,
+                           static_cast<size_t>(p) * n_rows, latent_dim);
+    }
+    // ---- the flat schedule (kFlat, unit > 0) -------------------------------------------
+    // Program p's first piece: the request its range [p U, (p + 1) U) starts in, from the
+    // tile its range starts at to its end or the range's. Every piece has a tile or more;
+    // its rows are not clipped to what a causal row sees (the body masks each row), so a
+    // block whose rows see nothing of a piece writes their neutral partial through the body.
+    __device__ __forceinline__ bool begin_flat(int head0, int total, int* counts,
+                                               BlockSlice& out) {
+        const int p = blockIdx.y;
+        const FlatRequest first = flat_locate(cache_seqlens, batch, p, unit, kTile, counts);
+        if (first.b < 0) return false;
+        prog_end = (p + 1) * unit;
+        prog_tiles = min(prog_end, total) - p * unit;
+        out.head0 = head0;
+        enter_piece(first, out);
+        cp_req = req;
+        cp_req_end = req_end;
+        cp_row = out.row_start;
+        cp_end = out.row_end;
+        return true;
+    }
+    // Positions [start, end) of request r within the program's range.
+    __device__ __forceinline__ void piece_rows(const FlatRequest& r, int& start, int& end) const {
+        start = (max(prog_end - unit, r.t0) - r.t0) * kTile;
+        end = min(r.len, (min(prog_end, r.t0 + r.t) - r.t0) * kTile);
+    }
+    // The body's piece becomes request r's: its partial slot, count, q rows and slice (the
+    // body's tiles from piece_it0 on).
+    __device__ __forceinline__ void enter_piece(const FlatRequest& r, BlockSlice& out) {
+        req = r.b;
+        req_end = r.t0 + r.t;
+        chunk = static_cast<int>(blockIdx.y) - r.t0 / unit;
+        chunks = flat_count(r.t0, r.t, unit);
+        q_row0 = static_cast<size_t>(req) * n_rows;
+        visible0 = causal ? r.len - (s_q - 1) : r.len;
+        piece_rows(r, out.row_start, out.row_end);
+        out.part_base = (static_cast<size_t>(req) * max_chunks + chunk) * n_rows;
+        piece_end = piece_it0 + (out.row_end - out.row_start + kTile - 1) / kTile;
+    }
+    // Tiles of kRows the program's body runs (kFlat: all its pieces').
+    template <int kRows>
+    __device__ __forceinline__ int stream_tiles(int row_start, int row_end) const {
+        static_assert(!kFlat || kRows == kTile, "the flat schedule counts the walk's tiles");
+        if constexpr (kFlat) return prog_tiles;
+        else return (row_end - row_start + kRows - 1) / kRows;
+    }
+    // Tile `it` of the program as a tile of its piece.
+    __device__ __forceinline__ int piece_tile(int it) const {
+        if constexpr (kFlat) return it - piece_it0;
+        else return it;
+    }
+    // Whether the body's tile `it` of `n_tiles` is its piece's last and another piece follows.
+    __device__ __forceinline__ bool piece_done(int it, int n_tiles) const {
+        return it + 1 < n_tiles && it + 1 == piece_end;
+    }
+    // The next piece, whose first tile is the body's tile `it0`.
+    __device__ __forceinline__ void next_piece(BlockSlice& out, int it0) {
+        piece_it0 = it0;
+        enter_piece(flat_next(cache_seqlens, batch, req, req_end, prog_end, kTile), out);
     }
     __device__ __forceinline__ int rows() const { return n_rows; }
     // The request's row of the table.
@@ -352,9 +640,18 @@ struct PagedWalk {
     // page[0], the same word for every thread (one broadcast load).
     template <int kRows, int kThreadsT>
     __device__ __forceinline__ void fetch(int tile_index, int row_start, int row_end) {
+        if constexpr (kFlat)  // the copy cursor's tile
+            fetch_in<kRows, kThreadsT>(table + static_cast<size_t>(cp_req) * max_pages, 0,
+                                       cp_row, cp_end);
+        else
+            fetch_in<kRows, kThreadsT>(request_pages(), tile_index, row_start, row_end);
+    }
+    // fetch, from the table row `pages`.
+    template <int kRows, int kThreadsT>
+    __device__ __forceinline__ void fetch_in(const int* pages, int tile_index, int row_start,
+                                             int row_end) {
         constexpr int kRowsPerPass = kThreadsT / 8, kPasses = kRows / kRowsPerPass;
         static_assert(kPasses <= kPagedMaxPasses, "a thread copies at most 2 rows a tile");
-        const int* pages = request_pages();
         if (tile_in_page<kRows>(row_start)) {
             const int row = row_start + tile_index * kRows;
             page[0] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
@@ -374,16 +671,57 @@ struct PagedWalk {
     }
     // cp_async_tile's copy, each row's address through the pages of this tile (fetched one
     // copy ago), then the next tile's pages. A loop of its own: routing cp_async_tile through
-    // a row-address callback reorders the batch-1 kernels' PTX.
+    // a row-address callback reorders the batch-1 kernels' PTX. kFlat: the tile at the copy
+    // cursor, which then moves a tile on, into the program's next piece past its piece's end;
+    // entered(b) tells the body, as the cursor copies the first tile of a piece of request b
+    // (not the program's first), that the body stages b's q after its next tile;
+    // tile_index, row_start and row_end are the per-request walk's.
     template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true>
     __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
                                               int row_end) {
+        copy_tile<kRows, kChunks, kStages, kThreadsT, kSwizzle>(tiles, buf, tile_index,
+                                                                row_start, row_end, [](int) {});
+    }
+    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true,
+              typename Entered>
+    __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
+                                              int row_end, Entered&& entered) {
+        if (kAblateCacheLoads && tile_index >= kStages) return;
+        if constexpr (kFlat) {
+            if (cp_first) {
+                cp_first = false;
+                entered(cp_req);
+            }
+            copy_rows<kRows, kChunks, kThreadsT, kSwizzle>(tiles, buf, cp_row, cp_row, cp_end, [&] {
+                cp_row += kRows;
+                if (cp_row >= cp_end && unit > 0) {
+                    const FlatRequest next =
+                        flat_next(cache_seqlens, batch, cp_req, cp_req_end, prog_end, kTile);
+                    if (next.b >= 0) {
+                        cp_req = next.b;
+                        cp_req_end = next.t0 + next.t;
+                        piece_rows(next, cp_row, cp_end);
+                        cp_first = true;
+                    }
+                }
+                fetch<kRows, kThreadsT>(0, 0, 0);
+            });
+        } else {
+            copy_rows<kRows, kChunks, kThreadsT, kSwizzle>(
+                tiles, buf, row_start + tile_index * kRows, row_start, row_end,
+                [&] { fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end); });
+        }
+    }
+    // The copy of rows [row0, row0 + kRows) (below row_end) of a slice starting at row_start,
+    // through page[], into stage buffer `buf`, one commit group; then next() (the next tile's
+    // lookups, in each branch: one call after both reorders the batch-1 kernels' PTX).
+    template <int kRows, int kChunks, int kThreadsT, bool kSwizzle, typename Next>
+    __device__ __forceinline__ void copy_rows(uint4* tiles, int buf, int row0, int row_start,
+                                              int row_end, Next&& next) {
         constexpr int kRowsPerPass = kThreadsT / 8;
         static_assert(kThreadsT % 64 == 0 && kRows % kRowsPerPass == 0,
                       "8 threads per row, a pass of rows a multiple of 8 (one swizzle a thread)");
         static_assert(kChunks % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
-        if (kAblateCacheLoads && tile_index >= kStages) return;
-        const int row0 = row_start + tile_index * kRows;
         const int copy_row = threadIdx.x >> 3, copy_lane = threadIdx.x & 7;
         const int in_page = (1 << page_shift) - 1;
         uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks +
@@ -402,7 +740,7 @@ struct PagedWalk {
                                 src + pass * kRowsPerPass * (kChunks * 8) + 64 * i, valid);
             }
             cp_async_commit();
-            fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
+            next();
             return;
         }
 #pragma unroll
@@ -416,7 +754,7 @@ struct PagedWalk {
                 cp_async_16(dst + (pass * kRowsPerPass * kChunks + 8 * i), src + 64 * i, valid);
         }
         cp_async_commit();
-        fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
+        next();
     }
     __device__ __forceinline__ size_t part_base() const {
         return (static_cast<size_t>(req) * max_chunks + chunk) * n_rows;

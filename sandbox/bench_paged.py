@@ -248,16 +248,19 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
                 how = f"{bps} blocks/SM from the occupancy model of the batch-1 instance"
             plan = plan_chunks(cfg.batch, -(-n_rows // inst.heads), num_sms=num_sms,
                                blocks_per_sm=max(1, bps), tile=inst.tile_rows,
-                               chunks=None if cfg.splits == "auto" else cfg.splits)
+                               chunks=None if cfg.splits == "auto" else cfg.splits,
+                               flat=registry.runs_flat(inst))
             n_chunks, chunk_len = plan.for_lengths(cfg.lengths)
             cost = metrics.paged_step_cost(v.name, cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
                                            cfg.cache_dtype, qd, n_chunks, plan.head_blocks)
             rows.append({"variant": v.name, "rows_per_block": inst.heads,
                          "tile": inst.tile_rows, "grid": list(plan.grid),
                          "max_chunks": plan.max_chunks, "min_chunk": plan.min_chunk,
-                         "target": plan.target,
-                         "programs": plan.programs, "programs_run": int(
-                             (n_chunks * plan.head_blocks).sum()),
+                         "target": plan.target, "flat": plan.flat,
+                         "flat_unit": plan.unit(cfg.lengths),
+                         "attn_merges": registry.merges_in_attention(inst, plan),
+                         "programs": plan.programs, "programs_run": plan.head_blocks * sum(
+                             1 for pieces in plan.program_segments(cfg.lengths) if pieces),
                          "chunks_min": int(n_chunks.min()), "chunks_max": int(n_chunks.max()),
                          "chunk_len_max": int(chunk_len.max()), "reason": plan.reason,
                          "blocks_per_sm": how, "flops": cost.flops,

@@ -39,6 +39,15 @@ when it sizes the grid (lengths live on the device and change between graph repl
   chunk, program p is request p (P = batch) and no rule runs; the attention kernel then
   also writes latent = acc / l and lse itself (latent 0, lse -inf for an empty request), so
   the step needs no merge.
+* The flat schedule (a plan with `flat`: kernels that carry a program across requests,
+  registry.runs_flat): program p runs tiles [p U, (p + 1) U) of the batch's requests laid end
+  to end, one partial a request its range meets, so every program gets the same tiles:
+  ``U = max(min_tiles, ceil(W / target), ceil(max t_b / (max_chunks - 1)))`` (the last term
+  keeps a request within its max_chunks partial slots). It runs where it shortens the
+  critical path, ``U + FLAT_MARGIN < u``, with two non-empty requests or more and
+  max_chunks >= 2; else the per-request rule above. Request b's partial c is that of program
+  ``floor(T_b / U) + c`` (T_b its first tile in the concatenation), and its count is the
+  programs its tiles meet (`flat_counts`).
 * The combine merges a request's n partials a tile of `combine_tile` chunks per step: the
   chunk cap rounded up to a power of two, at most COMBINE_TILE_MAX.
 """
@@ -48,14 +57,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "ChunkPlan",
-           "plan_chunks", "batch_chunk_unit", "single_request_unit", "request_chunks",
-           "chunk_bounds"]
+__all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "FLAT_MARGIN",
+           "ChunkPlan", "plan_chunks", "batch_chunk_unit", "single_request_unit",
+           "request_chunks", "flat_unit", "flat_counts", "batch_chunks", "chunk_bounds"]
 
 CHUNK_CAP = 256          # chunks of one request, at most (as the batch-1 split cap)
 CHUNK_SKEW = 2           # chunk slots per request: this many times the mean request's need
 MIN_TILES_PER_CHUNK = 1  # a chunk is at least this many tiles long, unless the request is
 COMBINE_TILE_MAX = 64    # chunk partials the combine merges in one step, at most
+# Tiles the flat schedule's U must undercut the per-request unit u by before it runs: a
+# program that crosses into a request pays that piece's start (its partial written, its q
+# staged from L2: a fraction of a tile), and the merge reads a partial more per crossing.
+FLAT_MARGIN = 1
 
 
 def _positive_int(name, value):
@@ -76,6 +89,7 @@ class ChunkPlan:
     min_chunk: int
     reason: str
     target: int = 0      # chunk programs of a head block in one wave; 0: slots // head_blocks
+    flat: bool = False   # the kernel may run the flat schedule (registry.runs_flat)
 
     def __post_init__(self):
         if self.target == 0:
@@ -105,14 +119,56 @@ class ChunkPlan:
     def combine_tile(self) -> int:
         return min(COMBINE_TILE_MAX, 1 << (self.max_chunks - 1).bit_length())
 
+    def unit(self, lengths) -> int:
+        """U of the flat schedule these lengths run, 0 where the per-request rule runs."""
+        if not self.flat or self.single_pass:
+            return 0
+        return flat_unit(lengths, self.max_chunks, self.tile, self.min_chunk, self.target)
+
     def for_lengths(self, lengths):
-        """(n_chunks [B], chunk_len [B]) for these lengths: what each request runs."""
-        return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target)
+        """(n_chunks [B], chunk_len [B]) for these lengths: each request's partials (the
+        counts the kernel publishes) and the longest of its pieces, in positions."""
+        if self.single_pass:
+            return request_chunks(lengths, 1, self.tile, self.min_chunk, self.target)
+        return batch_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target,
+                            self.flat)
+
+    def program_segments(self, lengths) -> list:
+        """Per chunk program p of a row block, the pieces it runs in order, as (request,
+        partial slot, start, end) positions: one chunk under the per-request rule (none past
+        the last), and under the flat schedule every request its tiles [p U, (p + 1) U) of
+        the batch's concatenation meet (mla_walk.cuh, PagedWalk::begin and next_piece)."""
+        lens, t = _tiles(lengths, self.tile)
+        unit = self.unit(lens)
+        progs: list = [[] for _ in range(self.programs_per_block)]
+        if not unit:
+            n, clen = request_chunks(lens, 1 if self.single_pass else self.max_chunks,
+                                     self.tile, self.min_chunk, self.target)
+            for p, (b, c) in enumerate(zip(*self._request_order(n))):
+                if b >= 0:
+                    start, end = chunk_bounds(int(lens[b]), int(clen[b]), int(c))
+                    progs[p].append((int(b), int(c), start, end))
+            return progs
+        t0 = np.concatenate([[0], np.cumsum(t)[:-1]])
+        for b in np.flatnonzero(t > 0):
+            first, last = int(t0[b]) // unit, (int(t0[b] + t[b]) - 1) // unit
+            for p in range(first, last + 1):
+                s = max(p * unit, int(t0[b])) - int(t0[b])
+                e = min((p + 1) * unit, int(t0[b] + t[b])) - int(t0[b])
+                progs[p].append((int(b), p - first, s * self.tile,
+                                 min(e * self.tile, int(lens[b]))))
+        return progs
 
     def program_chunks(self, lengths):
-        """(request [P], chunk [P]) of each chunk program p of a row block, -1 past the last
-        chunk: the requests' chunks numbered request by request (the kernels' locate)."""
-        n, _ = self.for_lengths(lengths)
+        """(request [P], partial slot [P]) of the first piece of each chunk program p of a
+        row block, -1 where it runs none: under the per-request rule its one chunk, the
+        requests' chunks numbered request by request (the kernels' locate_chunk)."""
+        segs = self.program_segments(lengths)
+        return (np.array([s[0][0] if s else -1 for s in segs], np.int64),
+                np.array([s[0][1] if s else 0 for s in segs], np.int64))
+
+    def _request_order(self, n):
+        """program_chunks of the per-request rule, from its chunk counts n."""
         if self.single_pass:
             b = np.arange(self.batch)
             return np.where(n > 0, b, -1), np.zeros(self.batch, np.int64)
@@ -125,9 +181,11 @@ class ChunkPlan:
 
 def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: int, tile: int,
                 min_tiles: int = MIN_TILES_PER_CHUNK, cap: int = CHUNK_CAP,
-                chunks: int | None = None, skew: int = CHUNK_SKEW) -> ChunkPlan:
+                chunks: int | None = None, skew: int = CHUNK_SKEW,
+                flat: bool = False) -> ChunkPlan:
     """The chunk plan of a batch. `chunks` overrides the chunk slots: every request may take
-    up to that many chunks (still balanced on the wave target and cut by its length)."""
+    up to that many chunks (still balanced on the wave target and cut by its length).
+    `flat`: the kernel runs the flat schedule where it pays (registry.runs_flat)."""
     batch, head_blocks = _positive_int("batch", batch), _positive_int("head_blocks", head_blocks)
     num_sms, blocks_per_sm = (_positive_int("num_sms", num_sms),
                               _positive_int("blocks_per_sm", blocks_per_sm))
@@ -147,7 +205,10 @@ def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: in
         why = (f"balanced: {head_blocks} head blocks x {target} chunk programs on {slots} "
                f"slots ({blocks_per_sm}/SM x {num_sms} SMs), up to {max_chunks} chunks a "
                f"request ({skew}x the mean of {batch} requests)")
-    return ChunkPlan(batch, head_blocks, max_chunks, slots, tile, min_tiles * tile, why, target)
+    if flat and max_chunks > 1:
+        why += "; the flat schedule where it shortens the longest program"
+    return ChunkPlan(batch, head_blocks, max_chunks, slots, tile, min_tiles * tile, why, target,
+                     bool(flat))
 
 
 def _tiles(lengths, tile):
@@ -182,9 +243,40 @@ def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target
     return lo
 
 
+def flat_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target: int) -> int:
+    """U, the tiles of every program under the flat schedule, or 0 where the per-request
+    rule runs (mla_walk.cuh, flat_unit; the module docstring)."""
+    n, t = _tiles(lengths, tile)
+    if max_chunks < 2 or int((t > 0).sum()) < 2:
+        return 0
+    unit = max(min_chunk // tile, -(-int(t.sum()) // target), -(-int(t.max()) // (max_chunks - 1)))
+    u = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
+    return unit if unit + FLAT_MARGIN < u else 0
+
+
+def flat_counts(lengths, tile: int, unit: int) -> np.ndarray:
+    """Partials per request under the flat schedule of `unit` tiles a program: the programs
+    its tiles [T_b, T_b + t_b) of the batch's concatenation meet; 0 for an empty request."""
+    _, t = _tiles(lengths, tile)
+    t0 = np.concatenate([[0], np.cumsum(t)[:-1]])
+    return np.where(t > 0, (t0 + t - 1) // unit - t0 // unit + 1, 0)
+
+
+def batch_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int,
+                 flat: bool = False):
+    """(n_chunks, chunk_len) per request as a kernel runs the batch: with `flat` (a kernel
+    that runs the flat schedule) and where flat_unit chooses it, each request's partials
+    and U x tile, the longest any of its pieces is; else request_chunks."""
+    n, _ = _tiles(lengths, tile)
+    unit = flat_unit(n, max_chunks, tile, min_chunk, target) if flat else 0
+    if unit:
+        return flat_counts(n, tile, unit), np.full(n.shape, unit * tile, np.int64)
+    return request_chunks(n, max_chunks, tile, min_chunk, target)
+
+
 def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int):
-    """(n_chunks, chunk_len) per request of the batch `lengths`, in the kernels' integer
-    arithmetic (the module docstring). Vectorized over the batch."""
+    """(n_chunks, chunk_len) per request of the batch `lengths` under the per-request rule,
+    in the kernels' integer arithmetic (the module docstring). Vectorized over the batch."""
     n, t = _tiles(lengths, tile)
     u = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
     want = np.minimum(max_chunks, -(-t // u))                  # 0 for an empty request

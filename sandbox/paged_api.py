@@ -24,7 +24,10 @@ one block per row and column block) and, with wv_b, the output projection of eve
 head, not once per row). The built-in families' attention kernels write the latent and lse
 of every request that runs one chunk themselves: under a plan with `single_pass` (one chunk a
 request) the merge is not launched, and otherwise its blocks of such a request return at once
-(`attn_writes_single`; a user kernel's requests are all merged). Both launch with
+(`attn_writes_single`; a user kernel's requests are all merged). mma16 under a plan of at
+most registry.ATTN_MERGE_MAX_CHUNKS chunks a request merges every request in its own blocks
+(`attn_merges`: the last block of a request to write its partial merges it), and the merge is
+not launched either. Both launch with
 programmatic dependent launch (sandbox/pdl.py) where the device has it. A batch of at most 16
 rows (the merge's narrowest column blocks) runs one kernel instead, the merge whose blocks
 also project their columns (`fused_combine`).
@@ -121,7 +124,8 @@ def plan_for(shape: PagedShape, inst, *, num_sms: int, blocks_per_sm: int,
         raise ValueError(f"splits must be None, 'auto' or an integer 1..{CHUNK_CAP} (the "
                          f"chunks a request may take), got {splits!r}")
     return plan_chunks(shape.batch, -(-n_rows // inst.heads), num_sms=num_sms,
-                       blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows, chunks=chunks)
+                       blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows, chunks=chunks,
+                       flat=registry.runs_flat(inst))
 
 
 def raise_for_index_report(report, block_table, cache_seqlens, shape: PagedShape) -> None:
@@ -193,6 +197,7 @@ class PagedDecodeStep:
         self.result = PagedResult(*(self.caller.to_caller(a)
                                     for a in (self.latent, self.lse, self.out)))
         self.fused_combine, self.out_part, self.tickets = False, None, None
+        self.attn_merges, self.merge_tickets = False, None
         self.check_inst = self.check_kernel = None
         self.kv_map = None
         self.plan: ChunkPlan | None = None
@@ -215,6 +220,8 @@ class PagedDecodeStep:
         if not user:  # a single-pass plan runs no merge: the instance that skips the partials
             self.attn_inst = registry.instance_for_plan(self.attn_inst, self.plan.single_pass)
         self.attn_kernel = user.kernel(self.attn_inst) if user else get_kernel(self.attn_inst)
+        # mma16 under a plan of few chunks a request merges them itself: no combine launch
+        self.attn_merges = not user and registry.merges_in_attention(self.attn_inst, self.plan)
         # the wgmma family's bulk tensor copies read the cache through a tensor map
         # (sandbox/tensor_map.py); None: cp.async
         if self.variant.family == "wgmma":
@@ -233,9 +240,12 @@ class PagedDecodeStep:
         self.part_m = scratch_for_device(dev, "part_m", n)
         self.part_l = scratch_for_device(dev, "part_l", n)
         self.chunk_counts = scratch_for_device(dev, "chunk_counts", sh.batch, "int32")
+        if self.attn_merges:  # [B][row blocks], zero between launches (PagedWalk::arrive)
+            self.merge_tickets = scratch_for_device(dev, "merge_tickets",
+                                                    sh.batch * self.plan.grid[0], "int32")
         # where the plan merges: the combine in one kernel (a batch of at most 16 rows), or
         # the merge then the tensor-core projection, which batches many rows a head
-        self.fused_combine = (self.out is not None
+        self.fused_combine = (self.out is not None and not self.attn_merges
                               and registry.combine_in_one_kernel(self.col_blocks, fused_combine))
         if self.fused_combine:
             rows = sh.batch * self.n_rows
@@ -282,6 +292,12 @@ class PagedDecodeStep:
         one chunk a request): then the merge is not launched and only the projection runs."""
         return bool(getattr(self.plan, "single_pass", False)) and self.attn_writes_single
 
+    @property
+    def merges(self) -> bool:
+        """Whether the combine's merge is launched: not under a single pass, nor where the
+        attention kernel merges every request itself (attn_merges)."""
+        return not (self.single_pass or self.attn_merges)
+
     def attn_args(self) -> tuple:
         """The paged attention kernel's arguments, in the kernels' order. latent and lse
         come last: with a single-pass plan (ChunkPlan.single_pass) the kernel writes them."""
@@ -296,10 +312,13 @@ class PagedDecodeStep:
 
     def attn_launch_args(self) -> tuple:
         """attn_args() and, for the wgmma family, the cache's tensor map last (a null pointer
-        where the copies go by cp.async). The contract a user kernel takes stays attn_args()."""
-        if self.variant.family != "wgmma":
-            return self.attn_args()
-        return self.attn_args() + (self.kv_map if self.kv_map is not None else _NULL,)
+        where the copies go by cp.async); for the mma family the merge tickets last (a null
+        pointer where the combine merges). The contract a user kernel takes stays attn_args()."""
+        if self.variant.family == "wgmma":
+            return self.attn_args() + (self.kv_map if self.kv_map is not None else _NULL,)
+        if getattr(self.attn_inst, "kind", None) == "mma_attn":
+            return self.attn_args() + (self.merge_tickets if self.attn_merges else _NULL,)
+        return self.attn_args()
 
     @property
     def uses_tma(self) -> bool:
@@ -328,7 +347,7 @@ class PagedDecodeStep:
     def projects_alone(self) -> bool:
         """Whether the projection is a launch of its own: with wv_b, unless the one-kernel
         combine runs (a plan that merges, fused_combine)."""
-        return self.out is not None and (self.single_pass or not self.fused_combine)
+        return self.out is not None and (not self.merges or not self.fused_combine)
 
     def project_args(self) -> tuple:
         """The projection's arguments: latent [B*s_q][H][512] in, out [B*s_q][H][v_head]."""
@@ -378,7 +397,7 @@ class PagedDecodeStep:
                         cublas_projection(self.wv_b, self.latent, self.shape.cache_dtype,
                                           self.out)
                 return
-            if not self.single_pass:
+            if self.merges:
                 self.guard.launch("combine", self.combine_kernel, self.combine_grid,
                                   (self.combine_inst.threads, 1, 1), self.combine_args(),
                                   kernel_name=self.combine_inst.name, pdl=self.pdl)
@@ -400,7 +419,7 @@ class PagedDecodeStep:
                       self.attn_inst.smem_bytes)]
         if self.whole_step:
             return out
-        if not self.single_pass:
+        if self.merges:
             out.append(Launch(self.combine_inst.name, self.combine_grid,
                               (self.combine_inst.threads, 1, 1), 0, self.pdl))
         if self.projects_alone:

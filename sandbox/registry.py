@@ -28,6 +28,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+from .chunks import FLAT_MARGIN
+
 __all__ = [
     "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
     "COMBINE_COL_BLOCKS", "KV_LORA", "ROPE", "Variant", "KernelInstance", "VARIANTS", "variant",
@@ -37,7 +39,8 @@ __all__ = [
     "ROWS_THREADS", "ROWS_TILE", "rows_instance", "rows_smem_bytes", "variant_for_hpb",
     "Family", "FAMILIES", "KINDS", "compile_defines", "resolve_variant", "check_cuda_dims",
     "mma_smem_bytes", "CHECK_THREADS", "paged_attention_instance", "paged_combine_instance",
-    "instance_for_plan",
+    "instance_for_plan", "runs_flat", "MMA_FLAT_HEADS", "merges_in_attention",
+    "ATTN_MERGE_MAX_CHUNKS",
     "paged_check_instance", "PAGED_KINDS", "PAGED_ONLY_VARIANTS", "wgmma_instance",
     "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
     "UNIT_ROUNDOFF",
@@ -65,6 +68,14 @@ MMA_HEADS = (16, 32)  # heads per block of mla_mma.cu, as 1 or 2 m tiles of 16 h
 MMA_M_TILES = tuple(h // 16 for h in MMA_HEADS)
 MMA_THREADS = 256
 MMA_TILE = 64
+# The mma paged instance that runs the flat schedule (chunks.py, plans with flat: a program
+# carried across requests); mma32's q fragments and partials leave the loop no room for it.
+MMA_FLAT_HEADS = 16
+# The flat kernel merges a request itself (PagedWalk::arrive) under a plan of at most this
+# many chunks a request: one block reads them all, 16 rows x 512 floats a chunk, so a
+# plan of more (batch 1 cuts a request into up to 132) leaves the merge to the combine's
+# blocks, one a row.
+ATTN_MERGE_MAX_CHUNKS = 16
 # cuda_src/mla_attn_tiled.cu: register-tiled CUDA-core kernel, sized for 16 heads per block
 # (kThreads, kTile, kStages).
 TILED_HEADS = (16,)
@@ -368,10 +379,12 @@ def compile_defines() -> tuple[str, ...]:
     Each kernel static_asserts them (mla_common.cuh, "the registry's launch values"):
     MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
     and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_Q_ABSORB_COL_BLOCKS,
-    MLA_PROJECT_V_ROWS, MLA_PROJECT_M_ROWS and their MLA_PROJECT_WIDE_ pair. They only feed
+    MLA_PROJECT_V_ROWS, MLA_PROJECT_M_ROWS and their MLA_PROJECT_WIDE_ pair, and the flat
+    schedule's MLA_MMA_FLAT_HEADS and MLA_FLAT_MARGIN (chunks.FLAT_MARGIN). They only feed
     static_asserts, so they change no code.
     """
     out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}",
+           f"MLA_MMA_FLAT_HEADS={MMA_FLAT_HEADS}", f"MLA_FLAT_MARGIN={FLAT_MARGIN}",
            f"MLA_Q_ABSORB_COL_BLOCKS={Q_ABSORB_COL_BLOCKS}",
            f"MLA_PROJECT_V_ROWS={PROJECT_V_ROWS}", f"MLA_PROJECT_M_ROWS={PROJECT_M_ROWS}",
            f"MLA_PROJECT_WIDE_V_ROWS={PROJECT_WIDE_V_ROWS}",
@@ -562,6 +575,21 @@ def instance_for_plan(inst: KernelInstance, single_pass: bool) -> KernelInstance
     if single_pass and getattr(inst, "kind", None) == "wgmma_attn":
         return dataclasses.replace(inst, partials=False)
     return inst
+
+
+def runs_flat(inst) -> bool:
+    """Whether the paged launch of attention instance `inst` runs the flat schedule where it
+    pays (chunks.py: a plan with flat=True): mma_attn at MMA_FLAT_HEADS heads (mma16). Every
+    other kernel, a user kernel included, runs the per-request rule."""
+    return getattr(inst, "kind", None) == "mma_attn" and inst.heads == MMA_FLAT_HEADS
+
+
+def merges_in_attention(inst, plan) -> bool:
+    """Whether the paged launch of `inst` under ChunkPlan `plan` merges every request in the
+    attention kernel (the combine is then not launched): the flat kernel (runs_flat) under a
+    plan that merges (not single_pass) with at most ATTN_MERGE_MAX_CHUNKS chunks a request."""
+    return (runs_flat(inst) and not plan.single_pass
+            and plan.max_chunks <= ATTN_MERGE_MAX_CHUNKS)
 
 
 def paged_combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance:

@@ -55,6 +55,7 @@ __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_f
            "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS", "PagedReproCase",
            "make_paged_case", "render_paged_script", "write_paged_script",
            "default_paged_filename", "paged_runs_on", "PAGED_ATTN_ARGS", "PAGED_WGMMA_ARGS",
+           "PAGED_MMA_ARGS",
            "PAGED_COMBINE_ARGS"]
 
 REPRO_CONTEXTS = (4095, 4096, 20000)
@@ -73,6 +74,10 @@ PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n
 # The wgmma family's launch takes the cache's tensor map after them
 # (PagedDecodeStep.attn_launch_args).
 PAGED_WGMMA_ARGS = PAGED_ATTN_ARGS + ("kv_map",)
+# The mma family's launch takes the merge tickets after them; the script passes a null
+# pointer, so the combine merges every request (the in-kernel merge of mma16, attn_merges,
+# is the GPU suite's to check).
+PAGED_MMA_ARGS = PAGED_ATTN_ARGS + ("merge_tickets",)
 PAGED_COMBINE_ARGS = ("part_acc", "part_m", "part_l", "cache_seqlens", "n_rows", "n_head",
                       "max_chunks", "attn_writes_single", "wv_b", "v_head", "out", "latent",
                       "lse", "out_part", "tickets", "chunk_counts")
@@ -268,8 +273,10 @@ def _tensor_map_source() -> str:
 
 
 def _paged_attn_args(inst) -> tuple:
-    """The attention kernel's arguments by name: the wgmma family's take the tensor map."""
-    return PAGED_WGMMA_ARGS if getattr(inst, "kind", None) == "wgmma_attn" else PAGED_ATTN_ARGS
+    """The attention kernel's arguments by name: the wgmma family's take the tensor map,
+    the mma family's the merge tickets."""
+    kind = getattr(inst, "kind", None)
+    return {"wgmma_attn": PAGED_WGMMA_ARGS, "mma_attn": PAGED_MMA_ARGS}.get(kind, PAGED_ATTN_ARGS)
 
 
 def _check_embeddable(name: str, text: str) -> str:
@@ -449,7 +456,8 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
         how = f"plan_chunks with {sms} SMs and {bps} blocks/SM (given)"
     n_rows = s_q * dims.n_head
     plan = plan_chunks(len(lens), -(-n_rows // attn.heads), num_sms=sms,
-                       blocks_per_sm=max(1, bps), tile=attn.tile_rows, chunks=chunks)
+                       blocks_per_sm=max(1, bps), tile=attn.tile_rows, chunks=chunks,
+                       flat=registry.runs_flat(attn))
     n_chunks, _ = plan.for_lengths(lens)
     if negative_control and int(max(n_chunks)) < 2:
         raise ValueError("the negative control needs a request cut into at least 2 chunks, "

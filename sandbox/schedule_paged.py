@@ -5,10 +5,12 @@ It runs what the paged kernels run, in the order they run it, so the CPU suite r
 rule's corners (mixed lengths, empty requests, chunk slots past a request's end, causal
 queries that see nothing) without a GPU. What it models:
 
-* Chunks from `chunks.request_chunks`, the kernels' integer arithmetic, run program by
-  program (`ChunkPlan.program_chunks`: the p-th chunk of the batch in request order); a
-  program past the batch's last chunk does nothing, and the combine merges the n_b chunks
-  each request's count names (a missing one raises: the grid did not cover it).
+* Pieces from `ChunkPlan.program_segments`, the kernels' integer arithmetic, run program by
+  program: under the per-request rule the p-th chunk of the batch in request order, under
+  the flat schedule (a plan with `flat`) every request that program p's range of tiles
+  meets; a program past the batch's last piece does nothing, and the combine merges the n_b
+  partials each request's count names (a missing one raises: the grid did not cover it; one
+  written twice raises too).
 * Per chunk, an online softmax over tiles of `tile` positions, every (query, head) row at
   once: m_new = max(m, tile max), alpha = exp(m - m_new), l = l alpha + sum p,
   acc = acc alpha + p @ rows, in f32. Positions a row must not see (past the chunk, or past
@@ -30,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from .bf16 import as_f32
-from .chunks import ChunkPlan, chunk_bounds
+from .chunks import ChunkPlan
 from .paged import PagedResult, check_paged_inputs, check_paged_values, visible_lengths
 from .reference import to_host
 
@@ -104,20 +106,20 @@ def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, pl
     pages = to_host(kv_cache).reshape(shape.num_pages, shape.page_size, d.key_dim)
     q32 = as_f32(to_host(q)).reshape(shape.batch, s_q * H, d.key_dim)   # row r = i*H + h
     visible = np.repeat(visible_lengths(lengths, s_q, causal), H, axis=1)  # [B, s_q*H]
-    n_chunks, chunk_len = plan.for_lengths(lengths)
+    n_chunks, _ = plan.for_lengths(lengths)
 
     latent = np.zeros((shape.batch, s_q * H, d.kv_lora), np.float32)
     lse = np.full((shape.batch, s_q * H), -np.inf, np.float32)
     slots = {}                             # (request, chunk) -> partial, as the grid writes
-    for b, c in zip(*plan.program_chunks(lengths)):   # every chunk program of a row block
-        if b < 0:
-            continue                       # past the batch's last chunk: nothing to do
-        n = int(lengths[b])
-        ids = np.asarray(table[b, :-(-n // shape.page_size)], dtype=np.int64)
-        rows = as_f32(pages[ids].reshape(-1, d.key_dim)[:n])
-        start, end = chunk_bounds(n, int(chunk_len[b]), int(c))
-        slots[int(b), int(c)] = _chunk_partial(q32[b], rows, start, end, visible[b],
-                                               plan.tile, scale, d.kv_lora)
+    for pieces in plan.program_segments(lengths):   # every chunk program of a row block
+        for b, c, start, end in pieces:    # none past the batch's last piece
+            n = int(lengths[b])
+            ids = np.asarray(table[b, :-(-n // shape.page_size)], dtype=np.int64)
+            rows = as_f32(pages[ids].reshape(-1, d.key_dim)[:n])
+            if (b, c) in slots:
+                raise AssertionError(f"request {b}'s partial {c} is written twice")
+            slots[b, c] = _chunk_partial(q32[b], rows, start, end, visible[b], plan.tile,
+                                         scale, d.kv_lora)
     for b in range(shape.batch):
         parts = [slots[b, c] for c in range(int(n_chunks[b]))]   # the combine's n_b chunks
         if not parts:

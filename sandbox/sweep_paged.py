@@ -56,7 +56,8 @@ def _plan_row(cfg, inst, bps: int, num_sms: int) -> dict:
     n_rows = cfg.s_q * cfg.dims.n_head
     plan = plan_chunks(cfg.batch, -(-n_rows // inst.heads), num_sms=num_sms,
                        blocks_per_sm=max(1, bps), tile=inst.tile_rows,
-                       chunks=None if cfg.splits == "auto" else cfg.splits)
+                       chunks=None if cfg.splits == "auto" else cfg.splits,
+                       flat=registry.runs_flat(inst))
     n_chunks, chunk_len = plan.for_lengths(cfg.lengths)
     return {"head_blocks": plan.head_blocks, "grid": list(plan.grid),
             "max_chunks": plan.max_chunks, "n_chunks": [int(c) for c in n_chunks],

@@ -25,7 +25,7 @@ import pytest
 
 import mlasandbox as mla
 from gpu_support import fresh_seed, gpu, poison
-from mlasandbox import reference
+from mlasandbox import reference, registry
 from mlasandbox.chunks import CHUNK_CAP
 from mlasandbox.compare import Tolerance, compare, rel_l2
 from mlasandbox.compare_paged import compare_paged
@@ -174,9 +174,10 @@ def test_both_combine_forms_match_the_float64_reference(lengths, s_q, fused):
     host = make_paged_inputs(Dims(n_head=16 // (s_q * len(lengths))), lengths, s_q=s_q,
                              page_size=64, causal=s_q > 1, seed=seed)
     dev, ref = on_device(host), reference.decode_paged(**host.decode_args())
+    # more chunks a request than mma16 merges itself (registry.merges_in_attention)
     step = PagedDecodeStep(**dev.decode_args(), variant="mma16", sync_check=True,
-                           fused_combine=fused)
-    assert step.fused_combine == fused and not step.single_pass
+                           fused_combine=fused, splits=registry.ATTN_MERGE_MAX_CHUNKS + 1)
+    assert step.fused_combine == fused and not step.single_pass and step.merges
     check_step(step, ref, tolerance("mma16", "f16"), f"{lengths} s_q={s_q} seed={seed}")
     assert len(step.launches()) == (2 if fused else 3)
 
@@ -194,6 +195,39 @@ def test_auto_runs_the_mma_instance_of_its_rows(seeds, s_q, heads, want):
     named = PagedDecodeStep(**dev.decode_args(), variant=want)
     assert auto.variant.name == want and auto.attn_inst == named.attn_inst
     check_step(auto, reference.decode_paged(**host.decode_args()), Tolerance(), str(seeds))
+
+
+@gpu
+@pytest.mark.parametrize("batch, splits", [(8, 4), (8, registry.ATTN_MERGE_MAX_CHUNKS),
+                                           (32, None)])
+def test_mma16_steps_of_few_chunks_merge_in_the_attention_kernel(seeds, batch, splits):
+    """A serving batch (varied lengths, an empty request, MTP rows) whose plan has at most
+    ATTN_MERGE_MAX_CHUNKS chunks a request: mma16 merges every request itself, the step
+    launches no merge (attention, then the projection), matches the reference, NaN-poisoned,
+    and its graph replays to the same words."""
+    import cupy
+
+    from mlasandbox.paged_api import PagedDecodeStep
+
+    seed = seeds.one()
+    lengths = np.resize([3000, 0, 9000, 130, 5000, 64, 12000, 1], batch)
+    lengths[8:] = np.random.default_rng(seed).integers(1, 9000, batch - 8)
+    host = make_paged_inputs(Dims(n_head=16), list(lengths), s_q=2, page_size=64,
+                             causal=True, seed=seed)
+    dev, ref = on_device(host), reference.decode_paged(**host.decode_args())
+    step = PagedDecodeStep(**dev.decode_args(), variant="mma16", splits=splits,
+                           sync_check=True)
+    assert step.plan.max_chunks <= registry.ATTN_MERGE_MAX_CHUNKS and step.attn_merges
+    assert not step.merges and [x.kernel for x in step.launches()] == [
+        step.attn_inst.name, step.project_inst.name]
+    check_step(step, ref, Tolerance(), f"splits={splits} seed={seed}")
+    first = cupy.array(step.latent)
+    graph = step.capture()
+    poison(step)
+    graph.launch(cupy.cuda.get_current_stream())
+    cupy.cuda.get_current_stream().synchronize()
+    assert cupy.array_equal(step.latent, first), f"seed={seed}: the replay differs"
+    assert int(cupy.abs(step.merge_tickets).sum()) == 0
 
 
 # ---- every split count against one reference -----------------------------------------------
@@ -235,10 +269,11 @@ def test_negative_control_combine_without_rescale_fails_the_check(seeds, variant
     seed = seeds.one()
     host = make_paged_inputs(Dims(n_head=16), [20000, 9000, 0, 3000], page_size=64, seed=seed)
     dev, ref = on_device(host), reference.decode_paged(**host.decode_args())
-    good = PagedDecodeStep(**dev.decode_args(), variant=variant, splits=16)
+    splits = registry.ATTN_MERGE_MAX_CHUNKS + 1   # mma16 leaves the merge to the combine
+    good = PagedDecodeStep(**dev.decode_args(), variant=variant, splits=splits)
     check_step(good, ref, Tolerance(), f"{variant} seed={seed}")
-    broken = PagedDecodeStep(**dev.decode_args(), variant=variant, splits=16, rescale=False)
-    assert "rescale=false" in broken.combine_inst.name
+    broken = PagedDecodeStep(**dev.decode_args(), variant=variant, splits=splits, rescale=False)
+    assert "rescale=false" in broken.combine_inst.name and broken.merges
     poison(broken)
     cmp = compare_paged(broken.run(), ref)
     assert not cmp.ok, f"the check did not reject the broken combine (seed={seed})"

@@ -25,7 +25,7 @@ import pytest
 from gpu_support import fresh_seed, gpu
 from mlasandbox import registry, tensor_map
 from mlasandbox.api import SINGLE_PASS_FAMILIES
-from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
+from mlasandbox.chunks import MIN_TILES_PER_CHUNK, batch_chunks, flat_unit, request_chunks
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import PagedResult
@@ -88,12 +88,25 @@ CASES = [
     Case("split", 5, (3000, 20, 1), page_size=1, max_chunks=6, target=2),
     Case("mma32", 16, (140, 8193, 2), s_q=2, page_size=64, max_chunks=12, target=9),
 ]
+# The flat schedule (mma16, registry.runs_flat), where a small wave target makes it pay: a
+# program's tiles run from one request into the next ones (an empty request and requests of
+# one position among them), one partial a request it meets; causal rows that see nothing of
+# a piece, two row blocks, every page size. CASES' mma16 case of target 7 runs it too.
+FLAT = [
+    Case("mma16", 4, (3000, 1, 2, 700, 0, 2600), s_q=4, causal=True, page_size=16, max_chunks=8,
+         target=6, cache="bf16", q="bf16"),
+    Case("mma16", 16, (700, 5000, 64, 1300, 1, 2600), s_q=2, page_size=1, max_chunks=6,
+         target=8, q="f16"),
+    Case("mma16", 9, (4095, 4096, 4097, 20, 140, 20000), page_size=64, max_chunks=8, target=10,
+         wv_b=False),
+]
+CASES += FLAT
 
 
 def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale: bool = True,
               merge: bool = True, writes_single: bool | None = None,
               forget_latent: bool = False, tma: bool = True, defines: tuple = (),
-              partials: bool = True):
+              partials: bool = True, attn_merge: bool = False):
     """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l).
     merge=False: the attention launch alone, its latent and lse (those of the requests that
     run one chunk). writes_single: the combine's attn_writes_single flag (None: as
@@ -102,7 +115,10 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     attention kernel had written partials only. tma: the wgmma family's whole tiles by bulk
     tensor copy, through the cache's map, where pages hold whole tiles (else, or False:
     cp.async, a null map). defines: -D for the attention kernel (a planted defect).
-    partials=False: the wgmma instance of a single-pass plan (registry.wgmma_instance)."""
+    partials=False: the wgmma instance of a single-pass plan (registry.wgmma_instance).
+    attn_merge: the mma launch gets merge tickets (zeros) and merges every request itself
+    (PagedWalk::arrive); the combine is not run, and the tickets must end at 0. The mma
+    family's launch otherwise gets a null pointer: the combine merges."""
     import cupy as cp
 
     from mlasandbox.kernels import get_kernel
@@ -141,10 +157,19 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
         if tma and page_size >= tensor_map.BOX_ROWS:
             assert kv_map is not None, "the driver encodes no tensor map"
         args += (kv_map if kv_map is not None else np.uint64(0),)
+    merge_tickets = cp.zeros(grid[0] * batch, cp.int32) if attn_merge else None
+    if att.kind == "mma_attn":
+        args += (merge_tickets if attn_merge else np.uint64(0),)
+    else:
+        assert not attn_merge, f"{variant} does not merge in its attention kernel"
     get_kernel(att, defines)(grid, (att.threads,), args, shared_mem=att.smem_bytes)
-    want = request_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target)[0]
+    want = batch_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target,
+                        registry.runs_flat(att))[0]
     assert (counts.get() == want).all(), "the published chunk counts are the rule's"
     shape = (batch, s_q, n_head)
+    if attn_merge:
+        assert not merge, "attn_merge runs no combine"
+        assert int(cp.abs(merge_tickets).sum()) == 0, "the merge tickets end at 0"
     if not merge:
         cp.cuda.Device().synchronize()
         return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape), None), part_l
@@ -167,6 +192,23 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
                        out.reshape(*shape, v_head) if has_wv else None), part_l
 
 
+def kernel_counts(case):
+    """Each request's partials as case's kernel runs it (chunks.batch_chunks: the flat
+    schedule where the kernel runs it and it pays, else the per-request rule)."""
+    att = registry.paged_attention_instance(case.variant, case.cache, case.q)
+    return batch_chunks(list(case.lengths), case.max_chunks, att.tile_rows,
+                        MIN_TILES_PER_CHUNK * att.tile_rows, case.target,
+                        registry.runs_flat(att))[0]
+
+
+def runs_flat(case) -> bool:
+    """Whether case's kernel runs the flat schedule on case's lengths."""
+    att = registry.paged_attention_instance(case.variant, case.cache, case.q)
+    return registry.runs_flat(att) and flat_unit(
+        list(case.lengths), case.max_chunks, att.tile_rows, MIN_TILES_PER_CHUNK * att.tile_rows,
+        case.target) > 0
+
+
 def _inputs(case, seed):
     import cupy as cp
 
@@ -187,12 +229,83 @@ def test_paged_kernels_match_the_float64_reference(case):
     assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
     # the programs past a request's last chunk wrote nothing (their l is still NaN), and the
     # ones before it wrote every row
-    tile = registry.paged_attention_instance(case.variant).tile_rows
-    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
-                          case.target)
+    n = kernel_counts(case)
     written = ~np.isnan(part_l.get())                      # [B, max_chunks, n_rows]
     want = np.arange(case.max_chunks)[None, :] < n[:, None]  # [B, max_chunks]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
+
+
+def test_the_flat_cases_run_the_flat_schedule():
+    # no GPU needed: the cases above reach the flat walk (chunks.py's model of the choice,
+    # which the counts assertion of run_paged checks against the kernel's on a GPU)
+    balanced = [c for c in CASES if c.variant == "mma16" and c.target == 7]
+    assert all(runs_flat(c) for c in FLAT + balanced) and len(balanced) == 1
+    assert not any(runs_flat(c) for c in CASES if c.variant != "mma16")
+
+
+@gpu
+def test_negative_control_a_flat_program_that_keeps_its_first_q_fails():
+    # planted: the next piece of a program keeps the q of the request before it
+    # (mla_mma.cu, MLA_FLAT_STAGE_Q=0); the same launch without the plant passes
+    case = FLAT[1]
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    ref = decode_paged(**inp.decode_args())
+    res, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target,
+                       defines=("MLA_FLAT_STAGE_Q=0",))
+    assert not compare_paged(res, ref).ok, f"seed={seed}: a stale q passed"
+    res, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target)
+    assert compare_paged(res, ref).ok, f"seed={seed}"
+
+
+# The merge in the attention kernel (mma16, registry.merges_in_attention): every mma16 case
+# of at most ATTN_MERGE_MAX_CHUNKS chunks, flat or per-request at run time, with its latent
+# and lse from the attention launch alone (NaN-filled before it, no combine), its tickets
+# back at 0; two launches give the same words (the merger follows the arrival order, the
+# sum the chunk order). Tolerance: compare_paged's, as for the combine: the same terms in
+# the same order (w_c = 2^(m_c - max m), l = sum w_c l_c, acc / l), so the same bound.
+ATTN_MERGE = [c for c in CASES
+              if c.variant == "mma16" and c.max_chunks <= registry.ATTN_MERGE_MAX_CHUNKS]
+
+
+def test_the_attn_merge_cases_reach_both_rules_and_every_page_size():
+    # no GPU needed: flat and per-request programs, empty requests, causal, s_q up to 4
+    assert any(runs_flat(c) for c in ATTN_MERGE) and not all(runs_flat(c) for c in ATTN_MERGE)
+    assert {c.page_size for c in ATTN_MERGE} == {1, 16, 64}
+    assert any(0 in c.lengths for c in ATTN_MERGE) and any(c.causal for c in ATTN_MERGE)
+    assert all(max(kernel_counts(c)) >= 2 for c in ATTN_MERGE)
+
+
+@gpu
+@pytest.mark.parametrize("case", ATTN_MERGE, ids=str)
+def test_mma16_merges_every_request_in_the_attention_kernel(case):
+    import cupy as cp
+
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    ref = decode_paged(**{**inp.decode_args(), "wv_b": None})
+    res, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target, merge=False,
+                       attn_merge=True)
+    cmp = compare_paged(res, ref)
+    assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
+    again, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target, merge=False,
+                         attn_merge=True)
+    for a, b in ((res.latent, again.latent), (res.lse, again.lse)):
+        assert cp.array_equal(a, b, equal_nan=True), f"{case} seed={seed}: not deterministic"
+
+
+@gpu
+def test_negative_control_an_attn_merge_without_rescale_fails():
+    # planted: the in-kernel merge adds the partials unrescaled (MLA_MERGE_RESCALE=0)
+    case = FLAT[2]
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    ref = decode_paged(**{**inp.decode_args(), "wv_b": None})
+    kw = dict(target=case.target, merge=False, attn_merge=True)
+    res, _ = run_paged(inp, case.variant, case.max_chunks, defines=("MLA_MERGE_RESCALE=0",), **kw)
+    assert not compare_paged(res, ref).ok, f"seed={seed}: an unrescaled merge passed"
+    res, _ = run_paged(inp, case.variant, case.max_chunks, **kw)
+    assert compare_paged(res, ref).ok, f"seed={seed}"
 
 
 # One chunk per request (max_chunks 1): the attention launch writes latent and lse itself,
@@ -251,9 +364,7 @@ def _requests(res, ref, picked):
 def one_chunk_requests(case):
     """The mask of case's requests that run one chunk (chunks.py's model of the rule); the
     case must mix them with requests of several chunks."""
-    tile = registry.paged_attention_instance(case.variant, case.cache, case.q).tile_rows
-    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
-                          case.target)
+    n = kernel_counts(case)
     assert (n == 1).any() and (n >= 2).any(), f"{case}: chunk counts {n} do not mix 1 and more"
     return n == 1
 

@@ -7,8 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from mlasandbox.chunks import (CHUNK_CAP, batch_chunk_unit, chunk_bounds, plan_chunks,
-                               request_chunks, single_request_unit)
+from mlasandbox import chunks
+from mlasandbox.chunks import (CHUNK_CAP, FLAT_MARGIN, batch_chunk_unit, chunk_bounds,
+                               flat_counts, flat_unit, plan_chunks, request_chunks,
+                               single_request_unit)
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
@@ -317,6 +319,108 @@ def test_combine_tile_is_the_cap_rounded_up_to_a_power_of_two():
     assert plan_chunks(64, 4, num_sms=132, blocks_per_sm=1, tile=64).combine_tile == 1
 
 
+# -- the flat schedule (a plan with flat=True: the kernels registry.runs_flat names) -------
+
+def _bench_b32_lengths():
+    """The lengths of the bench's b32-8k-var-h16 preset (normal:8192:4096, seed 0)."""
+    return parse_lengths("normal:8192:4096", 32, 0)
+
+
+def _check_flat_segments(plan, lengths):
+    """Every position of every request in exactly one piece, in order; every program at most
+    U tiles; a request's partial slots 0..n_b - 1 once each, n_b the published count."""
+    lens = np.asarray(lengths)
+    unit = plan.unit(lens)
+    segs = plan.program_segments(lens)
+    n, clen = plan.for_lengths(lens)
+    assert (n == flat_counts(lens, plan.tile, unit)).all() and (n <= plan.max_chunks).all()
+    assert (clen == unit * plan.tile).all()
+    seen = {b: [] for b in range(len(lens))}
+    for p, pieces in enumerate(segs):
+        tiles = sum(-(-(e - s) // plan.tile) for _, _, s, e in pieces)
+        assert tiles <= unit, (p, tiles, unit)
+        for b, c, s, e in pieces:
+            assert 0 <= s < e <= lens[b] and s % plan.tile == 0
+            seen[b].append((c, s, e))
+    used = sum(1 for pieces in segs if pieces)
+    assert used <= plan.target and used == -(-int((-(-lens // plan.tile)).sum()) // unit)
+    for b, parts in seen.items():
+        parts.sort()
+        assert [c for c, _, _ in parts] == list(range(n[b]))
+        if parts:
+            assert [s for _, s, _ in parts] == [0] + [e for _, _, e in parts[:-1]]
+            assert parts[-1][2] == lens[b]
+
+
+def test_the_flat_schedule_cuts_the_b32_batch_to_the_ideal_program():
+    # B = 32 x N(8192, 4096) on 132 SMs (the bench's lengths): the per-request rule's longest
+    # chunk is 33 tiles, the ideal 29 (W / 132); the flat schedule gives every program 29
+    lengths = _bench_b32_lengths()
+    t = -(-lengths // 64)
+    plan = plan_chunks(32, 1, num_sms=132, blocks_per_sm=1, tile=64, flat=True)
+    u = batch_chunk_unit(lengths, plan.max_chunks, 64, 64, plan.target)
+    assert (u, plan.unit(lengths), -(-int(t.sum()) // 132)) == (33, 29, 29)
+    _check_flat_segments(plan, lengths)
+    crossing = sum(1 for pieces in plan.program_segments(lengths) if len(pieces) > 1)
+    assert 0 < crossing <= 31                 # a program crosses at most each boundary once
+    # the same plan without flat (every other kernel) keeps the per-request rule
+    per_request = plan_chunks(32, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert per_request.unit(lengths) == 0
+    assert (per_request.for_lengths(lengths)[0] == plan_chunks(
+        32, 1, num_sms=132, blocks_per_sm=1, tile=64).for_lengths(lengths)[0]).all()
+
+
+def test_the_flat_schedule_runs_only_where_it_saves_more_than_the_margin():
+    # B = 128 x 4096: one 64-tile chunk a request (u 64) against U 63, within the margin, so
+    # the per-request rule runs (and its requests need no merge); batch 1 and a single pass
+    # never run it; nor does a batch whose requests all fit one program each
+    def unit(batch, lengths, **kw):
+        return plan_chunks(batch, 1, num_sms=132, blocks_per_sm=1, tile=64, flat=True,
+                           **kw).unit(lengths)
+    assert unit(128, [4096] * 128) == 0
+    assert batch_chunk_unit([4096] * 128, 3, 64, 64, 132) == 64
+    assert unit(1, [131072]) == 0 and unit(200, [9000] * 200) == 0
+    assert unit(32, _bench_b32_lengths(), chunks=1) == 0
+    assert unit(4, [0, 0, 0, 70000]) == 0                    # one request with positions
+    assert FLAT_MARGIN == 1 and unit(32, _bench_b32_lengths()) > 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_flat_schedule_covers_each_request_once_within_its_slots(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(2, 90))
+    lengths = np.clip(rng.normal(6000, 5000, batch), 0, None).astype(int)
+    lengths[rng.random(batch) < 0.15] = 0
+    lengths[rng.random(batch) < 0.1] = rng.integers(1, 130)
+    # chunk slots given (chunks=): the flat schedule needs a slot a program a request meets,
+    # so a batch of one long request among short ones runs it only with slots to spare
+    ran = 0
+    for num_sms, chunks_, tile in ((132, 32, 64), (132, None, 64), (20, 16, 64), (7, 8, 32),
+                                   (132, 3, 64), (40, 24, 32)):
+        plan = plan_chunks(batch, 1, num_sms=num_sms, blocks_per_sm=1, tile=tile,
+                           chunks=chunks_, flat=True)
+        unit = plan.unit(lengths)
+        t = -(-lengths // tile)
+        u = 0 if plan.single_pass else batch_chunk_unit(lengths, plan.max_chunks, tile, tile,
+                                                          plan.target)
+        if unit:
+            ran += 1
+            assert unit + FLAT_MARGIN < u and unit >= -(-int(t.sum()) // plan.target)
+            _check_flat_segments(plan, lengths)
+        else:   # the per-request rule: the same pieces as a plan without flat
+            plain = plan_chunks(batch, 1, num_sms=num_sms, blocks_per_sm=1, tile=tile,
+                                chunks=chunks_)
+            assert plan.program_segments(lengths) == plain.program_segments(lengths)
+    assert ran, "no configuration of this batch ran the flat schedule"
+
+
+def test_flat_counts_are_the_programs_a_request_meets():
+    # tiles 3, 0, 5, 1 laid end to end at U = 4: [0, 3) [3, 3) [3, 8) [8, 9)
+    assert flat_counts([192, 0, 320, 64], 64, 4).tolist() == [1, 0, 2, 1]
+    assert flat_counts([192, 0, 320, 64], 64, 1).tolist() == [3, 0, 5, 1]
+    assert flat_unit([192, 0, 320, 64], 1, 64, 64, 132) == 0     # one chunk slot: no flat
+
+
 @pytest.mark.parametrize("bad", [{"batch": 0}, {"head_blocks": 1.5}, {"chunks": 0},
                                  {"chunks": CHUNK_CAP + 1}, {"tile": True}, {"skew": 0}])
 def test_plan_chunks_rejects_bad_values(bad):
@@ -357,6 +461,33 @@ def test_paged_schedule_matches_the_reference(mixed_batch, num_sms, chunks):
     assert result.empty_rows == 2 * 16 + 16  # request 0, and query 0 of request 1
 
 
+@pytest.mark.parametrize("num_sms,chunks", [(8, 8), (2, 4), (3, 7)])
+def test_the_flat_schedule_matches_the_reference(mixed_batch, num_sms, chunks):
+    # the mixed batch under a flat plan (programs crossing requests: an empty one, one of a
+    # position, causal rows that see nothing), same tolerances as above
+    dims, inp, want = mixed_batch
+    lengths = to_host(inp.cache_seqlens)
+    plan = plan_chunks(7, 1, num_sms=num_sms, blocks_per_sm=1, tile=64, chunks=chunks,
+                       flat=True)
+    assert plan.unit(lengths) > 0, "the case must run the flat schedule"
+    assert any(len(pieces) > 2 for pieces in plan.program_segments(lengths))
+    got = run_paged_schedule(**inp.decode_args(), plan=plan)
+    result = compare_paged(got, want)
+    assert result.ok, result.summary()
+    bad = run_paged_schedule(**inp.decode_args(), plan=plan, rescale=False)
+    assert not compare_paged(bad, want).ok           # the merge's rescale is still checked
+
+
+def test_a_flat_plan_whose_counts_drop_a_partial_fails(mixed_batch, monkeypatch):
+    # negative control: counts one short (the combine would skip a request's last partial)
+    dims, inp, want = mixed_batch
+    plan = plan_chunks(7, 1, num_sms=8, blocks_per_sm=1, tile=64, chunks=8, flat=True)
+    real = chunks.flat_counts
+    monkeypatch.setattr(chunks, "flat_counts",
+                        lambda *a: np.maximum(real(*a) - (real(*a) > 1), 0))
+    assert not compare_paged(run_paged_schedule(**inp.decode_args(), plan=plan), want).ok
+
+
 def test_the_balance_puts_the_chunks_on_the_long_request(mixed_batch):
     dims, inp, want = mixed_batch
     lengths = to_host(inp.cache_seqlens)                # 0, 1, 20, 140, 4095, 4097, 20000
@@ -390,3 +521,23 @@ def test_the_empty_row_check_has_power(mixed_batch):
         getattr(got, field)[index] = value
         assert compare_paged(got, want).empty_wrong == 1, field
     assert compare_paged(want, want).ok
+
+
+def test_mma16_merges_in_the_attention_kernel_under_a_plan_of_few_chunks():
+    """registry.merges_in_attention: mma16 (the flat kernel) under a plan that merges with
+    at most ATTN_MERGE_MAX_CHUNKS chunks a request; not mma32, a single pass, or batch 1's
+    plan of a chunk per SM."""
+    from mlasandbox import registry
+
+    mma16 = registry.paged_attention_instance("mma16", "f16", "f16")
+    mma32 = registry.paged_attention_instance("mma32", "f16", "f16")
+    plan = lambda batch, **kw: plan_chunks(batch, 1, num_sms=132, blocks_per_sm=1, tile=64,
+                                           flat=True, **kw)
+    b32, b1 = plan(32), plan(1)
+    assert b32.max_chunks == 9 and registry.merges_in_attention(mma16, b32)
+    assert not registry.merges_in_attention(mma32, b32)
+    assert b1.max_chunks == 132 and not registry.merges_in_attention(mma16, b1)
+    cap = registry.ATTN_MERGE_MAX_CHUNKS
+    assert registry.merges_in_attention(mma16, plan(4, chunks=cap))
+    assert not registry.merges_in_attention(mma16, plan(4, chunks=cap + 1))
+    assert not registry.merges_in_attention(mma16, plan(4, chunks=1))   # a single pass

@@ -204,10 +204,17 @@ def test_attn_args_follow_the_kernels_order_and_types():
     assert int(_bare_step(causal=False).attn_args()[7]) == 0
 
 
-def test_only_the_wgmma_launch_takes_the_cache_map_last():
+def test_the_wgmma_launch_takes_the_cache_map_and_the_mma_launch_the_tickets_last():
     step = _bare_step()
     step.kv_map = "kv_map"
-    assert step.attn_launch_args() == step.attn_args()   # mma: the contract as it is
+    step.attn_inst = types.SimpleNamespace(kind="mma_attn")
+    for merges in (False, True):   # mma: the merge tickets, a null pointer where none merge
+        step.attn_merges, step.merge_tickets = merges, "merge_tickets"
+        last = step.attn_launch_args()[-1]
+        assert step.attn_launch_args()[:-1] == step.attn_args()
+        assert last == "merge_tickets" if merges else (isinstance(last, np.uint64) and last == 0)
+    step.attn_inst = types.SimpleNamespace(kind="attn_batched")
+    assert step.attn_launch_args() == step.attn_args()   # the other families: the contract
     wg = _bare_step(family="wgmma")
     wg.kv_map = "kv_map"
     assert wg.attn_launch_args() == wg.attn_args() + ("kv_map",) and wg.uses_tma

@@ -39,16 +39,26 @@ def test_every_paged_instance_compiles_without_spills(report):
             assert r.spill_stores == 0 and r.spill_loads == 0, f"{inst.name} spills"
 
 
+# Registers a paged mma launch may hold over its batch-1 one: the chunk rule, the table
+# lookups and the causal limits (8); the flat schedule's instance (registry.runs_flat) also
+# carries its piece switch (the partials written, the next piece's q converted from q_raw)
+# inside the tile loop and the copy cursor's request and bounds (56; NVRTC 13.5: 208 and
+# 224 against 172). Either stays at one block per SM, the batch-1 kernel's occupancy
+# (launch bounds 256 threads, 1 block).
+PAGED_EXTRA_REGISTERS = {False: 8, True: 56}
+
+
 def test_paged_mma_stays_within_the_batch_1_register_budget():
-    # The paged path adds the chunk rule, the table lookups and the causal limits; the
-    # tensor-core kernels hold q in registers for a whole slice, so their paged launches
-    # must stay close to the batch-1 counts (a few registers), not merely under 255.
+    # The tensor-core kernels hold q in registers for a whole slice, so their paged launches
+    # must stay close to the batch-1 counts, not merely under 255.
     pairs = [(registry.mma_instance(h, c, q), registry.paged_attention_instance(f"mma{h}", c, q))
              for h in registry.MMA_HEADS for c, q in (("f16", "f32"), ("bf16", "bf16"))]
     rep = ptxas.ptxas_report([i for p in pairs for i in p], arch="sm_90")
-    for flat, paged in pairs:
-        assert rep[paged.name].registers <= rep[flat.name].registers + 8, (
-            paged.name, rep[paged.name].registers, rep[flat.name].registers)
+    assert any(registry.runs_flat(paged) for _, paged in pairs)
+    for batch1, paged in pairs:
+        extra = PAGED_EXTRA_REGISTERS[registry.runs_flat(paged)]
+        assert rep[paged.name].registers <= rep[batch1.name].registers + extra, (
+            paged.name, rep[paged.name].registers, rep[batch1.name].registers)
 
 
 def _compile_with(monkeypatch, inst, macro, value):
