@@ -130,7 +130,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     if (!walk.begin(kHeads, kMmaLora, part_acc, part_m, part_l, work)) {
         if constexpr (W::flat())  // a neutral partial is a chunk of its request too
             if (walk.wrote_neutral)
-                walk.template arrive<kHeads, kMmaThreads>(work.head0, part_acc, part_m, part_l);
+                walk.template finish<kHeads, kMmaThreads>(work.head0, part_acc, part_m, part_l);
         return;
     }
     const int head0 = work.head0;
@@ -440,7 +440,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
         if constexpr (W::flat()) {
             if (walk.piece_done(it, n_tiles)) {  // the next tile starts the next piece
                 write_partials();
-                walk.template arrive<kHeads, kMmaThreads>(head0, part_acc, part_m, part_l);
+                walk.template defer<kHeads, kMmaThreads>(head0, part_acc, part_m, part_l);
                 __syncthreads();  // every warp has read m_s, l_s, p and this tile
                 walk.next_piece(work, it + 1);
                 row_start = work.row_start;
@@ -489,7 +489,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
         }
     }
     write_partials();
-    if constexpr (W::flat()) walk.template arrive<kHeads, kMmaThreads>(head0, part_acc, part_m, part_l);
+    if constexpr (W::flat()) walk.template finish<kHeads, kMmaThreads>(head0, part_acc, part_m, part_l);
 }
 
 template <int HEADS, typename CacheT, typename QT>
@@ -506,7 +506,7 @@ mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head,
 // the flat schedule where it pays (a program carried across requests, its next piece's q
 // staged between two tiles); mma32 keeps the per-request rule: its q fills q_hl's buffer,
 // which leaves no room to copy the next piece's q ahead. merge_tickets (mma16; null: the
-// combine merges) makes mma16 merge every request itself (PagedWalk::arrive).
+// combine merges) makes mma16 merge every request itself (PagedWalk::finish).
 template <int HEADS, typename CacheT, typename QT>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,

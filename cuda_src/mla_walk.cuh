@@ -484,50 +484,118 @@ struct PagedWalk {
     // ---- the merge in the attention kernel (kFlat, merge_tickets set) --------------------
     // A block that has written its partial of a request of two chunks or more takes the
     // ticket of (request, row block); the block whose ticket is the request's last merges
-    // the request's partials of its rows, in chunk order and rescaled as the combine does
-    // (mla_combine.cu), into latent and lse, and sets the ticket back to 0 for the next
-    // launch. At the end of a flat program all pieces but a program's first end together,
-    // so the merges run in parallel, one a request, where the combine would start. Each
-    // thread's fence before the ticket publishes its partial; the merger's fence after it
-    // orders its reads (L2, __ldcg) after every other block's partial.
+    // the request's partials of its rows, rescaled as the combine does (mla_combine.cu), into
+    // latent and lse, and sets the ticket back to 0 for the next launch. Each thread's fence
+    // before the tickets publishes its partials; the merger's fence after them orders its
+    // reads (L2, __ldcg) after every other block's partial.
+    //
+    // A piece that ends inside the program (the end of a request, at the program's start)
+    // only notes its request (defer); the tickets of every piece are taken together at the
+    // program's end (finish). A fence and a ticket round trip at each piece switch held the
+    // whole block inside its tile loop: with them there, the merge made the kernel 8-10 us
+    // slower at B = 32 x N(8192, 4096) (docs/schedule.md). Pieces ending early are rarely a
+    // request's last, so the merges still run at the programs' end, in parallel.
+    // Pieces between a program's first and last are whole requests (one partial, no merge),
+    // so only the first is noted; a second note would take the tickets at once.
+    static constexpr int kPending = 1;
+    int n_pending = 0;                  // the same in every thread
+    __device__ __forceinline__ static int* pending_slots() {  // (req, chunks) a piece, and last
+        __shared__ int slots[3 * (kPending + 1)];
+        return slots;
+    }
     template <int kHeads, int kThreads>
-    __device__ __forceinline__ void arrive(int head0, const float* part_acc, const float* part_m,
-                                           const float* part_l) const {
-        static_assert(kThreads % kHeads == 0 && MLA_KV_LORA % (4 * (kThreads / kHeads)) == 0,
-                      "whole float4 columns per thread of a row");
+    __device__ __forceinline__ void defer(int head0, const float* part_acc, const float* part_m,
+                                          const float* part_l) {
         if (merge_tickets == nullptr || chunks < 2) return;
-        __shared__ int last;
+        if (n_pending == kPending) {
+            finish<kHeads, kThreads>(head0, part_acc, part_m, part_l);
+            return;
+        }
+        if (threadIdx.x == 0) {  // read by the end's barrier, after many more
+            pending_slots()[3 * n_pending] = req;
+            pending_slots()[3 * n_pending + 1] = chunks;
+        }
+        ++n_pending;
+    }
+    // The current piece and the noted ones take their tickets; their last blocks merge.
+    template <int kHeads, int kThreads>
+    __device__ __forceinline__ void finish(int head0, const float* part_acc, const float* part_m,
+                                           const float* part_l) {
+        if (merge_tickets == nullptr) return;
+        int* slots = pending_slots();
+        if (chunks >= 2) {
+            if (threadIdx.x == 0) {
+                slots[3 * n_pending] = req;
+                slots[3 * n_pending + 1] = chunks;
+            }
+            ++n_pending;
+        }
+        if (n_pending == 0) return;
         __threadfence();
         __syncthreads();
-        if (threadIdx.x == 0) {
-            int* ticket = merge_tickets + static_cast<size_t>(req) * gridDim.x + blockIdx.x;
-            last = atomicAdd(ticket, 1) == chunks - 1;
-            if (last) *ticket = 0;
+        if (static_cast<int>(threadIdx.x) < n_pending) {
+            int* s = slots + 3 * threadIdx.x;
+            int* ticket = merge_tickets + static_cast<size_t>(s[0]) * gridDim.x + blockIdx.x;
+            s[2] = atomicAdd(ticket, 1) == s[1] - 1;
+            if (s[2]) *ticket = 0;
         }
         __syncthreads();
-        if (!last) return;
-        __threadfence();
+        const int n = n_pending;
+        n_pending = 0;
+        bool fenced = false;
+        for (int i = 0; i < n; ++i) {
+            if (!slots[3 * i + 2]) continue;
+            if (!fenced) __threadfence();
+            fenced = true;
+            merge<kHeads, kThreads>(head0, slots[3 * i], slots[3 * i + 1], part_acc, part_m,
+                                    part_l);
+        }
+        __syncthreads();  // the slots are free for the next notes
+    }
+    // The merge of request b's `n` partials of rows [head0, head0 + kHeads). Lane c of a
+    // row's kTpr threads loads chunk c's (m, l) (so n <= ATTN_MERGE_MAX_CHUNKS <= kTpr), the
+    // row's max and l are shuffle reductions in a fixed order, and the partials are then
+    // read kMergeUnroll chunks at a time, each chunk's weight shuffled from its lane: the
+    // merge waits on memory a few times, not twice a chunk.
+    template <int kHeads, int kThreads>
+    __device__ __forceinline__ void merge(int head0, int b, int n, const float* part_acc,
+                                          const float* part_m, const float* part_l) const {
         constexpr int kTpr = kThreads / kHeads, kPer = MLA_KV_LORA / 4 / kTpr;
+        static_assert(kThreads % kHeads == 0 && MLA_KV_LORA % (4 * kTpr) == 0,
+                      "whole float4 columns per thread of a row");
+        static_assert(kTpr <= 32 && (kTpr & (kTpr - 1)) == 0, "a row's threads within a warp");
+#ifdef MLA_REGISTRY_FACTS
+        static_assert(MLA_ATTN_MERGE_MAX_CHUNKS <= kTpr,
+                      "registry.ATTN_MERGE_MAX_CHUNKS: one lane a chunk's (m, l)");
+#endif
+        constexpr int kMergeUnroll = 2;
         const int j = static_cast<int>(threadIdx.x) / kTpr, lane = static_cast<int>(threadIdx.x) % kTpr;
-        if (head0 + j >= n_rows) return;
-        const size_t first = static_cast<size_t>(req) * max_chunks * n_rows + head0 + j;
-        float m = -INFINITY;
-        for (int c = 0; c < chunks; ++c) {
-            const size_t k = first + static_cast<size_t>(c) * n_rows;
-            if (__ldcg(part_l + k) > 0.f) m = fmaxf(m, __ldcg(part_m + k));
+        const bool row = head0 + j < n_rows;  // every lane stays for the shuffles
+        const size_t first = static_cast<size_t>(b) * max_chunks * n_rows + head0 + j;
+        float lc = 0.f, mc = -INFINITY;
+        if (row && lane < n) {
+            const size_t k = first + static_cast<size_t>(lane) * n_rows;
+            lc = __ldcg(part_l + k);
+            const float m_raw = __ldcg(part_m + k);
+            if (lc > 0.f) mc = m_raw;
         }
+        float m = mc;
+#pragma unroll
+        for (int o = kTpr / 2; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o, kTpr));
+        const float wc = lc > 0.f ? (MLA_MERGE_RESCALE ? exp2f(mc - m) : 1.f) : 0.f;
+        float l = wc * lc;
+#pragma unroll
+        for (int o = kTpr / 2; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o, kTpr);
         float4 acc[kPer];
 #pragma unroll
         for (int i = 0; i < kPer; ++i) acc[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        float l = 0.f;
-#pragma unroll 2
-        for (int c = 0; c < chunks; ++c) {
-            const size_t k = first + static_cast<size_t>(c) * n_rows;
-            const float lc = __ldcg(part_l + k);
-            const float w = lc > 0.f ? (MLA_MERGE_RESCALE ? exp2f(__ldcg(part_m + k) - m) : 1.f)
-                                     : 0.f;
-            l += w * lc;
-            const float4* src = reinterpret_cast<const float4*>(part_acc + k * MLA_KV_LORA) + lane;
+        const float4* src0 = reinterpret_cast<const float4*>(part_acc + first * MLA_KV_LORA) + lane;
+        const size_t chunk_stride = static_cast<size_t>(n_rows) * (MLA_KV_LORA / 4);
+#pragma unroll kMergeUnroll
+        for (int c = 0; c < n; ++c) {
+            const float w = __shfl_sync(0xffffffffu, wc, c, kTpr);
+            if (!row) continue;
+            const float4* src = src0 + c * chunk_stride;
 #pragma unroll
             for (int i = 0; i < kPer; ++i) {
                 const float4 a = __ldcg(src + i * kTpr);
@@ -537,14 +605,15 @@ struct PagedWalk {
                 acc[i].w = fmaf(w, a.w, acc[i].w);
             }
         }
+        if (!row) return;
         const float inv_l = single_pass_inv_l(l);
-        const size_t row = q_row0 + head0 + j;
-        float4* dst = reinterpret_cast<float4*>(latent + row * MLA_KV_LORA) + lane;
+        const size_t out_row = static_cast<size_t>(b) * n_rows + head0 + j;
+        float4* dst = reinterpret_cast<float4*>(latent + out_row * MLA_KV_LORA) + lane;
 #pragma unroll
         for (int i = 0; i < kPer; ++i)
             dst[i * kTpr] = make_float4(acc[i].x * inv_l, acc[i].y * inv_l, acc[i].z * inv_l,
                                         acc[i].w * inv_l);
-        if (lane == 0) lse[row] = single_pass_lse(m, l);
+        if (lane == 0) lse[out_row] = single_pass_lse(m, l);
     }
     // An empty request has no chunk, so no block merges it: program p < B writes request p's
     // rows of its row block (latent 0, lse -inf) where the kernel merges (merge_tickets).

@@ -240,7 +240,7 @@ class PagedDecodeStep:
         self.part_m = scratch_for_device(dev, "part_m", n)
         self.part_l = scratch_for_device(dev, "part_l", n)
         self.chunk_counts = scratch_for_device(dev, "chunk_counts", sh.batch, "int32")
-        if self.attn_merges:  # [B][row blocks], zero between launches (PagedWalk::arrive)
+        if self.attn_merges:  # [B][row blocks], zero between launches (PagedWalk::finish)
             self.merge_tickets = scratch_for_device(dev, "merge_tickets",
                                                     sh.batch * self.plan.grid[0], "int32")
         # where the plan merges: the combine in one kernel (a batch of at most 16 rows), or

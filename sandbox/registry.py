@@ -71,7 +71,7 @@ MMA_TILE = 64
 # The mma paged instance that runs the flat schedule (chunks.py, plans with flat: a program
 # carried across requests); mma32's q fragments and partials leave the loop no room for it.
 MMA_FLAT_HEADS = 16
-# The flat kernel merges a request itself (PagedWalk::arrive) under a plan of at most this
+# The flat kernel merges a request itself (PagedWalk::finish) under a plan of at most this
 # many chunks a request: one block reads them all, 16 rows x 512 floats a chunk, so a
 # plan of more (batch 1 cuts a request into up to 132) leaves the merge to the combine's
 # blocks, one a row.
@@ -380,11 +380,12 @@ def compile_defines() -> tuple[str, ...]:
     MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
     and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_Q_ABSORB_COL_BLOCKS,
     MLA_PROJECT_V_ROWS, MLA_PROJECT_M_ROWS and their MLA_PROJECT_WIDE_ pair, and the flat
-    schedule's MLA_MMA_FLAT_HEADS and MLA_FLAT_MARGIN (chunks.FLAT_MARGIN). They only feed
-    static_asserts, so they change no code.
+    schedule's MLA_MMA_FLAT_HEADS, MLA_FLAT_MARGIN (chunks.FLAT_MARGIN) and
+    MLA_ATTN_MERGE_MAX_CHUNKS. They only feed static_asserts, so they change no code.
     """
     out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}",
            f"MLA_MMA_FLAT_HEADS={MMA_FLAT_HEADS}", f"MLA_FLAT_MARGIN={FLAT_MARGIN}",
+           f"MLA_ATTN_MERGE_MAX_CHUNKS={ATTN_MERGE_MAX_CHUNKS}",
            f"MLA_Q_ABSORB_COL_BLOCKS={Q_ABSORB_COL_BLOCKS}",
            f"MLA_PROJECT_V_ROWS={PROJECT_V_ROWS}", f"MLA_PROJECT_M_ROWS={PROJECT_M_ROWS}",
            f"MLA_PROJECT_WIDE_V_ROWS={PROJECT_WIDE_V_ROWS}",

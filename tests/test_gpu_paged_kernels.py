@@ -117,7 +117,7 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     cp.async, a null map). defines: -D for the attention kernel (a planted defect).
     partials=False: the wgmma instance of a single-pass plan (registry.wgmma_instance).
     attn_merge: the mma launch gets merge tickets (zeros) and merges every request itself
-    (PagedWalk::arrive); the combine is not run, and the tickets must end at 0. The mma
+    (PagedWalk::finish); the combine is not run, and the tickets must end at 0. The mma
     family's launch otherwise gets a null pointer: the combine merges."""
     import cupy as cp
 
