@@ -5,7 +5,9 @@
 //   CacheT  cache element: __half or __nv_bfloat16 (also the MMA operand type)
 //   QT      query element: float, or CacheT
 // Fixed geometry
-//   kThreads = 256 (8 warps), kTile = 64 cache rows per step, two stages;
+//   kThreads = 256 (8 warps), kTile = 64 cache rows per step; the cache streams through a
+//   ring of MmaSmem<HM>::ring units of unit_rows rows: mma16 5 half tiles (1.5 tiles in
+//   flight while one is computed), mma32 2 whole tiles (its q and red leave no room for more);
 //   MLA_KV_LORA = 512, MLA_ROPE = 64. sandbox/registry.py passes its own values for the
 //   block, the tile and the shared memory; the kernel static_asserts them.
 //
@@ -69,10 +71,17 @@ constexpr int kMmaSmemMax = 227 * 1024;                   // what a Hopper block
 template <int HM> struct MmaSmem {
     static constexpr int heads = 16 * HM;
     static constexpr int tile_bytes = kMmaTile * kMmaKey * 2;
+    // The copy unit and the ring. A tile's compute waits for its own units only, so with
+    // R units of a tile of K the copies keep R - K units in flight while it runs: mma16's
+    // 5 half tiles keep 110 KB in flight against the double buffer's 74 KB.
+    static constexpr int unit_rows = HM == 1 ? kMmaTile / 2 : kMmaTile;
+    static constexpr int units_per_tile = kMmaTile / unit_rows;
+    static constexpr int ring = HM == 1 ? 5 : 2;
+    static constexpr int unit_bytes = unit_rows * kMmaKey * 2;
     static constexpr int q_bytes = 2 * heads * kMmaKey * 2;           // hi, lo: [heads][72 chunks]
     static constexpr int red_bytes = kScoreKGroups * heads * kRedStride * 4;  // [k-group][heads][72] f32
-    static constexpr int tiles = 0;                                   // 2 x [64][72 chunks]
-    static constexpr int q = tiles + 2 * tile_bytes;                  // q's staging, then red
+    static constexpr int tiles = 0;                                   // ring x [unit_rows][72 chunks]
+    static constexpr int q = tiles + ring * unit_bytes;               // q's staging, then red
     static constexpr int red = q;
     static constexpr int p = q + (q_bytes > red_bytes ? q_bytes : red_bytes);  // hi, lo: [heads][8 chunks]
     static constexpr int m = p + 2 * heads * kMmaTile * 2;            // [heads] f32 each
@@ -80,7 +89,12 @@ template <int HM> struct MmaSmem {
     static constexpr int alpha = l + heads * 4;
     static constexpr int bytes = alpha + heads * 4;
     static_assert(bytes <= kMmaSmemMax, "one block per SM");
+    static_assert(ring >= 2 * units_per_tile, "a tile in compute and the next in flight");
+    static_assert(unit_rows % 32 == 0, "a unit is one copy pass of 256 threads or more");
 };
+
+// A lookup slot of the paged walk as a type, so a generic lambda passes it as a template argument.
+template <int V> struct MmaSlot { static constexpr int value = V; };
 
 __device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned (&r)[4]) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -125,12 +139,31 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     const size_t part_base = work.part_base;
     const int n_head = walk.rows();  // rows of q (heads; paged: s_q x heads of a request)
 
-    auto load_tile = [&](int tile_index, int buf) {  // two stage buffers
-        walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(tiles, buf, tile_index,
-                                                                      row_start, row_end);
+    // The ring: unit u (rows row_start + u unit_rows ..) goes to slot u % ring, one commit
+    // group a unit (an empty group past the last tile, so the wait below counts the same on
+    // every tile); units of the last tile past row_end are zero-filled, never stale words
+    // that p = 0 would multiply into NaN. Two units a copy step use the walk's two lookup
+    // slots (unit u's in slot u & 1): the pair's second copy never waits on a lookup.
+    constexpr int kUnitRows = Smem::unit_rows, kPerTile = Smem::units_per_tile;
+    constexpr int kRing = Smem::ring;
+    constexpr int kAhead = kPerTile == 2 ? 2 : 1;
+    const int n_tiles = (row_end - row_start + kMmaTile - 1) / kMmaTile;
+    const int n_units = n_tiles * kPerTile;
+    auto load_unit = [&](auto slot, int u) {
+        if (u < n_units)
+            walk.template copy_tile<kUnitRows, kMmaChunks, kRing, kMmaThreads, true,
+                                    decltype(slot)::value>(tiles, u % kRing, u, row_start,
+                                                           row_end);
+        else
+            cp_async_commit();
     };
-    walk.template fetch<kMmaTile, kMmaThreads>(0, row_start, row_end);
-    load_tile(0, 0);
+    using SlotA = MmaSlot<kAhead == 2 ? 0 : -1>;
+    using SlotB = MmaSlot<kAhead == 2 ? 1 : -1>;
+    walk.template fetch<kUnitRows, kMmaThreads, kAhead>(0, row_start, row_end);
+#pragma unroll
+    for (int u = 0; u < kRing - kPerTile; ++u) {
+        if (u % 2 == 0) load_unit(SlotA{}, u); else load_unit(SlotB{}, u);
+    }
 
     // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
     const QT* q_rows = walk.q(q);
@@ -162,7 +195,6 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     const unsigned q_base = smem_u32(q_hl);
     const unsigned p_base = smem_u32(p_hl);
     float* red = reinterpret_cast<float*>(smem + Smem::red);
-    const int n_tiles = (row_end - row_start + kMmaTile - 1) / kMmaTile;
     // ldmatrix row addresses: lane l feeds row (l & 7) of matrix (l >> 3).
     const int lm_mat = lane >> 3, lm_row = lane & 7;
 
@@ -197,17 +229,34 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     // after that of k-step ks0 + j, and n-tile pair np 16 rows after pair 0: four addresses
     // per tile, and the fully unrolled loop adds immediates, where swizzling every step's
     // address would cost a third of mma32's score-loop instructions.
+    // The warp's score rows lie in one unit of the tile (mma16: half s_rest; mma32: the one).
     const int b_row = s_row0 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
+    const int s_unit = s_row0 / kUnitRows;
     unsigned b_off[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) b_off[j] = swizzled_chunk(b_row, 2 * (ks0 + j) + b_khalf, kMmaChunks) * 16;
+    for (int j = 0; j < 4; ++j)
+        b_off[j] = swizzled_chunk(b_row % kUnitRows, 2 * (ks0 + j) + b_khalf, kMmaChunks) * 16;
+    const unsigned ring_base = smem_u32(tiles);
+    // the shared address of unit k of tile `it`
+    auto unit_base = [&](int it, int k) {
+        return ring_base + static_cast<unsigned>(((it * kPerTile + k) % kRing) *
+                                                 (kUnitRows * kMmaChunks * 16));
+    };
 
     for (int it = 0; it < n_tiles; ++it) {
-        const int buf = it & 1;
-        cp_async_wait<0>();
-        __syncthreads();  // tile `it` visible; everyone is done with the other buffer and red
-        if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
-        const unsigned tile_base = smem_u32(tiles + buf * kMmaTile * kMmaChunks);
+        // tile `it`'s units have landed: the groups after them, kRing - 2 kPerTile, may not
+        cp_async_wait<kRing - 2 * kPerTile>();
+        __syncthreads();  // tile `it` visible; everyone is done with tile it - 1's units and red
+        {
+            const int u = it * kPerTile + kRing - kPerTile;  // into tile it - 1's slots
+            if constexpr (kPerTile == 2) {  // u is odd: slots B then A
+                load_unit(SlotB{}, u);
+                load_unit(SlotA{}, u + 1);
+            } else {
+                load_unit(SlotA{}, u);
+            }
+        }
+        const unsigned score_base = unit_base(it, s_unit);
 
         // ---- scores: this warp's k-group, hi and lo products into one f32 accumulator ----
         {
@@ -216,7 +265,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             for (int n = 0; n < kNTiles; ++n) sp[n][0] = sp[n][1] = sp[n][2] = sp[n][3] = 0.f;
 #pragma unroll
             for (int j = 0; j < kGroupKSteps; ++j) {
-                const unsigned b_addr = tile_base + b_off[j % 4] + 128u * (j / 4);
+                const unsigned b_addr = score_base + b_off[j % 4] + 128u * (j / 4);
 #pragma unroll
                 for (int np = 0; np < kNTiles / 2; ++np) {
                     unsigned b[4];
@@ -334,11 +383,12 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             }
             // B: matrices (rows 16ks + 0-7 | 8-15) x (column tile 2j | 2j+1), transposed
             const int b_row = 16 * ks + (lm_mat & 1) * 8 + lm_row;
+            const unsigned v_base = unit_base(it, 16 * ks / kUnitRows);
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
                 unsigned b[4];
                 const int col_chunk = warp * 8 + 2 * j + (lm_mat >> 1);
-                ldsm_x4_trans(tile_base + swizzled_chunk(b_row, col_chunk, kMmaChunks) * 16, b);
+                ldsm_x4_trans(v_base + swizzled_chunk(b_row % kUnitRows, col_chunk, kMmaChunks) * 16, b);
 #pragma unroll
                 for (int mt = 0; mt < HM; ++mt) {
                     M::mma(acc[mt][2 * j], pa_hi[mt], b[0], b[1]);

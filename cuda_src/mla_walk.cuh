@@ -205,9 +205,10 @@ struct ContiguousWalk {
     __device__ __forceinline__ int rows() const { return n_head; }
     template <typename QT> __device__ __forceinline__ const QT* q(const QT* q0) const { return q0; }
     __device__ __forceinline__ int row_end(int, int slice_end) const { return slice_end; }
-    template <int kRows, int kThreadsT>
+    template <int kRows, int kThreadsT, int kAhead = 1>
     __device__ __forceinline__ void fetch(int, int, int) {}
-    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true>
+    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true,
+              int kSlot = -1>
     __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
                                               int row_end) {
         cp_async_tile<kRows, kChunks, kStages, kThreadsT, kSwizzle>(tiles, buf, tile_index, cache,
@@ -247,6 +248,7 @@ struct PagedWalk {
     int req = 0, chunk = 0;     // the program's request and chunk (begin)
     int chunks = 1;             // the request's chunk count (begin; 1 in a single-pass plan)
     int page[kPagedMaxPasses] = {};  // the pages of this thread's rows of the next tile to copy
+    int page_after[kPagedMaxPasses] = {};  // of the tile after it (two lookups ahead, kSlot)
 
     // The plan: one chunk slot a request (grid y = B, program p is request p).
     __device__ __forceinline__ bool single_plan() const { return max_chunks == 1; }
@@ -350,14 +352,21 @@ struct PagedWalk {
     // The pages of this thread's rows of tile `tile_index` (rows past row_end: page 0, never
     // read, and their table entries are not looked up). A tile in one page: its entry, in
     // page[0], the same word for every thread (one broadcast load).
-    template <int kRows, int kThreadsT>
+    // A copier that keeps two tiles' lookups (copy_tile's kSlot) asks for both with kAhead 2.
+    template <int kRows, int kThreadsT, int kAhead = 1>
     __device__ __forceinline__ void fetch(int tile_index, int row_start, int row_end) {
+        lookup<kRows, kThreadsT>(page, tile_index, row_start, row_end);
+        if constexpr (kAhead == 2) lookup<kRows, kThreadsT>(page_after, tile_index + 1, row_start, row_end);
+    }
+    template <int kRows, int kThreadsT>
+    __device__ __forceinline__ void lookup(int (&dst)[kPagedMaxPasses], int tile_index,
+                                           int row_start, int row_end) const {
         constexpr int kRowsPerPass = kThreadsT / 8, kPasses = kRows / kRowsPerPass;
         static_assert(kPasses <= kPagedMaxPasses, "a thread copies at most 2 rows a tile");
         const int* pages = request_pages();
         if (tile_in_page<kRows>(row_start)) {
             const int row = row_start + tile_index * kRows;
-            page[0] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
+            dst[0] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
             return;
         }
         const int row0 = row_start + tile_index * kRows + static_cast<int>(threadIdx.x >> 3);
@@ -369,15 +378,24 @@ struct PagedWalk {
 #pragma unroll
         for (int pass = 0; pass < kPasses; ++pass) {
             const int row = row0 + pass * kRowsPerPass;
-            page[pass] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
+            dst[pass] = row < row_end ? __ldg(pages + (row >> page_shift)) : 0;
         }
     }
     // cp_async_tile's copy, each row's address through the pages of this tile (fetched one
     // copy ago), then the next tile's pages. A loop of its own: routing cp_async_tile through
     // a row-address callback reorders the batch-1 kernels' PTX.
-    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true>
+    // kSlot 0 or 1: a copier that issues two tiles back to back (mma16's ring of half tiles)
+    // keeps two tiles' lookups, tile t's in slot t & 1 (page, page_after; fetch<..., 2>
+    // fills both), and refills the slot with tile t + 2's: each lookup has the copies of a
+    // whole tile of compute to land, where one slot would make the second copy of the pair
+    // wait for the lookup the first had just issued. The slot is a template argument, so
+    // both stay registers.
+    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true,
+              int kSlot = -1>
     __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
                                               int row_end) {
+        static_assert(kSlot >= -1 && kSlot <= 1, "lookup slot: -1 (one ahead), 0 or 1");
+        int (&pg)[kPagedMaxPasses] = kSlot == 1 ? page_after : page;
         constexpr int kRowsPerPass = kThreadsT / 8;
         static_assert(kThreadsT % 64 == 0 && kRows % kRowsPerPass == 0,
                       "8 threads per row, a pass of rows a multiple of 8 (one swizzle a thread)");
@@ -389,9 +407,9 @@ struct PagedWalk {
         uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks +
                      (kSwizzle ? (copy_lane ^ (copy_row & 7)) : copy_lane);
         if (tile_in_page<kRows>(row_start)) {
-            // One page: row row0 + k is row (row0 & in_page) + k of page page[0]. Rows past
+            // One page: row row0 + k is row (row0 & in_page) + k of page pg[0]. Rows past
             // row_end stay inside that page (or page 0 past the slice), never read.
-            const size_t tile_row = (static_cast<size_t>(page[0]) << page_shift) + (row0 & in_page);
+            const size_t tile_row = (static_cast<size_t>(pg[0]) << page_shift) + (row0 & in_page);
             const CacheT* src = cache + (tile_row + copy_row) * (kChunks * 8) + copy_lane * 8;
 #pragma unroll
             for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
@@ -402,21 +420,27 @@ struct PagedWalk {
                                 src + pass * kRowsPerPass * (kChunks * 8) + 64 * i, valid);
             }
             cp_async_commit();
-            fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
+            next_lookup<kRows, kThreadsT, kSlot>(pg, tile_index, row_start, row_end);
             return;
         }
 #pragma unroll
         for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
             const int row = row0 + pass * kRowsPerPass + copy_row;
             const bool valid = row < row_end;
-            const size_t cache_row = (static_cast<size_t>(page[pass]) << page_shift) + (row & in_page);
+            const size_t cache_row = (static_cast<size_t>(pg[pass]) << page_shift) + (row & in_page);
             const CacheT* src = cache + cache_row * (kChunks * 8) + copy_lane * 8;
 #pragma unroll
             for (int i = 0; i < kChunks / 8; ++i)
                 cp_async_16(dst + (pass * kRowsPerPass * kChunks + 8 * i), src + 64 * i, valid);
         }
         cp_async_commit();
-        fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
+        next_lookup<kRows, kThreadsT, kSlot>(pg, tile_index, row_start, row_end);
+    }
+    template <int kRows, int kThreadsT, int kSlot>
+    __device__ __forceinline__ void next_lookup(int (&pg)[kPagedMaxPasses], int tile_index,
+                                                int row_start, int row_end) {
+        if constexpr (kSlot < 0) lookup<kRows, kThreadsT>(page, tile_index + 1, row_start, row_end);
+        else lookup<kRows, kThreadsT>(pg, tile_index + 2, row_start, row_end);
     }
     __device__ __forceinline__ size_t part_base() const {
         return (static_cast<size_t>(req) * max_chunks + chunk) * n_rows;

@@ -36,7 +36,7 @@ TEMPLATES = {
                         "+3*((HPB+3)/4*4)*4", "HPB=8,12,16"),
     "mma16": Template("mla_mma.cu", "mma.entry.cu",
                       "threads=256 tile_rows=64 heads_per_block=HEADS "
-                      "smem=2*TILE_ROWS*KEY_DIM*2+max(2*HEADS*KEY_DIM*2,4*HEADS*(TILE_ROWS+8)*4)"
+                      "smem=5*(TILE_ROWS/2)*KEY_DIM*2+max(2*HEADS*KEY_DIM*2,4*HEADS*(TILE_ROWS+8)*4)"
                       "+2*HEADS*TILE_ROWS*2+3*HEADS*4", "HEADS=16"),
     "mma32": Template("mla_mma.cu", "mma.entry.cu",
                       "threads=256 tile_rows=64 heads_per_block=HEADS "
