@@ -168,6 +168,7 @@ __device__ __forceinline__ void attn_rows_body(const QT* __restrict__ q, W& walk
     walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 0, row_start,
                                                                       row_end);
 
+    pdl_wait();  // q is the kernel before's (q_absorb, api.DecodeStep): nothing above reads it
     // q in f32, pre-scaled into the log2 domain: this lane's 16 latent and 2 rope columns.
     const QT* q_head = walk.q(q) + static_cast<size_t>(head) * kKeyDim;
     float q_lat[16];

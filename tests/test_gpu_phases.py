@@ -1,6 +1,6 @@
 """The small phases on the device: q_absorb split over column blocks, the merge at every
 column-block count, the batched projection, programmatic dependent launch (plain, inside a
-captured graph, with the negative control) and the launch floor.
+captured graph, with the negative control; the attention behind q_absorb) and the launch floor.
 
 Tolerances: the projection is a 512-term f32 sum per output (`project`: four chains of 128
 on the tensor cores, added in order; `project_wide`: one chain of 512) of products exact in
@@ -173,6 +173,53 @@ def test_programmatic_steps_replay_in_a_graph_and_the_control_still_fails(varian
                                     ref)
     assert verdicts[True].ok, f"seed={seed}\n{verdicts[True].summary()}"
     assert not verdicts[False].ok, f"the control passed under PDL (seed={seed})"
+
+
+BATCH_1_KERNELS = [n for n, v in registry.VARIANTS.items() if v.is_cuda]
+
+
+@gpu
+@pytest.mark.parametrize("variant", BATCH_1_KERNELS)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_the_attention_behind_q_absorb_reads_the_q_it_wrote(variant, graph):
+    """q_absorb, then the attention as its programmatic dependent (its blocks start while
+    q_absorb runs, DecodeStep.run_attn(after_q_absorb=True)), then the combine, eager and
+    replayed from one graph, against the float64 step from q_nope, q_rope and wk_b. q is
+    NaN-filled on the stream right before q_absorb, so an attention block that read q before
+    q_absorb's grid completed reads NaN words and fails the compare; everything the step writes
+    is poisoned too. 2000 positions: several slices for the splitting variants."""
+    import cupy
+
+    from mlasandbox.api import DecodeStep, QAbsorb
+    from mlasandbox.pdl import supported
+    from mlasandbox.timing import capture_graph
+
+    inp, seed = device_inputs(Dims(n_head=16), 2000, "f16", "f32")
+    want_q = reference.q_absorb(inp.q_nope, inp.q_rope, inp.wk_b)
+    ref = reference.decode(**dict(inp.decode_args(), q=want_q))
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        qa = QAbsorb(inp.q_nope, inp.q_rope, inp.wk_b)
+        step = DecodeStep(**dict(inp.decode_args(), q=qa.q), variant=variant)
+        assert step.pdl == supported()
+
+        def run():
+            qa.q.fill(cupy.nan)
+            qa.run()
+            before = step.guard.programmatic
+            step.run_attn(after_q_absorb=True)
+            assert step.guard.programmatic == before + (1 if step.pdl else 0)
+            step.run_combine()
+
+        for _ in range(3):
+            poison(step)
+            if graph:
+                g = capture_graph(run, stream)
+                g.launch(stream)
+            else:
+                run()
+            stream.synchronize()
+            cmp = compare(reference.DecodeResult(step.out, step.latent, step.lse), ref)
+            assert cmp.ok, f"{variant} seed={seed}\n{cmp.summary()}"
 
 
 @gpu
