@@ -171,6 +171,7 @@ __device__ __forceinline__ void attn_body(const QT* __restrict__ q, W& walk, flo
     walk.template fetch<kTile, kThreads>(0, row_start, row_end);
     load_tile(0, 0);
 
+    pdl_wait();  // q is the kernel before's (q_absorb, api.DecodeStep): nothing above reads it
     // q in f32, pre-scaled into the log2 domain, laid out [key column][head] so that the
     // score phase reads HPT heads of one column with one broadcast.
     stage_q<HPB, kKeyDim, kThreads>(walk.q(q), head0, n_head, scale_log2,

@@ -168,16 +168,17 @@ __device__ __forceinline__ void attn_rows_body(const QT* __restrict__ q, W& walk
     walk.template copy_tile<kTile, kChunksPerRow, 1, kThreads, false>(tile, 0, 0, row_start,
                                                                       row_end);
 
+    pdl_wait();  // q is the kernel before's (q_absorb, api.DecodeStep): nothing above reads it
     // q in f32, pre-scaled into the log2 domain: this lane's 16 latent and 2 rope columns.
     const QT* q_head = walk.q(q) + static_cast<size_t>(head) * kKeyDim;
     float q_lat[16];
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-        q_lat[e] = to_f32(q_head[8 * lane + e]) * scale_log2;
-        q_lat[8 + e] = to_f32(q_head[256 + 8 * lane + e]) * scale_log2;
+        q_lat[e] = to_f32(__ldcg(q_head + 8 * lane + e)) * scale_log2;
+        q_lat[8 + e] = to_f32(__ldcg(q_head + 256 + 8 * lane + e)) * scale_log2;
     }
-    const float2 q_rope = make_float2(to_f32(q_head[kKvLora + 2 * lane]) * scale_log2,
-                                      to_f32(q_head[kKvLora + 2 * lane + 1]) * scale_log2);
+    const float2 q_rope = make_float2(to_f32(__ldcg(q_head + kKvLora + 2 * lane)) * scale_log2,
+                                      to_f32(__ldcg(q_head + kKvLora + 2 * lane + 1)) * scale_log2);
 
     float acc[16];
 #pragma unroll

@@ -158,6 +158,7 @@ attn_tiled(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_hea
         mbar_init(red_full, kRoleThreads);
         mbar_init(red_free, kRoleThreads);
     }
+    pdl_wait();  // q is the kernel before's (q_absorb, api.DecodeStep): nothing above reads it
     // q in f32, pre-scaled into the log2 domain, as [k-slice][column][head].
     stage_q<HPB, kKeyDim, kThreads>(q, head0, n_head, scale_log2, [&](int j, int k, float x) {
         const int ks = k / kSliceCols, kk = k - ks * kSliceCols;

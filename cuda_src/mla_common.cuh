@@ -140,8 +140,10 @@ __device__ __forceinline__ void mbar_arrive_after_copies(unsigned long long* bar
 // pdl_launch_dependents() lets the next kernel's blocks be scheduled once every block of this
 // one has called it (or exited); it orders nothing, the dependent's wait does. Both compile
 // to nothing below sm_90, and the wait is a no-op for a kernel launched without the attribute.
+// -DMLA_NO_PDL_WAIT builds a kernel that does not wait: a negative control only (the early
+// read it makes must fail the checks; results/ records how often it did).
 __device__ __forceinline__ void pdl_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MLA_NO_PDL_WAIT)
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #endif
 }
@@ -295,6 +297,9 @@ __device__ __forceinline__ bool begin_slice(int heads, int n_head, int n_ctx, in
 }
 
 // ---- the query ---------------------------------------------------------------------------
+// q is read through L2 only (ld.global.cg), never the read-only path: behind q_absorb the
+// attention kernel starts before q is written (api.DecodeStep.run_attn(after_q_absorb)), so q
+// is not read-only for the kernel's lifetime, as __ldg and const __restrict__ loads assume.
 // Reads q[head0 + j, k] for the block's kHeadsT heads and kKey key columns as f32 times
 // `scale` (0 for heads >= n_head, which are masked) and hands each value to
 // store(j, k, value), which writes it in the family's shared-memory layout. A thread issues
@@ -314,7 +319,7 @@ __device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int
         for (int i = 0; i < kBatch; ++i) {
             const int idx = threadIdx.x + (first + i) * kThreadsT;
             const int j = idx / kKey, k = idx - j * kKey;
-            v[i] = (idx < kTotal && head0 + j < n_head) ? to_f32(q[static_cast<size_t>(head0 + j) * kKey + k]) : 0.f;
+            v[i] = (idx < kTotal && head0 + j < n_head) ? to_f32(__ldcg(q + static_cast<size_t>(head0 + j) * kKey + k)) : 0.f;
         }
 #pragma unroll
         for (int i = 0; i < kBatch; ++i) {
@@ -333,13 +338,13 @@ __device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int
 // kQ8Batch chunks (40 floats) a thread are in flight per memory round trip.
 constexpr int kQ8Batch = 5;
 __device__ __forceinline__ void load8_f32(const float* p, float (&v)[8]) {
-    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
-    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldcg(reinterpret_cast<const float4*>(p) + 1);
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 template <typename T>
 __device__ __forceinline__ void load8_f32(const T* p, float (&v)[8]) {
-    unpack_f32<T>(__ldg(reinterpret_cast<const uint4*>(p)), v);
+    unpack_f32<T>(__ldcg(reinterpret_cast<const uint4*>(p)), v);
 }
 template <int kHeadsT, int kKey, int kThreadsT, typename QT, typename Store8>
 __device__ __forceinline__ void stage_q8(const QT* __restrict__ q, int head0, int n_head,

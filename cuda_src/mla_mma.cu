@@ -132,6 +132,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     walk.template fetch<kMmaTile, kMmaThreads>(0, row_start, row_end);
     load_tile(0, 0);
 
+    pdl_wait();  // q is the kernel before's (q_absorb, api.DecodeStep): nothing above reads it
     // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
     const QT* q_rows = walk.q(q);
     stage_q8<kHeads, kMmaKey, kMmaThreads>(q_rows, head0, n_head, scale_log2,

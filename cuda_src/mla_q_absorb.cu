@@ -50,6 +50,9 @@ q_absorb(const InT* __restrict__ q_nope, const InT* __restrict__ q_rope,
     static_assert(MLA_Q_ABSORB_COL_BLOCKS == kAbsorbColBlocks,
                   "registry.Q_ABSORB_COL_BLOCKS differs from kAbsorbColBlocks");
 #endif
+    // The attention kernel after it may start now (api.DecodeStep.run_attn(after_q_absorb=
+    // True)): it reads only the cache until its pdl_wait, which waits for all of this grid.
+    pdl_launch_dependents();
     __shared__ __align__(16) float part[kRowGroups][kAbsorbCols];
     __shared__ float part_p[kParts][kAbsorbCols];
     const int h = blockIdx.x, cb = blockIdx.y, tid = threadIdx.x;

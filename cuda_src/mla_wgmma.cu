@@ -475,6 +475,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     __syncthreads();
 
+    pdl_wait();  // q is the kernel before's (q_absorb, api.DecodeStep): nothing above reads it
     // q copied as given (exact 16-bit; the scale goes on the f32 scores) by every thread;
     // rows past n_rows are zeros. Then each warpgroup its first tile, in its two groups (the
     // blocks its own products free first, then the rest).

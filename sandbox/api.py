@@ -10,7 +10,9 @@ bench times phases through it, and the tests poke at its plan and scratch. Its c
 is two launches: the merge of the partials (mla_combine.cu, merge only) and the batched
 output projection (mla_project.cu), each launched with programmatic dependent launch
 (sandbox/pdl.py) behind the kernel before it where the device has it (`pdl=False`: plain
-launches).
+launches). Right after this package's q_absorb (`QAbsorb.run()`), `run_attn(after_q_absorb=True)`
+launches the attention the same way: its blocks stage their first cache tiles while q_absorb
+runs, and wait for it before they read q.
 """
 from __future__ import annotations
 
@@ -152,7 +154,14 @@ class DecodeStep:
             self.tickets = scratch_for_device(self.device_id, "tickets", h, "uint32")
 
     # ---- phases -------------------------------------------------------------------------
-    def run_attn(self) -> None:
+    def run_attn(self, after_q_absorb: bool = False) -> None:
+        """The attention phase. after_q_absorb=True: the kernel just before it on the stream is
+        this package's q_absorb (QAbsorb.run, launched in stream order), and the attention
+        kernel launches as its programmatic dependent: its blocks start while q_absorb runs,
+        read the cache and stage their first tiles, and wait for q_absorb's grid before they
+        read q. Only there: before that wait the kernel reads the cache, which a kernel of the
+        caller's right before it (an append of the new token) may still be writing; behind
+        q_absorb every such kernel has completed, since q_absorb itself waited for them."""
         if not self.variant.is_cuda:
             with self.guard.phase("attn"):
                 cublas_attention(self.q, self.cache, self.n_ctx, self.scale, self.cache_dtype,
@@ -164,7 +173,8 @@ class DecodeStep:
             (self.q, self.cache, np.int32(self.dims.n_head), np.int32(self.n_ctx),
              np.int32(p.splits), np.float32(self.scale * _LOG2E), self.part_acc, self.part_m,
              self.part_l, self.latent, self.lse),
-            smem_bytes=self.attn_inst.smem_bytes, kernel_name=self.attn_inst.name)
+            smem_bytes=self.attn_inst.smem_bytes, kernel_name=self.attn_inst.name,
+            pdl=bool(after_q_absorb) and self.pdl)
 
     def run_combine(self) -> None:
         if not self.variant.is_cuda:

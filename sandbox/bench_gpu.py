@@ -7,7 +7,8 @@ stream), under the project's phase guard:
 * the inputs are drawn once per cache dtype at the largest context (`make_inputs(xp=cupy)`,
   no NaN rows) and every `DecodeStep` reads a prefix of them: n_ctx is a parameter, so one
   131072-row cache serves every context;
-* the step is chained as a decode step is: q_absorb writes q, attn reads it;
+* the step is chained as a decode step is: q_absorb writes q, attn reads it (launched as
+  q_absorb's programmatic dependent where the step uses PDL: `run_attn(after_q_absorb=True)`);
 * the timed phases are `run_attn`, `run_combine` (on the partials the last attn wrote) and the
   whole step; q_absorb alone is the control phase;
 * graph mode captures a capture-safe twin of the phase: the same launches under a guard that
@@ -199,7 +200,7 @@ class CupyBackend:
         elif phase == "step":
             def fn():
                 qa.run()
-                step.run_attn()
+                step.run_attn(after_q_absorb=True)
                 step.run_combine()
         else:
             raise ValueError(f"unknown phase {phase!r}")
@@ -238,7 +239,9 @@ class CupyBackend:
             return None
         qa = self.qa
         absorb = Launch(qa.inst.name, qa.grid, (qa.inst.threads, 1, 1), 0)
-        return self._time_floor([absorb, *step.launches], variant, timing_kw)
+        attn, *rest = step.launches  # the step phase launches attn behind q_absorb (PDL)
+        return self._time_floor([absorb, replace(attn, pdl=step.pdl), *rest], variant,
+                                timing_kw)
 
     def time_control(self, use_graph: bool, timing_kw: dict):
         return self._time(self.qa.run, use_graph, "q_absorb", "q_absorb", timing_kw)

@@ -1,6 +1,6 @@
 """The small phases on the device: q_absorb split over column blocks, the merge at every
 column-block count, the batched projection, programmatic dependent launch (plain, inside a
-captured graph, with the negative control) and the launch floor.
+captured graph, with the negative control; the attention behind q_absorb) and the launch floor.
 
 Tolerances: the projection is a 512-term f32 sum per output (`project`: four chains of 128
 on the tensor cores, added in order; `project_wide`: one chain of 512) of products exact in
@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_support import device_inputs, fresh_seed, gpu, poison, run_poisoned
+from gpu_support import compile_with, device_inputs, fresh_seed, gpu, poison, run_poisoned
 from mlasandbox import reference, registry
 from mlasandbox.compare import compare, rel_l2
 from mlasandbox.dims import Dims
@@ -173,6 +173,127 @@ def test_programmatic_steps_replay_in_a_graph_and_the_control_still_fails(varian
                                     ref)
     assert verdicts[True].ok, f"seed={seed}\n{verdicts[True].summary()}"
     assert not verdicts[False].ok, f"the control passed under PDL (seed={seed})"
+
+
+BATCH_1_KERNELS = [n for n, v in registry.VARIANTS.items() if v.is_cuda]
+
+
+@gpu
+@pytest.mark.parametrize("variant", BATCH_1_KERNELS)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_the_attention_behind_q_absorb_reads_the_q_it_wrote(variant, graph):
+    """q_absorb, then the attention as its programmatic dependent (its blocks start while
+    q_absorb runs, DecodeStep.run_attn(after_q_absorb=True)), then the combine, eager and
+    replayed from one graph, against the float64 step from q_nope, q_rope and wk_b. q is
+    NaN-filled on the stream right before q_absorb, so an attention block that read q before
+    q_absorb's grid completed reads NaN words and fails the compare; everything the step writes
+    is poisoned too. 2000 positions: several slices for the splitting variants."""
+    import cupy
+
+    from mlasandbox.api import DecodeStep, QAbsorb
+    from mlasandbox.pdl import supported
+    from mlasandbox.timing import capture_graph
+
+    inp, seed = device_inputs(Dims(n_head=16), 2000, "f16", "f32")
+    # inp.q is q_absorb(q_nope, q_rope, wk_b) in float64, stored in f32 (inputs.make_inputs)
+    ref = reference.decode(**inp.decode_args())
+    # The inputs were written on the null stream, which a non-blocking stream does not wait
+    # for: without this the step may read them half written (a GPU shared by other processes
+    # made that visible).
+    cupy.cuda.get_current_stream().synchronize()
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        qa = QAbsorb(inp.q_nope, inp.q_rope, inp.wk_b)
+        step = DecodeStep(**dict(inp.decode_args(), q=qa.q), variant=variant)
+        assert step.pdl == supported()
+
+        def run():
+            qa.q.fill(cupy.nan)
+            qa.run()
+            before = step.guard.programmatic
+            step.run_attn(after_q_absorb=True)
+            assert step.guard.programmatic == before + (1 if step.pdl else 0)
+            step.run_combine()
+
+        for _ in range(3):
+            poison(step)
+            if graph:
+                g = capture_graph(run, stream)
+                g.launch(stream)
+            else:
+                run()
+            stream.synchronize()
+            cmp = compare(reference.DecodeResult(step.out, step.latent, step.lse), ref)
+            assert cmp.ok, f"{variant} seed={seed}\n{cmp.summary()}"
+
+
+# A stand-in for q_absorb that writes q late: it lets its dependents start at once, sleeps
+# LATE_Q_NS on the global timer, then copies q. The attention blocks launched behind it start
+# within a few microseconds and reach q after their first cache tile, so a kernel that does not
+# wait reads the NaN words and one that waits reads q.
+_LATE_Q_SOURCE = r"""
+extern "C" __global__ void late_q(const float* src, float* dst, int n, unsigned long long ns) {
+    asm volatile("griddepcontrol.launch_dependents;");
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+}
+"""
+LATE_Q_NS = 200_000
+
+
+@gpu
+@pytest.mark.parametrize("variant", BATCH_1_KERNELS)
+def test_the_attention_waits_for_a_late_q_and_without_its_wait_reads_it_early(variant):
+    """The attention behind a kernel that writes q 200 us after it starts (late_q above):
+    with its pdl_wait every run matches the reference, eager and replayed from a graph; the
+    same kernel built without the wait (-DMLA_NO_PDL_WAIT, the negative control) reads the
+    NaN q and fails. The control is asked to fail in one of five runs, not all: a time slice
+    of another process on the GPU may fall inside the 200 us and let q land first."""
+    import cupy
+
+    from mlasandbox.api import DecodeStep
+    from mlasandbox.pdl import supported
+    from mlasandbox.timing import capture_graph
+
+    if not supported():
+        pytest.skip("this device has no programmatic dependent launch (sm_90 and later)")
+    late_q = cupy.RawKernel(_LATE_Q_SOURCE, "late_q")
+    inp, seed = device_inputs(Dims(n_head=16), 2000, "f16", "f32")
+    ref = reference.decode(**inp.decode_args())
+    cupy.cuda.get_current_stream().synchronize()  # the null stream's inputs, as above
+    with cupy.cuda.Stream(non_blocking=True) as stream:
+        q = cupy.empty_like(inp.q)
+        step = DecodeStep(**dict(inp.decode_args(), q=q), variant=variant)
+
+        def run():
+            q.fill(cupy.nan)
+            late_q((1,), (256,), (inp.q, q, np.int32(q.size), np.uint64(LATE_Q_NS)))
+            before = step.guard.programmatic
+            step.run_attn(after_q_absorb=True)
+            assert step.guard.programmatic == before + 1, "the attention was launched plainly"
+            step.run_combine()
+
+        def verdict(fn):
+            poison(step)
+            fn()
+            stream.synchronize()
+            return compare(reference.DecodeResult(step.out, step.latent, step.lse), ref)
+
+        for _ in range(3):
+            cmp = verdict(run)
+            assert cmp.ok, f"{variant} eager seed={seed}\n{cmp.summary()}"
+        graph = capture_graph(run, stream)
+        for _ in range(3):
+            cmp = verdict(lambda: graph.launch(stream))
+            assert cmp.ok, f"{variant} graph seed={seed}\n{cmp.summary()}"
+
+        step.attn_kernel = compile_with(step.attn_inst, "MLA_NO_PDL_WAIT")
+        assert not all(verdict(run).ok for _ in range(5)), \
+            f"{variant}: the attention without its wait read q after it was written (seed={seed})"
 
 
 @gpu
