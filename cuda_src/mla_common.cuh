@@ -140,8 +140,8 @@ __device__ __forceinline__ void mbar_arrive_after_copies(unsigned long long* bar
 // pdl_launch_dependents() lets the next kernel's blocks be scheduled once every block of this
 // one has called it (or exited); it orders nothing, the dependent's wait does. Both compile
 // to nothing below sm_90, and the wait is a no-op for a kernel launched without the attribute.
-// -DMLA_NO_PDL_WAIT builds a kernel that does not wait: a negative control only (the early
-// read it makes must fail the checks; results/ records how often it did).
+// -DMLA_NO_PDL_WAIT builds a kernel that does not wait: a negative control only
+// (tests/test_gpu_phases.py: behind a kernel that writes q late, that build must fail).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(MLA_NO_PDL_WAIT)
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
