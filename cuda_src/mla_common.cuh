@@ -133,6 +133,26 @@ __device__ __forceinline__ void mbar_arrive_after_copies(unsigned long long* bar
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
+// One arrival that also expects `bytes` of bulk copies to complete on the barrier's phase.
+__device__ __forceinline__ void mbar_arrive_expect_bytes(unsigned long long* bar, unsigned bytes) {
+    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
+                 ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+// Orders this thread's generic-proxy shared-memory accesses before later async-proxy ones
+// (bulk copies, TMA, wgmma operands).
+__device__ __forceinline__ void fence_proxy_async() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to shared memory by
+// the bulk-copy engine (sm_90), counted against `bar`'s expected transactions: one
+// instruction, where cp.async takes one a thread per 16 bytes.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, unsigned bytes,
+                                              unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+        ::"r"(smem_u32(dst)), "l"(src), "r"(bytes), "r"(smem_u32(bar)) : "memory");
+}
+
 // ---- programmatic dependent launch (sm_90+) ---------------------------------------------
 // A kernel launched with programmatic stream serialization (sandbox/pdl.py) may start while
 // the kernel before it still runs. pdl_wait() blocks until that kernel has completed and its
@@ -232,8 +252,10 @@ constexpr bool kAblateCacheLoads = false;
 // block's threads copy (attn_tiled's value warps, threads 128..255, pass 0..127). Rows a
 // multiple of 8 apart share a swizzle, and the swizzle flips only the low three bits of the
 // chunk index, so a thread's destinations are one base plus immediates and its sources one
-// row pointer plus immediates: no per-chunk index arithmetic.
-template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true, typename CacheT>
+// row pointer plus immediates: no per-chunk index arithmetic. kRowStride: chunks from one
+// row's start to the next in shared memory (more than kChunks: padded rows, not swizzled).
+template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true,
+          int kRowStride = kChunks, typename CacheT>
 __device__ __forceinline__ void cp_async_tile(uint4* tiles, int buf, int tile_index,
                                               const CacheT* __restrict__ cache, int row_start,
                                               int row_end, int thread = -1) {
@@ -241,11 +263,13 @@ __device__ __forceinline__ void cp_async_tile(uint4* tiles, int buf, int tile_in
     static_assert(kThreadsT % 64 == 0 && kRows % kRowsPerPass == 0,
                   "8 threads per row, and a pass of rows a multiple of 8 (one swizzle per thread)");
     static_assert(kChunks % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
+    static_assert(kRowStride == kChunks || (!kSwizzle && kRowStride > kChunks),
+                  "padded rows are laid out plainly");
     if (kAblateCacheLoads && tile_index >= kStages) return;
     const int row0 = row_start + tile_index * kRows;
     const unsigned t = thread < 0 ? threadIdx.x : static_cast<unsigned>(thread);
     const int copy_row = t >> 3, copy_lane = t & 7;
-    uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks +
+    uint4* dst = tiles + buf * kRows * kRowStride + copy_row * kRowStride +
                  (kSwizzle ? (copy_lane ^ (copy_row & 7)) : copy_lane);
 #pragma unroll
     for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
@@ -254,7 +278,7 @@ __device__ __forceinline__ void cp_async_tile(uint4* tiles, int buf, int tile_in
         const CacheT* src = cache + static_cast<size_t>(valid ? row : 0) * (kChunks * 8) + copy_lane * 8;
 #pragma unroll
         for (int i = 0; i < kChunks / 8; ++i)
-            cp_async_16(dst + (pass * kRowsPerPass * kChunks + 8 * i), src + 64 * i, valid);
+            cp_async_16(dst + (pass * kRowsPerPass * kRowStride + 8 * i), src + 64 * i, valid);
     }
     cp_async_commit();
 }

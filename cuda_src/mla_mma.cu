@@ -56,6 +56,21 @@ constexpr int kMmaChunks = kMmaKey / 8;                   // 16-byte chunks per 
 constexpr int kKSteps = kMmaKey / 16;                     // 36
 constexpr int kPChunks = kMmaTile / 8;                    // 16-byte chunks per p row (8)
 static_assert(kMmaChunks % 8 == 0, "the 8-chunk swizzle");
+// A stage's tile: 64 rows of 72 chunks, each row padded by one chunk (1168 bytes, 292 words),
+// so the eight rows an ldmatrix reads at one column start 4 banks apart: conflict-free with no
+// swizzle, and each row lands whole from one bulk copy (sm_90).
+constexpr int kTileStride = kMmaChunks + 1;
+static_assert(kTileStride * 4 % 32 == 4, "consecutive rows 4 banks apart");
+__device__ __forceinline__ int tile_chunk(int r, int c) { return r * kTileStride + c; }
+// The tile copy (sm_90): warp 0 copies each row with one cp.async.bulk, lane l rows l and
+// l + 32, each stage's mbarrier completed by the bytes. cp.async, 16 bytes a thread-op, from
+// one 256-thread block an SM streamed at 3.82-3.90 TB/s (results/h200-2026-12-03-1750f15);
+// below sm_90, cp.async into the same layout.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MLA_MMA_BULK 1
+#else
+#define MLA_MMA_BULK 0
+#endif
 static_assert(kMmaLora == 64 * kMmaWarps, "value phase: 64 columns per warp");
 
 constexpr int kScoreKGroups = 4;                          // k-groups of the score phase
@@ -68,17 +83,19 @@ constexpr int kMmaSmemMax = 227 * 1024;                   // what a Hopper block
 
 template <int HM> struct MmaSmem {
     static constexpr int heads = 16 * HM;
-    static constexpr int tile_bytes = kMmaTile * kMmaKey * 2;
+    static constexpr int tile_bytes = kMmaTile * kTileStride * 16;
     static constexpr int q_bytes = 2 * heads * kMmaKey * 2;           // hi, lo: [heads][72 chunks]
     static constexpr int red_bytes = kScoreKGroups * heads * kRedStride * 4;  // [k-group][heads][72] f32
-    static constexpr int tiles = 0;                                   // 2 x [64][72 chunks]
+    static constexpr int tiles = 0;                                   // 2 x [64][73 chunks]
     static constexpr int q = tiles + 2 * tile_bytes;                  // q's staging, then red
     static constexpr int red = q;
     static constexpr int p = q + (q_bytes > red_bytes ? q_bytes : red_bytes);  // hi, lo: [heads][8 chunks]
     static constexpr int m = p + 2 * heads * kMmaTile * 2;            // [heads] f32 each
     static constexpr int l = m + heads * 4;
     static constexpr int alpha = l + heads * 4;
-    static constexpr int bytes = alpha + heads * 4;
+    static constexpr int bars = alpha + heads * 4;                    // the stages' mbarriers
+    static constexpr int bytes = bars + 2 * 8;
+    static_assert(bars % 8 == 0, "8-byte mbarriers");
     static_assert(bytes <= kMmaSmemMax, "one block per SM");
 };
 
@@ -116,6 +133,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     float* m_s = reinterpret_cast<float*>(smem + Smem::m);
     float* l_s = reinterpret_cast<float*>(smem + Smem::l);
     float* alpha_s = reinterpret_cast<float*>(smem + Smem::alpha);
+    unsigned long long* full = reinterpret_cast<unsigned long long*>(smem + Smem::bars);
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c4 = lane & 3;  // fragment row group and column pair
@@ -126,10 +144,43 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     const int n_head = walk.rows();  // rows of q (heads; paged: s_q x heads of a request)
 
     auto load_tile = [&](int tile_index, int buf) {  // two stage buffers
-        walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads>(tiles, buf, tile_index,
-                                                                      row_start, row_end);
+#if MLA_MMA_BULK
+        if (kAblateCacheLoads && tile_index >= 2) return;
+        const int row0 = row_start + tile_index * kMmaTile;
+        const int rows = min(kMmaTile, row_end - row0);  // >= 1
+        uint4* dst = tiles + buf * kMmaTile * kTileStride;
+        // Rows past the slice: zeros (p is 0 there, and 0 x a stale NaN would not be).
+        for (int i = rows * kMmaChunks + tid; i < kMmaTile * kMmaChunks; i += kMmaThreads)
+            dst[tile_chunk(i / kMmaChunks, i % kMmaChunks)] = make_uint4(0u, 0u, 0u, 0u);
+        if (warp == 0) {
+            if (lane == 0) mbar_arrive_expect_bytes(&full[buf], rows * kMmaChunks * 16);
+            __syncwarp();
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+                const int r = lane + 32 * k;
+                if (r < rows)
+                    bulk_copy_g2s(dst + tile_chunk(r, 0),
+                                  walk.template bulk_row<kMmaTile>(row0 + r, k, row_start),
+                                  kMmaChunks * 16, &full[buf]);
+            }
+            walk.template bulk_fetch<kMmaTile>(tile_index + 1, row_start, row_end, lane);
+        }
+#else
+        walk.template copy_tile<kMmaTile, kMmaChunks, 2, kMmaThreads, false, kTileStride>(
+            tiles, buf, tile_index, row_start, row_end);
+#endif
     };
+#if MLA_MMA_BULK
+    if (tid == 0) {
+        mbar_init(&full[0], 1);
+        mbar_init(&full[1], 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+    if (warp == 0) walk.template bulk_fetch<kMmaTile>(0, row_start, row_end, lane);
+#else
     walk.template fetch<kMmaTile, kMmaThreads>(0, row_start, row_end);
+#endif
     load_tile(0, 0);
 
     pdl_wait();  // q is the kernel before's (q_absorb, api.DecodeStep): nothing above reads it
@@ -192,23 +243,25 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     // (red overwrites q_hl: the barrier at the top of the first tile orders every warp's
     // fragment loads above before any warp's first partials.)
 
-    // B (cache rows): matrices (n tile 2np | 2np + 1) x (k lo | k hi). Every row this lane
-    // addresses has row & 7 == lm_row, and the swizzle flips only the low three bits of a
-    // chunk index, so chunk 2ks + khalf of k-step ks0 + 4i + j sits 8i chunks (128 bytes)
-    // after that of k-step ks0 + j, and n-tile pair np 16 rows after pair 0: four addresses
-    // per tile, and the fully unrolled loop adds immediates, where swizzling every step's
-    // address would cost a third of mma32's score-loop instructions.
+    // B (cache rows): matrices (n tile 2np | 2np + 1) x (k lo | k hi). Chunk 2ks + khalf of
+    // k-step ks0 + 4i + j sits 8i chunks (128 bytes) after that of k-step ks0 + j, and n-tile
+    // pair np 16 rows after pair 0: four addresses per tile, and the fully unrolled loop adds
+    // immediates (computing every step's address cost a third of mma32's score loop).
     const int b_row = s_row0 + (lm_mat >> 1) * 8 + lm_row, b_khalf = lm_mat & 1;
     unsigned b_off[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) b_off[j] = swizzled_chunk(b_row, 2 * (ks0 + j) + b_khalf, kMmaChunks) * 16;
+    for (int j = 0; j < 4; ++j) b_off[j] = tile_chunk(b_row, 2 * (ks0 + j) + b_khalf) * 16;
 
     for (int it = 0; it < n_tiles; ++it) {
         const int buf = it & 1;
+#if MLA_MMA_BULK
+        if (!kAblateCacheLoads || it < 2) mbar_wait(&full[buf], (it >> 1) & 1);
+#else
         cp_async_wait<0>();
+#endif
         __syncthreads();  // tile `it` visible; everyone is done with the other buffer and red
         if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
-        const unsigned tile_base = smem_u32(tiles + buf * kMmaTile * kMmaChunks);
+        const unsigned tile_base = smem_u32(tiles + buf * kMmaTile * kTileStride);
 
         // ---- scores: this warp's k-group, hi and lo products into one f32 accumulator ----
         {
@@ -221,7 +274,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
 #pragma unroll
                 for (int np = 0; np < kNTiles / 2; ++np) {
                     unsigned b[4];
-                    ldsm_x4(b_addr + np * 16 * kMmaChunks * 16, b);
+                    ldsm_x4(b_addr + np * 16 * kTileStride * 16, b);
                     M::mma(sp[2 * np], qf_hi[j], b[0], b[1]);
                     M::mma(sp[2 * np + 1], qf_hi[j], b[2], b[3]);
                     M::mma(sp[2 * np], qf_lo[j], b[0], b[1]);
@@ -339,7 +392,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             for (int j = 0; j < 4; ++j) {
                 unsigned b[4];
                 const int col_chunk = warp * 8 + 2 * j + (lm_mat >> 1);
-                ldsm_x4_trans(tile_base + swizzled_chunk(b_row, col_chunk, kMmaChunks) * 16, b);
+                ldsm_x4_trans(tile_base + tile_chunk(b_row, col_chunk) * 16, b);
 #pragma unroll
                 for (int mt = 0; mt < HM; ++mt) {
                     M::mma(acc[mt][2 * j], pa_hi[mt], b[0], b[1]);

@@ -207,11 +207,19 @@ struct ContiguousWalk {
     __device__ __forceinline__ int row_end(int, int slice_end) const { return slice_end; }
     template <int kRows, int kThreadsT>
     __device__ __forceinline__ void fetch(int, int, int) {}
-    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true>
+    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true,
+              int kRowStride = kChunks>
     __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
                                               int row_end) {
-        cp_async_tile<kRows, kChunks, kStages, kThreadsT, kSwizzle>(tiles, buf, tile_index, cache,
-                                                                     row_start, row_end);
+        cp_async_tile<kRows, kChunks, kStages, kThreadsT, kSwizzle, kRowStride>(
+            tiles, buf, tile_index, cache, row_start, row_end);
+    }
+    // Row `row` of the cache, for a bulk copy (bulk_fetch looked nothing up).
+    template <int kRows>
+    __device__ __forceinline__ void bulk_fetch(int, int, int, int) {}
+    template <int kRows>
+    __device__ __forceinline__ const CacheT* bulk_row(int row, int, int) const {
+        return cache + static_cast<size_t>(row) * (MLA_KV_LORA + MLA_ROPE);
     }
     __device__ __forceinline__ size_t part_base() const { return slice_part_base(n_head); }
     __device__ __forceinline__ static float exp_offset(float m) { return m; }
@@ -375,18 +383,21 @@ struct PagedWalk {
     // cp_async_tile's copy, each row's address through the pages of this tile (fetched one
     // copy ago), then the next tile's pages. A loop of its own: routing cp_async_tile through
     // a row-address callback reorders the batch-1 kernels' PTX.
-    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true>
+    template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true,
+              int kRowStride = kChunks>
     __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
                                               int row_end) {
         constexpr int kRowsPerPass = kThreadsT / 8;
         static_assert(kThreadsT % 64 == 0 && kRows % kRowsPerPass == 0,
                       "8 threads per row, a pass of rows a multiple of 8 (one swizzle a thread)");
         static_assert(kChunks % 8 == 0, "the XOR swizzle permutes chunks within groups of 8");
+        static_assert(kRowStride == kChunks || (!kSwizzle && kRowStride > kChunks),
+                      "padded rows are laid out plainly");
         if (kAblateCacheLoads && tile_index >= kStages) return;
         const int row0 = row_start + tile_index * kRows;
         const int copy_row = threadIdx.x >> 3, copy_lane = threadIdx.x & 7;
         const int in_page = (1 << page_shift) - 1;
-        uint4* dst = tiles + buf * kRows * kChunks + copy_row * kChunks +
+        uint4* dst = tiles + buf * kRows * kRowStride + copy_row * kRowStride +
                      (kSwizzle ? (copy_lane ^ (copy_row & 7)) : copy_lane);
         if (tile_in_page<kRows>(row_start)) {
             // One page: row row0 + k is row (row0 & in_page) + k of page page[0]. Rows past
@@ -398,7 +409,7 @@ struct PagedWalk {
                 const bool valid = row0 + pass * kRowsPerPass + copy_row < row_end;
 #pragma unroll
                 for (int i = 0; i < kChunks / 8; ++i)
-                    cp_async_16(dst + (pass * kRowsPerPass * kChunks + 8 * i),
+                    cp_async_16(dst + (pass * kRowsPerPass * kRowStride + 8 * i),
                                 src + pass * kRowsPerPass * (kChunks * 8) + 64 * i, valid);
             }
             cp_async_commit();
@@ -413,10 +424,38 @@ struct PagedWalk {
             const CacheT* src = cache + cache_row * (kChunks * 8) + copy_lane * 8;
 #pragma unroll
             for (int i = 0; i < kChunks / 8; ++i)
-                cp_async_16(dst + (pass * kRowsPerPass * kChunks + 8 * i), src + 64 * i, valid);
+                cp_async_16(dst + (pass * kRowsPerPass * kRowStride + 8 * i), src + 64 * i, valid);
         }
         cp_async_commit();
         fetch<kRows, kThreadsT>(tile_index + 1, row_start, row_end);
+    }
+    // The bulk copy's lookups (sm_90: one warp copies a tile, lane l rows l and l + 32): the
+    // pages of this lane's rows of tile `tile_index`, one a tile where it lies in one page
+    // (page[0]); rows past row_end are not looked up. Made one tile ahead, as fetch does.
+    template <int kRows>
+    __device__ __forceinline__ void bulk_fetch(int tile_index, int row_start, int row_end,
+                                               int lane) {
+        static_assert(kRows <= 32 * kPagedMaxPasses, "a lane copies at most 2 rows a tile");
+        const int* pages = request_pages();
+        const int row0 = row_start + tile_index * kRows;
+        if (tile_in_page<kRows>(row_start)) {
+            page[0] = row0 < row_end ? __ldg(pages + (row0 >> page_shift)) : 0;
+            return;
+        }
+#pragma unroll
+        for (int k = 0; k < kPagedMaxPasses; ++k) {
+            const int row = row0 + lane + 32 * k;
+            page[k] = row < row_end && lane + 32 * k < kRows ? __ldg(pages + (row >> page_shift)) : 0;
+        }
+    }
+    // Row `row` of the request, the k-th of this lane (row0 + lane + 32 k), through the
+    // pages bulk_fetch looked up.
+    template <int kRows>
+    __device__ __forceinline__ const CacheT* bulk_row(int row, int k, int row_start) const {
+        const int in_page = (1 << page_shift) - 1;
+        const int entry = tile_in_page<kRows>(row_start) ? page[0] : page[k];
+        return cache + ((static_cast<size_t>(entry) << page_shift) + (row & in_page)) *
+                           (MLA_KV_LORA + MLA_ROPE);
     }
     __device__ __forceinline__ size_t part_base() const {
         return (static_cast<size_t>(req) * max_chunks + chunk) * n_rows;

@@ -149,20 +149,12 @@ template <int N> __device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-__device__ __forceinline__ void fence_proxy_async() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 // ---- the bulk tensor copy (TMA) of whole tiles, through the cache's tensor map ----
 // The map (sandbox/tensor_map.py) lies in global memory, written by a host copy: acquired
 // once by each issuing thread before its first box.
 __device__ __forceinline__ void tma_acquire(const void* map) {
     asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
-}
-// One arrival that also expects `bytes` of bulk copies to complete on the barrier's phase.
-__device__ __forceinline__ void mbar_arrive_expect_bytes(unsigned long long* bar, unsigned bytes) {
-    asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
-                 ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
 // Box (col, row) of the map, 64 elements of 64 rows, into `dst` in the 128-byte swizzle;
 // its bytes count against `bar`'s expected transactions.

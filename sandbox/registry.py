@@ -221,15 +221,15 @@ MMA_SCORE_KGROUPS = 4  # kScoreKGroups: the score phase's k-groups, one per warp
 
 def mma_smem_bytes(heads: int) -> int:
     """Dynamic shared memory of mma_attn<heads>, MmaSmem<heads / 16>::bytes in mla_mma.cu (two
-    64-row tiles; q as hi/lo 16-bit halves, whose buffer the score partials of the four
-    k-groups, [4][heads][64 + 8] f32, reuse once q is in registers; p as hi/lo halves; m, l,
-    alpha)."""
-    tiles = 2 * MMA_TILE * KEY_DIM * 2
+    64-row tiles, each row padded by 16 bytes; q as hi/lo 16-bit halves, whose buffer the
+    score partials of the four k-groups, [4][heads][64 + 8] f32, reuse once q is in
+    registers; p as hi/lo halves; m, l, alpha; the two stages' 8-byte mbarriers)."""
+    tiles = 2 * MMA_TILE * (KEY_DIM * 2 + 16)
     q = 2 * heads * KEY_DIM * 2
     red = MMA_SCORE_KGROUPS * heads * (MMA_TILE + 8) * 4
     p = 2 * heads * MMA_TILE * 2
     stats = 3 * heads * 4
-    return tiles + max(q, red) + p + stats
+    return tiles + max(q, red) + p + stats + 2 * 8
 
 
 def tiled_smem_bytes(heads: int = 16) -> int:

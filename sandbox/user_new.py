@@ -27,6 +27,11 @@ class Template:
     params: str = ""     # the header's params line, if any
 
 
+# registry.mma_smem_bytes: two tiles of padded rows, q or the score partials, p, m/l/alpha,
+# the stages' mbarriers
+_MMA_HEADER = ("threads=256 tile_rows=64 heads_per_block=HEADS "
+               "smem=2*TILE_ROWS*(KEY_DIM*2+16)+max(2*HEADS*KEY_DIM*2,4*HEADS*(TILE_ROWS+8)*4)"
+               "+2*HEADS*TILE_ROWS*2+3*HEADS*4+16")
 TEMPLATES = {
     "split": Template("mla_attn_rows.cu", "split.entry.cu",
                       "threads=128 tile_rows=32 heads_per_block=1 smem=TILE_ROWS*KEY_DIM*2"),
@@ -34,14 +39,8 @@ TEMPLATES = {
                         "threads=256 tile_rows=32 heads_per_block=HPB "
                         "smem=2*TILE_ROWS*KEY_DIM*2+KEY_DIM*HPB*4+HPB*TILE_ROWS*4"
                         "+3*((HPB+3)/4*4)*4", "HPB=8,12,16"),
-    "mma16": Template("mla_mma.cu", "mma.entry.cu",
-                      "threads=256 tile_rows=64 heads_per_block=HEADS "
-                      "smem=2*TILE_ROWS*KEY_DIM*2+max(2*HEADS*KEY_DIM*2,4*HEADS*(TILE_ROWS+8)*4)"
-                      "+2*HEADS*TILE_ROWS*2+3*HEADS*4", "HEADS=16"),
-    "mma32": Template("mla_mma.cu", "mma.entry.cu",
-                      "threads=256 tile_rows=64 heads_per_block=HEADS "
-                      "smem=2*TILE_ROWS*KEY_DIM*2+max(2*HEADS*KEY_DIM*2,4*HEADS*(TILE_ROWS+8)*4)"
-                      "+2*HEADS*TILE_ROWS*2+3*HEADS*4", "HEADS=32"),
+    "mma16": Template("mla_mma.cu", "mma.entry.cu", _MMA_HEADER, "HEADS=16"),
+    "mma32": Template("mla_mma.cu", "mma.entry.cu", _MMA_HEADER, "HEADS=32"),
 }
 
 
