@@ -75,6 +75,10 @@ template <> struct MmaType<__nv_bfloat16> {
     }
 };
 
+// Whether two types are one (NVRTC has no <type_traits> here).
+template <typename A, typename B> struct SameType { static constexpr bool value = false; };
+template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
+
 // x = hi + lo in the 16-bit type T, each part rounded to nearest.
 template <typename T>
 __device__ __forceinline__ void split_hi_lo(float x, T& hi, T& lo) {

@@ -18,10 +18,13 @@
 // (16 heads x s_q 4 fill two mma32 blocks or four mma16 ones), partials
 // [B][max_chunks][n_rows].
 //
-// Exact to f32 level although the tensor cores take 16-bit operands: q and p are split into
-// hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each product is
-// done twice, so q.c = q_hi.c + q_lo.c to ~2^-22 (f16) / 2^-16 (bf16) relative; the cache is
-// already 16-bit and exact, and every accumulation is f32.
+// Exact to f32 level although the tensor cores take 16-bit operands: an f32 q and p are
+// split into hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each
+// product is done twice, so q.c = q_hi.c + q_lo.c to ~2^-22 (f16) / 2^-16 (bf16) relative;
+// the cache is already 16-bit and exact, and every accumulation is f32. A q in the cache
+// dtype (QT = CacheT) is exact as it is: its scores take one product, unscaled, and the
+// scale multiplies their f32 sums (a quarter of the tile's MMAs fewer for mma16, and 36 q
+// registers instead of 72).
 //
 // One tile of 64 rows:
 //   scores: S[HEADS x 64 rows] = Q C^T. Warp w serves k-group w % 4 (9 of the 36 k16
@@ -108,6 +111,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
                   "registry.mma_smem_bytes(HEADS) differs from MmaSmem<HEADS / 16>::bytes");
 #endif
     constexpr int kHeads = Smem::heads;
+    constexpr bool kQ16 = SameType<QT, CacheT>::value;  // q exact in 16 bits: no lo product
     require_dynamic_smem(Smem::bytes);
     extern __shared__ __align__(128) unsigned char smem[];
     uint4* tiles = reinterpret_cast<uint4*>(smem + Smem::tiles);
@@ -133,9 +137,10 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     load_tile(0, 0);
 
     pdl_wait();  // q is the kernel before's (q_absorb, api.DecodeStep): nothing above reads it
-    // q, pre-scaled into the log2 domain, as hi/lo halves in the swizzled [head][k] layout.
+    // q, as hi/lo halves in the swizzled [head][k] layout: an f32 q pre-scaled into the log2
+    // domain; a 16-bit q as it is (lo = 0, never read), its scores scaled in the softmax.
     const QT* q_rows = walk.q(q);
-    stage_q8<kHeads, kMmaKey, kMmaThreads>(q_rows, head0, n_head, scale_log2,
+    stage_q8<kHeads, kMmaKey, kMmaThreads>(q_rows, head0, n_head, kQ16 ? 1.f : scale_log2,
                                            [&](int j, int c, const float (&x)[8]) {
         unsigned hi_w[4], lo_w[4];  // pairs of 16-bit halves
 #pragma unroll
@@ -148,8 +153,9 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
         }
         const int off = swizzled_chunk(j, c, kMmaChunks) * 8;
         *reinterpret_cast<uint4*>(q_hl + off) = make_uint4(hi_w[0], hi_w[1], hi_w[2], hi_w[3]);
-        *reinterpret_cast<uint4*>(q_hl + kHeads * kMmaKey + off) =
-            make_uint4(lo_w[0], lo_w[1], lo_w[2], lo_w[3]);
+        if (!kQ16)
+            *reinterpret_cast<uint4*>(q_hl + kHeads * kMmaKey + off) =
+                make_uint4(lo_w[0], lo_w[1], lo_w[2], lo_w[3]);
     });
     for (int j = tid; j < kHeads; j += kMmaThreads) { m_s[j] = -INFINITY; l_s[j] = 0.f; }
 
@@ -186,7 +192,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
         for (int j = 0; j < kGroupKSteps; ++j) {
             const unsigned qa = q_base + swizzled_chunk(a_head, 2 * (ks0 + j) + a_khalf, kMmaChunks) * 16;
             ldsm_x4(qa, qf_hi[j]);
-            ldsm_x4(qa + kHeads * kMmaKey * 2, qf_lo[j]);
+            if (!kQ16) ldsm_x4(qa + kHeads * kMmaKey * 2, qf_lo[j]);
         }
     }
     // (red overwrites q_hl: the barrier at the top of the first tile orders every warp's
@@ -210,7 +216,8 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
         if (it + 1 < n_tiles) load_tile(it + 1, buf ^ 1);
         const unsigned tile_base = smem_u32(tiles + buf * kMmaTile * kMmaChunks);
 
-        // ---- scores: this warp's k-group, hi and lo products into one f32 accumulator ----
+        // ---- scores: this warp's k-group, hi (and an f32 q's lo) products into one f32
+        // accumulator ----
         {
             float sp[kNTiles][4];
 #pragma unroll
@@ -224,8 +231,10 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
                     ldsm_x4(b_addr + np * 16 * kMmaChunks * 16, b);
                     M::mma(sp[2 * np], qf_hi[j], b[0], b[1]);
                     M::mma(sp[2 * np + 1], qf_hi[j], b[2], b[3]);
-                    M::mma(sp[2 * np], qf_lo[j], b[0], b[1]);
-                    M::mma(sp[2 * np + 1], qf_lo[j], b[2], b[3]);
+                    if (!kQ16) {
+                        M::mma(sp[2 * np], qf_lo[j], b[0], b[1]);
+                        M::mma(sp[2 * np + 1], qf_lo[j], b[2], b[3]);
+                    }
                 }
             }
             // red[kg][head][row]; fragment e: head 16 s_mt + g + 8 (e >> 1), row
@@ -269,6 +278,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             float t_max = -INFINITY;
 #pragma unroll
             for (int r = 0; r < kRowsPerLane; ++r) {
+                if (kQ16) sc[r] *= scale_log2;
                 sc[r] = r < rows_valid ? sc[r] : -INFINITY;
                 t_max = fmaxf(t_max, sc[r]);
             }

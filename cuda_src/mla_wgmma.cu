@@ -417,9 +417,6 @@ __device__ __forceinline__ unsigned seesaw_koff(int wg, int i) {
                             : (i < 16 ? 4 + (i >> 2) : i < 20 ? 8 : (i - 20) >> 2);
     return blk * kBlockBytes + (i & 3) * 32;
 }
-template <typename A, typename B> struct SameType { static constexpr bool value = false; };
-template <typename A> struct SameType<A, A> { static constexpr bool value = true; };
-
 template <typename CacheT, typename QT, bool kPartials, typename W>
 __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& walk, float scale_log2,
                                                 float* __restrict__ part_acc,
