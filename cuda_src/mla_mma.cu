@@ -1,9 +1,11 @@
-// mla_mma.cu: the tensor-core attention variants, mla::mma_attn<HEADS, CacheT, QT>.
+// mla_mma.cu: the tensor-core attention variants, mla::mma_attn<HEADS, CacheT, QT, kRoundP>.
 //
 // Template parameters
-//   HEADS   heads per block: 16 (mma16) or 32 (mma32), as HM = HEADS / 16 m-tiles of 16 heads
-//   CacheT  cache element: __half or __nv_bfloat16 (also the MMA operand type)
-//   QT      query element: float, or CacheT
+//   HEADS    heads per block: 16 (mma16) or 32 (mma32), as HM = HEADS / 16 m-tiles of 16 heads
+//   CacheT   cache element: __half or __nv_bfloat16 (also the MMA operand type)
+//   QT       query element: float, or CacheT
+//   kRoundP  false: p as hi + lo halves, exact to f32 level (mma16, mma32); true: p rounded
+//            to CacheT once, one value product (mma16r, mma32r: FlashMLA's exactness)
 // Fixed geometry
 //   kThreads = 256 (8 warps), kTile = 64 cache rows per step, two stages;
 //   MLA_KV_LORA = 512, MLA_ROPE = 64. sandbox/registry.py passes its own values for the
@@ -12,7 +14,7 @@
 // Launch: grid = (ceil(H / HEADS), S), block = 256, dynamic smem = MmaSmem<HM>::bytes.
 // Same slices and same partial (m, l, acc[512]) in the log2 domain as mla_attn.cu, so the
 // same combine merges it.
-// mla::mma_attn_paged<HEADS, CacheT, QT>, the paged launch of the same body (mla_walk.cuh):
+// mla::mma_attn_paged<HEADS, CacheT, QT, kRoundP>, the paged launch of the same body (mla_walk.cuh):
 // grid = (ceil(n_rows / HEADS), P, 1) (P chunk programs, mla_walk.cuh), same block and
 // shared memory; a block's HEADS "heads" are HEADS query rows r = i * H + h of its request
 // (16 heads x s_q 4 fill two mma32 blocks or four mma16 ones), partials
@@ -24,7 +26,9 @@
 // the cache is already 16-bit and exact, and every accumulation is f32. A q in the cache
 // dtype (QT = CacheT) is exact as it is: its scores take one product, unscaled, and the
 // scale multiplies their f32 sums (a quarter of the tile's MMAs fewer for mma16, and 36 q
-// registers instead of 72).
+// registers instead of 72). With kRoundP the value product takes p's hi half alone: each
+// weight off by up to 2^-11 (f16) / 2^-8 (bf16) relative, the error FlashMLA and wgmma64 take
+// (registry.ROUND_P_RELL2_BOUND); the running sum l still adds the f32 p.
 //
 // One tile of 64 rows:
 //   scores: S[HEADS x 64 rows] = Q C^T. Warp w serves k-group w % 4 (9 of the 36 k16
@@ -95,7 +99,7 @@ __device__ __forceinline__ void ldsm_x4_trans(unsigned addr, unsigned (&r)[4]) {
 }
 
 // The kernel body, on the walk W of its launch (mla_walk.cuh).
-template <int HEADS, typename CacheT, typename QT, typename W>
+template <int HEADS, typename CacheT, typename QT, bool kRoundP, typename W>
 __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk, float scale_log2,
                                               float* __restrict__ part_acc,
                                               float* __restrict__ part_m,
@@ -306,10 +310,12 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             const int off = swizzled_chunk(h, r0 >> 3, kPChunks) * 8 + (r0 & 7);
             if constexpr (kRowsPerLane == 8) {
                 *reinterpret_cast<uint4*>(p_hl + off) = make_uint4(hi_w[0], hi_w[1], hi_w[2], hi_w[3]);
-                *reinterpret_cast<uint4*>(p_hl + kHeads * kMmaTile + off) = make_uint4(lo_w[0], lo_w[1], lo_w[2], lo_w[3]);
+                if (!kRoundP)
+                    *reinterpret_cast<uint4*>(p_hl + kHeads * kMmaTile + off) = make_uint4(lo_w[0], lo_w[1], lo_w[2], lo_w[3]);
             } else {
                 *reinterpret_cast<uint2*>(p_hl + off) = make_uint2(hi_w[0], hi_w[1]);
-                *reinterpret_cast<uint2*>(p_hl + kHeads * kMmaTile + off) = make_uint2(lo_w[0], lo_w[1]);
+                if (!kRoundP)
+                    *reinterpret_cast<uint2*>(p_hl + kHeads * kMmaTile + off) = make_uint2(lo_w[0], lo_w[1]);
             }
 #pragma unroll
             for (int o = kLanesPerHead / 2; o > 0; o >>= 1) p_sum += __shfl_xor_sync(0xffffffffu, p_sum, o);
@@ -341,7 +347,7 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             for (int mt = 0; mt < HM; ++mt) {
                 const int pa = swizzled_chunk(16 * mt + (lm_mat & 1) * 8 + lm_row, 2 * ks + (lm_mat >> 1), kPChunks) * 16;
                 ldsm_x4(p_base + pa, pa_hi[mt]);
-                ldsm_x4(p_base + kHeads * kMmaTile * 2 + pa, pa_lo[mt]);
+                if (!kRoundP) ldsm_x4(p_base + kHeads * kMmaTile * 2 + pa, pa_lo[mt]);
             }
             // B: matrices (rows 16ks + 0-7 | 8-15) x (column tile 2j | 2j+1), transposed
             const int b_row = 16 * ks + (lm_mat & 1) * 8 + lm_row;
@@ -354,8 +360,10 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
                 for (int mt = 0; mt < HM; ++mt) {
                     M::mma(acc[mt][2 * j], pa_hi[mt], b[0], b[1]);
                     M::mma(acc[mt][2 * j + 1], pa_hi[mt], b[2], b[3]);
-                    M::mma(acc[mt][2 * j], pa_lo[mt], b[0], b[1]);
-                    M::mma(acc[mt][2 * j + 1], pa_lo[mt], b[2], b[3]);
+                    if (!kRoundP) {
+                        M::mma(acc[mt][2 * j], pa_lo[mt], b[0], b[1]);
+                        M::mma(acc[mt][2 * j + 1], pa_lo[mt], b[2], b[3]);
+                    }
                 }
             }
         }
@@ -397,18 +405,18 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     }
 }
 
-template <int HEADS, typename CacheT, typename QT>
+template <int HEADS, typename CacheT, typename QT, bool kRoundP>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn(const QT* __restrict__ q, const CacheT* __restrict__ cache, int n_head, int n_ctx,
          int splits, float scale_log2, float* __restrict__ part_acc, float* __restrict__ part_m,
          float* __restrict__ part_l, float* __restrict__ latent, float* __restrict__ lse) {
     pdl_launch_dependents();  // the combine may launch now; it waits for this grid
     ContiguousWalk<CacheT> walk{cache, n_head, n_ctx, splits, latent, lse};
-    mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
+    mma_attn_body<HEADS, CacheT, QT, kRoundP>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
 // The paged launch (mla_walk.cuh, PagedWalk): grid (ceil(n_rows / HEADS), P, 1).
-template <int HEADS, typename CacheT, typename QT>
+template <int HEADS, typename CacheT, typename QT, bool kRoundP>
 __global__ void __launch_bounds__(kMmaThreads, 1)
 mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
@@ -421,7 +429,7 @@ mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
     PagedWalk<CacheT, kMmaTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
                                      causal, max_pages, page_shift, max_chunks, min_chunk,
                                      target, batch, chunk_counts, latent, lse};
-    mma_attn_body<HEADS, CacheT>(q, walk, scale_log2, part_acc, part_m, part_l);
+    mma_attn_body<HEADS, CacheT, QT, kRoundP>(q, walk, scale_log2, part_acc, part_m, part_l);
 }
 
 }  // namespace mla

@@ -52,15 +52,16 @@ __all__ = ["CupyBackend", "PagedBackend", "CUBLAS_TOLERANCE", "tolerance_for", "
 
 # The cuBLAS engine rounds q, p and latent to the cache dtype for its tensor-core GEMMs: its
 # tolerance is that rounding (as in tests/test_gpu_kernels.py). CUDA variants: compare's
-# defaults (1e-4), from the f32 arithmetic.
+# defaults (1e-4), from the f32 arithmetic; those that round p (Variant.round_p: wgmma64,
+# mma16r, mma32r) registry.ROUND_P_RELL2_BOUND for out and latent.
 CUBLAS_TOLERANCE = {"f16": 3e-3, "bf16": 2e-2}
 
 
 def tolerance_for(variant: str, cache_dtype: str):
     if is_user_kernel_spec(variant):
         return DEFAULT_TOLERANCE
-    if registry.variant(variant).family == "wgmma":   # p rounded to the cache dtype
-        t = registry.WGMMA_RELL2_BOUND[cache_dtype]
+    if registry.variant(variant).round_p:   # p rounded to the cache dtype
+        t = registry.ROUND_P_RELL2_BOUND[cache_dtype]
         return Tolerance(t, t, DEFAULT_TOLERANCE.lse_abs)
     if registry.variant(variant).is_cuda:
         return DEFAULT_TOLERANCE

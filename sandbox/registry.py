@@ -39,7 +39,7 @@ __all__ = [
     "mma_smem_bytes", "CHECK_THREADS", "paged_attention_instance", "paged_combine_instance",
     "instance_for_plan",
     "paged_check_instance", "PAGED_KINDS", "PAGED_ONLY_VARIANTS", "wgmma_instance",
-    "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "WGMMA_RELL2_BOUND",
+    "wgmma_smem_bytes", "WGMMA_THREADS", "WGMMA_TILE", "WGMMA_ROWS", "ROUND_P_RELL2_BOUND",
     "UNIT_ROUNDOFF",
     "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
     "PROJECT_V_ROWS", "PROJECT_M_ROWS", "PROJECT_WIDE_V_ROWS", "PROJECT_WIDE_M_ROWS",
@@ -98,6 +98,7 @@ class Variant:
     hpb: int | None
     splits: bool  # whether it splits over context above the gate
     about: str
+    round_p: bool = False  # p rounded to the cache dtype for the value product (16 bits)
 
     @property
     def is_cuda(self) -> bool:
@@ -127,6 +128,11 @@ def _make_variants() -> dict[str, Variant]:
             f"mma{heads}", "mma", heads, True,
             f"tensor cores: {heads} heads as {heads // 16} M tile(s) of mma.m16n8k16, split "
             "over context")
+    for heads in MMA_HEADS:
+        out[f"mma{heads}r"] = Variant(
+            f"mma{heads}r", "mma", heads, True,
+            f"mma{heads} with p rounded to the cache dtype for the value product (one product "
+            "instead of hi + lo: FlashMLA's exactness, ROUND_P_RELL2_BOUND)", round_p=True)
     out["cublas"] = Variant("cublas", "cublas", None, False,
                             "CuPy matmuls (cuBLAS) + softmax: the reference engine")
     return out
@@ -271,16 +277,17 @@ def wgmma_smem_bytes(rows: int = 64) -> int:
 PAGED_ONLY_VARIANTS: dict[str, Variant] = {
     "wgmma64": Variant("wgmma64", "wgmma", 64, True,
                        "Hopper wgmma (sm_90a): 64 query rows (s_q x heads) per block, two "
-                       "warpgroups, p rounded to the cache dtype; paged only"),
+                       "warpgroups, p rounded to the cache dtype; paged only", round_p=True),
 }
 
 
-# What rounding p to the cache dtype costs (tests/test_gpu_wgmma.py derives it): relL2 of
+# What rounding p to the cache dtype costs (a Variant's round_p: wgmma64, mma16r, mma32r;
+# tests/test_gpu_wgmma.py derives it): relL2 of
 # latent and out with rms u / sqrt(3) x sqrt(sum_j w_j^2 |v_j|^2) / |sum_j w_j v_j|, u the
 # dtype's unit roundoff (2^-11 f16, 2^-8 bf16); the ratio is about 1 on random inputs, so the
 # bench's spot check takes MARGIN 4 times u / sqrt(3), plus the f32 bound 1e-4. lse stays f32.
 UNIT_ROUNDOFF = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}
-WGMMA_RELL2_BOUND = {k: 4 * u / 3 ** 0.5 + 1e-4 for k, u in UNIT_ROUNDOFF.items()}
+ROUND_P_RELL2_BOUND = {k: 4 * u / 3 ** 0.5 + 1e-4 for k, u in UNIT_ROUNDOFF.items()}
 
 
 def wgmma_instance(cache: str = "f16", q: str = "f32", partials: bool = True) -> KernelInstance:
@@ -307,7 +314,7 @@ class Family:
     """One kernel template of cuda_src/: what every instance of it shares.
 
     `template_args` are the template values of the C++ name, in order, among "heads",
-    "cache", "q", "rescale", "partials". `heads` are the heads-per-block values instantiated
+    "cache", "q", "rescale", "partials", "round_p". `heads` are the heads-per-block values instantiated
     (attn_rows: 1, not a template value). `macro` names its launch values in compile_defines()
     (MLA_<macro>_THREADS, ...). `min_arch` is the oldest architecture NVRTC compiles it for
     (sm_75, the oldest NVRTC 13 targets, for plain CUDA; sm_80: cp.async, ldmatrix and
@@ -338,7 +345,7 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
            paged_function="mla::attn_paged"),
     Family("attn_tiled", "mla_attn_tiled.cu", "mla::attn_tiled", ("heads", "cache", "q"),
            "TILED", TILED_THREADS, TILED_TILE, TILED_HEADS, tiled_smem_bytes, "sm_90"),
-    Family("mma_attn", "mla_mma.cu", "mla::mma_attn", ("heads", "cache", "q"), "MMA",
+    Family("mma_attn", "mla_mma.cu", "mla::mma_attn", ("heads", "cache", "q", "round_p"), "MMA",
            MMA_THREADS, MMA_TILE, MMA_HEADS, mma_smem_bytes,
            paged_function="mla::mma_attn_paged"),
     Family("q_absorb", "mla_q_absorb.cu", "mla::q_absorb", ("cache", "q"), "Q_ABSORB",
@@ -394,7 +401,8 @@ class KernelInstance:
     `cache` the 16-bit element of the cache (q_absorb: of its inputs; combine: of wv_b), `q`
     the query element (None for combine), `rescale` the combine's merge (False is the
     negative control; None for the other kinds), `partials` whether the wgmma kernel writes
-    the partials of a single-pass plan (None for the other kinds). `paged`: the family's paged
+    the partials of a single-pass plan (None for the other kinds), `round_p` whether the mma
+    kernel rounds p to the cache dtype (None for the other kinds). `paged`: the family's paged
     launch (Family.paged_function: a batch of requests in a paged cache), not its batch-1 one.
     """
 
@@ -404,6 +412,7 @@ class KernelInstance:
     heads: int | None = None
     rescale: bool | None = None
     partials: bool | None = None
+    round_p: bool | None = None
     paged: bool = False
 
     def __post_init__(self):
@@ -418,14 +427,15 @@ class KernelInstance:
     def params(self) -> dict:
         """The template values, as the readable name spells them, in template order."""
         flag = {k: None if v is None else str(v).lower()
-                for k, v in (("rescale", self.rescale), ("partials", self.partials))}
+                for k, v in (("rescale", self.rescale), ("partials", self.partials),
+                             ("round_p", self.round_p))}
         vals = {"heads": self.heads, "cache": self.cache, "q": self.q, **flag}
         return {k: vals[k] for k in self.family.template_args}
 
     @property
     def name(self) -> str:
         """Readable, every template value spelled out: attn<heads=12,cache=f16,q=f32>, and
-        paged=true for a paged launch: mma_attn<heads=16,cache=f16,q=f32,paged=true>."""
+        paged=true for a paged launch: mma_attn<heads=16,cache=f16,q=f32,round_p=false,paged=true>."""
         items = [f"{k}={v}" for k, v in self.params.items()]
         if self.paged and self.family.template_args:
             items.append("paged=true")
@@ -440,8 +450,14 @@ class KernelInstance:
             return function
         cxx = {"heads": str(self.heads), "cache": CXX_TYPES.get(self.cache),
                "q": CXX_TYPES.get(self.q), "rescale": str(self.rescale).lower(),
-               "partials": str(self.partials).lower()}
+               "partials": str(self.partials).lower(), "round_p": str(self.round_p).lower()}
         return f"{function}<{', '.join(cxx[k] for k in f.template_args)}>"
+
+    @property
+    def rounds_p(self) -> bool:
+        """Whether the kernel rounds p to the cache dtype for its value product (wgmma_attn
+        always, mma_attn with round_p): its relL2 bound is ROUND_P_RELL2_BOUND, not 1e-4."""
+        return self.kind == "wgmma_attn" or bool(self.round_p)
 
     @property
     def source(self) -> str:
@@ -505,10 +521,12 @@ def attn_instance(hpb: int, cache: str = "f16", q: str = "f32") -> KernelInstanc
     return KernelInstance("attn", cache, q, heads=hpb)
 
 
-def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:
+def mma_instance(heads: int = 16, cache: str = "f16", q: str = "f32",
+                 round_p: bool = False) -> KernelInstance:
+    """mma_attn: round_p=False is mma16 / mma32 (p as hi + lo), True mma16r / mma32r."""
     _check_heads("mma_attn", heads)
     _check_attention_dtypes(cache, q)
-    return KernelInstance("mma_attn", cache, q, heads=heads)
+    return KernelInstance("mma_attn", cache, q, heads=heads, round_p=bool(round_p))
 
 
 def tiled_instance(heads: int = 16, cache: str = "f16", q: str = "f32") -> KernelInstance:
@@ -522,7 +540,7 @@ def attention_instance(var: Variant, cache: str = "f16", q: str = "f32") -> Kern
     if var.family == "wgmma":
         return wgmma_instance(cache, q)
     if var.family == "mma":
-        return mma_instance(var.hpb, cache, q)
+        return mma_instance(var.hpb, cache, q, var.round_p)
     if var.family == "tiled":
         return tiled_instance(var.hpb, cache, q)
     if not var.is_cuda:
@@ -552,7 +570,7 @@ def paged_attention_instance(var: Variant | str, cache: str = "f16",
     inst = attention_instance(var, cache, q)
     if inst.paged:
         return inst
-    return KernelInstance(inst.kind, inst.cache, inst.q, heads=inst.heads, paged=True)
+    return dataclasses.replace(inst, paged=True)
 
 
 def instance_for_plan(inst: KernelInstance, single_pass: bool) -> KernelInstance:
@@ -660,6 +678,7 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
                 out.append(tiled_instance(heads, cache, q))
             for heads in MMA_HEADS:
                 out.append(mma_instance(heads, cache, q))
+                out.append(mma_instance(heads, cache, q, round_p=True))
             out.append(q_absorb_instance(cache, q))
             for var in VARIANTS.values():
                 if var.is_cuda and var.family not in ("per_head", "tiled"):

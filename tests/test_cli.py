@@ -66,15 +66,20 @@ def test_regs_json_rows():
     assert data["ok"] and data["arch"] == "sm_90"
     assert set(rows) == {"attn_rows<cache=f16,q=f32>", "attn<heads=12,cache=f16,q=f32>",
                          "attn_tiled<heads=16,cache=f16,q=f32>",
-                         "mma_attn<heads=16,cache=f16,q=f32>", "mma_attn<heads=32,cache=f16,q=f32>",
+                         "mma_attn<heads=16,cache=f16,q=f32,round_p=false>",
+                         "mma_attn<heads=32,cache=f16,q=f32,round_p=false>",
+                         "mma_attn<heads=16,cache=f16,q=f32,round_p=true>",
+                         "mma_attn<heads=32,cache=f16,q=f32,round_p=true>",
                          "q_absorb<cache=f16,q=f32>", "combine<cache=f16,rescale=true>",
                          "combine<cache=f16,rescale=false>", "project<cache=f16>",
                          "project_wide<cache=f16>",
                          # the paged launches of the same kernels, and the index validator
                          "attn_rows<cache=f16,q=f32,paged=true>",
                          "attn<heads=12,cache=f16,q=f32,paged=true>",
-                         "mma_attn<heads=16,cache=f16,q=f32,paged=true>",
-                         "mma_attn<heads=32,cache=f16,q=f32,paged=true>",
+                         "mma_attn<heads=16,cache=f16,q=f32,round_p=false,paged=true>",
+                         "mma_attn<heads=32,cache=f16,q=f32,round_p=false,paged=true>",
+                         "mma_attn<heads=16,cache=f16,q=f32,round_p=true,paged=true>",
+                         "mma_attn<heads=32,cache=f16,q=f32,round_p=true,paged=true>",
                          "combine<cache=f16,rescale=true,paged=true>",
                          "combine<cache=f16,rescale=false,paged=true>", "check_paged"}
     # The threads and dynamic smem in these rows are the registry's; the compile that made

@@ -103,7 +103,7 @@ def rounding_bound(inp, ref, cache: str) -> float:
     return MARGIN * rms + F32_TOL
 
 
-def _tolerance(inp, ref, cache: str) -> Tolerance:
+def rounding_tolerance(inp, ref, cache: str) -> Tolerance:
     bound = rounding_bound(inp, ref, cache)
     return Tolerance(out=bound, latent=bound, lse_abs=F32_TOL)
 
@@ -123,7 +123,7 @@ def test_wgmma_matches_the_float64_reference(case, tma):
     inp = _inputs(case, seed)
     res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target, tma=tma)
     ref = decode_paged(**inp.decode_args())
-    tol = _tolerance(inp, ref, case.cache)
+    tol = rounding_tolerance(inp, ref, case.cache)
     cmp = compare_paged(res, ref, tol)
     assert cmp.ok, f"{case} seed={seed} tolerance={tol}\n{cmp.summary()}"
     # the programs past a request's last chunk wrote nothing (l still NaN), the others all rows
@@ -143,7 +143,7 @@ def test_negative_control_a_bulk_copy_one_row_off_fails_and_only_on_the_tma_path
     seed = fresh_seed()
     inp = _inputs(case, seed)
     ref = decode_paged(**inp.decode_args())
-    tol = _tolerance(inp, ref, case.cache)
+    tol = rounding_tolerance(inp, ref, case.cache)
     res, _ = run_paged(inp, case.variant, case.max_chunks, defines=plant)
     assert not compare_paged(res, ref, tol).ok, f"seed={seed}: a shifted box passed"
     res, _ = run_paged(inp, case.variant, case.max_chunks, defines=plant, tma=False)
@@ -176,7 +176,7 @@ def test_negative_control_the_combine_without_rescale_fails_the_wgmma_bound():
     inp = _inputs(case, seed)
     res, _ = run_paged(inp, case.variant, case.max_chunks, rescale=False)
     ref = decode_paged(**inp.decode_args())
-    cmp = compare_paged(res, ref, _tolerance(inp, ref, case.cache))
+    cmp = compare_paged(res, ref, rounding_tolerance(inp, ref, case.cache))
     assert not cmp.ok, f"seed={seed}: the wgmma bound passed a combine without rescale"
 
 
@@ -197,7 +197,7 @@ def test_the_single_pass_instance_writes_latent_and_lse_and_no_partials(partials
     inp = _inputs(case, seed)
     res, part_l = run_paged(inp, case.variant, 1, merge=False, partials=partials)
     ref = decode_paged(**{**inp.decode_args(), "wv_b": None})
-    cmp = compare_paged(res, ref, _tolerance(inp, ref, case.cache))
+    cmp = compare_paged(res, ref, rounding_tolerance(inp, ref, case.cache))
     assert cmp.ok, f"partials={partials} seed={seed}\n{cmp.summary()}"
     live = np.asarray(case.lengths) > 0
     written = ~np.isnan(part_l.get()[:, 0, :])          # [B, n_rows]
@@ -213,7 +213,7 @@ def test_the_single_pass_instance_keeps_the_partials_of_a_plan_of_several_chunks
     inp = _inputs(case, seed)
     res, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target, partials=False)
     ref = decode_paged(**inp.decode_args())
-    cmp = compare_paged(res, ref, _tolerance(inp, ref, case.cache))
+    cmp = compare_paged(res, ref, rounding_tolerance(inp, ref, case.cache))
     assert cmp.ok, f"seed={seed}\n{cmp.summary()}"
 
 
@@ -230,7 +230,7 @@ def test_a_single_pass_wgmma_step_matches_the_reference():
     step.run()
     ref = decode_paged(**inp.decode_args())
     got = mla.PagedResult(step.latent, step.lse, step.out)
-    cmp = compare_paged(got, ref, _tolerance(inp, ref, case.cache))
+    cmp = compare_paged(got, ref, rounding_tolerance(inp, ref, case.cache))
     assert cmp.ok, f"seed={seed}\n{cmp.summary()}"
 
 
@@ -250,7 +250,7 @@ MIXED = [
 @sm90
 @pytest.mark.parametrize("case", MIXED, ids=str)
 def test_wgmma_writes_one_chunk_requests_and_the_merge_skips_them(case):
-    check_mixed_chunks(case, lambda inp, ref: _tolerance(inp, ref, case.cache))
+    check_mixed_chunks(case, lambda inp, ref: rounding_tolerance(inp, ref, case.cache))
 
 
 @gpu
@@ -258,7 +258,7 @@ def test_wgmma_writes_one_chunk_requests_and_the_merge_skips_them(case):
 def test_negative_control_a_wgmma_merge_that_skips_requests_nobody_wrote_fails():
     case = MIXED[0]
     check_a_merge_that_skips_unwritten_requests_fails(
-        case, lambda inp, ref: _tolerance(inp, ref, case.cache))
+        case, lambda inp, ref: rounding_tolerance(inp, ref, case.cache))
 
 
 @gpu
@@ -274,7 +274,7 @@ def test_decode_paged_runs_wgmma64_and_a_captured_graph_replays_new_lengths():
     inp = _inputs(case, seed)
     res = mla.decode_paged(**inp.decode_args(), variant="wgmma64")
     ref = decode_paged(**inp.decode_args())
-    cmp = compare_paged(res, ref, _tolerance(inp, ref, "bf16"))
+    cmp = compare_paged(res, ref, rounding_tolerance(inp, ref, "bf16"))
     assert cmp.ok, f"seed={seed}\n{cmp.summary()}"
     step = mla.PagedDecodeStep(**inp.decode_args(), variant="wgmma64")
     graph = step.capture()
@@ -285,7 +285,7 @@ def test_decode_paged_runs_wgmma64_and_a_captured_graph_replays_new_lengths():
         step.graph_stream.synchronize()
         ref = decode_paged(**inp.decode_args())
         got = mla.PagedResult(step.latent, step.lse, step.out)
-        cmp = compare_paged(got, ref, _tolerance(inp, ref, "bf16"))
+        cmp = compare_paged(got, ref, rounding_tolerance(inp, ref, "bf16"))
         assert cmp.ok, f"lengths {lens} seed={seed}\n{cmp.summary()}"
 
 

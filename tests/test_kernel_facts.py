@@ -102,8 +102,11 @@ def test_names_and_expressions_follow_from_the_fields():
     assert inst.name == "attn<heads=12,cache=bf16,q=f32>"
     assert inst.expression == "mla::attn<12, __nv_bfloat16, float>"
     mma = registry.mma_instance(32, "f16", "f16")
-    assert mma.expression == "mla::mma_attn<32, __half, __half>"  # heads, like every family
-    assert mma.name == "mma_attn<heads=32,cache=f16,q=f16>"
+    assert mma.expression == "mla::mma_attn<32, __half, __half, false>"  # heads, like every family
+    assert mma.name == "mma_attn<heads=32,cache=f16,q=f16,round_p=false>"
+    mma_r = registry.attention_instance(registry.variant("mma32r"), "f16", "f16")
+    assert mma_r.expression == "mla::mma_attn<32, __half, __half, true>"
+    assert mma_r.name == "mma_attn<heads=32,cache=f16,q=f16,round_p=true>" and mma_r.rounds_p
     rows = registry.rows_instance("f16", "f32")
     assert rows.heads == 1 and rows.name == "attn_rows<cache=f16,q=f32>"
     c = registry.combine_instance("bf16", rescale=False)

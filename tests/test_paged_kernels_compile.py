@@ -96,12 +96,16 @@ def test_the_validator_compiles_and_reads_its_launch_value(report):
 
 def test_paged_names_expressions_and_facts():
     mma = registry.paged_attention_instance("mma16", "f16", "f32")
-    assert mma.name == "mma_attn<heads=16,cache=f16,q=f32,paged=true>"
-    assert mma.expression == "mla::mma_attn_paged<16, __half, float>"
+    assert mma.name == "mma_attn<heads=16,cache=f16,q=f32,round_p=false,paged=true>"
+    assert mma.expression == "mla::mma_attn_paged<16, __half, float, false>"
+    rounded = registry.paged_attention_instance("mma16r", "f16", "f32")
+    assert rounded.name == "mma_attn<heads=16,cache=f16,q=f32,round_p=true,paged=true>"
+    assert rounded.expression == "mla::mma_attn_paged<16, __half, float, true>"
+    assert rounded.rounds_p and not mma.rounds_p
     flat = registry.mma_instance(16, "f16", "f32")
     assert (mma.threads, mma.tile_rows, mma.smem_bytes, mma.min_arch) == (
         flat.threads, flat.tile_rows, flat.smem_bytes, flat.min_arch)
-    assert mma != flat and flat.name == "mma_attn<heads=16,cache=f16,q=f32>"
+    assert mma != flat and flat.name == "mma_attn<heads=16,cache=f16,q=f32,round_p=false>"
     rows = registry.paged_attention_instance(registry.variant("split"), "bf16", "bf16")
     assert rows.expression == "mla::attn_rows_paged<__nv_bfloat16, __nv_bfloat16>"
     assert registry.paged_attention_instance("batched8").expression == \

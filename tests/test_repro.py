@@ -81,7 +81,11 @@ def test_a_script_per_variant_pins_the_case(scripts, variant):
         assert ns["COMBINE"]["col_blocks"] == registry.COMBINE_COL_BLOCKS
         assert ns["NVRTC_OPTIONS"] == ("-std=c++17", "-DMLA_KV_LORA=512", "-DMLA_ROPE=64",
                                        *registry.compile_defines())
-        assert ns["TOLERANCE"] == {"out": 1e-4, "latent": 1e-4, "lse": 1e-4}
+        # the f32 bound, or p's rounding to the cache dtype (mma16r, mma32r)
+        t = (registry.ROUND_P_RELL2_BOUND["f16"] if registry.variant(variant).round_p
+             else 1e-4)
+        assert ns["TOLERANCE"] == {"out": t, "latent": t, "lse": 1e-4}
+        assert ("rounds p to f16" in text) == registry.variant(variant).round_p
     else:
         assert ns["CUDA_PROGRAMS"] == [] and callable(ns["cublas_attention"])
         assert ns["TOLERANCE"]["out"] == 3e-3
@@ -420,10 +424,10 @@ def test_the_wgmma_script_pins_its_kernel_target_and_launch(tmp_path, page_size,
                          ids=["f16", "bf16"])
 def test_the_wgmma_script_checks_the_wgmma_bound(tmp_path, cache, u):
     _, ns, text = wgmma_ns(tmp_path, cache=cache)
-    bound = registry.WGMMA_RELL2_BOUND[cache]
+    bound = registry.ROUND_P_RELL2_BOUND[cache]
     assert bound == pytest.approx(4 * u / 3 ** 0.5 + 1e-4, rel=1e-12)   # the comment's formula
     assert ns["TOLERANCE"] == {"out": bound, "latent": bound, "lse": 1e-4}
-    assert f"registry.WGMMA_RELL2_BOUND['{cache}']" in text
+    assert f"registry.ROUND_P_RELL2_BOUND['{cache}']" in text
     assert "tests/test_gpu_wgmma.py" in text
     # the exact kernels keep compare.py's 1e-4
     mma = repro.make_paged_case("mma16", cache=cache, q=cache, page_size=16, **WGMMA)

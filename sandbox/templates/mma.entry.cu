@@ -16,6 +16,7 @@ __global__ void __launch_bounds__(mla::kMmaThreads, 1)
     mla::PagedWalk<MLA_CACHE_T, mla::kMmaTile> walk{
         kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q, causal, max_pages,
         page_shift, max_chunks, min_chunk, target, batch, chunk_counts, latent, lse};
-    mla::mma_attn_body<MLA_PARAM_HEADS, MLA_CACHE_T>(q, walk, scale_log2, part_acc, part_m,
-                                                     part_l);
+    // false: p as hi + lo halves (mma16, mma32); true rounds p once (mma16r, mma32r)
+    mla::mma_attn_body<MLA_PARAM_HEADS, MLA_CACHE_T, MLA_Q_T, false>(q, walk, scale_log2,
+                                                                     part_acc, part_m, part_l);
 }
