@@ -306,6 +306,7 @@ def wgmma_instance(cache: str = "f16", q: str = "f32", partials: bool = True) ->
         raise ValueError(f"wgmma64 takes q in the cache dtype ({cache}), got q={q}: convert q "
                          "to the cache dtype, or use mma16/mma32 for an f32 q")
     return KernelInstance("wgmma_attn", cache, q, heads=WGMMA_ROWS[0], partials=bool(partials),
+                          round_p=True,
                           paged=True)
 
 
@@ -401,8 +402,10 @@ class KernelInstance:
     `cache` the 16-bit element of the cache (q_absorb: of its inputs; combine: of wv_b), `q`
     the query element (None for combine), `rescale` the combine's merge (False is the
     negative control; None for the other kinds), `partials` whether the wgmma kernel writes
-    the partials of a single-pass plan (None for the other kinds), `round_p` whether the mma
-    kernel rounds p to the cache dtype (None for the other kinds). `paged`: the family's paged
+    the partials of a single-pass plan (None for the other kinds), `round_p` whether the
+    kernel rounds p to the cache dtype for its value product, so that its relL2 bound is
+    ROUND_P_RELL2_BOUND (mma_attn: a template value; wgmma_attn: always True, no template
+    value; None for the other kinds). `paged`: the family's paged
     launch (Family.paged_function: a batch of requests in a paged cache), not its batch-1 one.
     """
 
@@ -452,12 +455,6 @@ class KernelInstance:
                "q": CXX_TYPES.get(self.q), "rescale": str(self.rescale).lower(),
                "partials": str(self.partials).lower(), "round_p": str(self.round_p).lower()}
         return f"{function}<{', '.join(cxx[k] for k in f.template_args)}>"
-
-    @property
-    def rounds_p(self) -> bool:
-        """Whether the kernel rounds p to the cache dtype for its value product (wgmma_attn
-        always, mma_attn with round_p): its relL2 bound is ROUND_P_RELL2_BOUND, not 1e-4."""
-        return self.kind == "wgmma_attn" or bool(self.round_p)
 
     @property
     def source(self) -> str:

@@ -95,7 +95,7 @@ def _kernel_tolerance(inst, cache: str) -> tuple[dict, str, str]:
     that rounds p to the cache dtype before the value product (wgmma64, mma16r, mma32r) has
     the relL2 bound registry.ROUND_P_RELL2_BOUND (the bench's spot check of those variants);
     every other kernel computes in f32 on exact inputs (compare.py's 1e-4)."""
-    if getattr(inst, "rounds_p", False):
+    if getattr(inst, "round_p", False):
         t = registry.ROUND_P_RELL2_BOUND[cache]
         u = f"2^{round(math.log2(registry.UNIT_ROUNDOFF[cache]))}"
         return ({"out": t, "latent": t, "lse": 1e-4},

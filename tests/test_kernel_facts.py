@@ -106,7 +106,7 @@ def test_names_and_expressions_follow_from_the_fields():
     assert mma.name == "mma_attn<heads=32,cache=f16,q=f16,round_p=false>"
     mma_r = registry.attention_instance(registry.variant("mma32r"), "f16", "f16")
     assert mma_r.expression == "mla::mma_attn<32, __half, __half, true>"
-    assert mma_r.name == "mma_attn<heads=32,cache=f16,q=f16,round_p=true>" and mma_r.rounds_p
+    assert mma_r.name == "mma_attn<heads=32,cache=f16,q=f16,round_p=true>" and mma_r.round_p
     rows = registry.rows_instance("f16", "f32")
     assert rows.heads == 1 and rows.name == "attn_rows<cache=f16,q=f32>"
     c = registry.combine_instance("bf16", rescale=False)

@@ -101,7 +101,7 @@ def test_paged_names_expressions_and_facts():
     rounded = registry.paged_attention_instance("mma16r", "f16", "f32")
     assert rounded.name == "mma_attn<heads=16,cache=f16,q=f32,round_p=true,paged=true>"
     assert rounded.expression == "mla::mma_attn_paged<16, __half, float, true>"
-    assert rounded.rounds_p and not mma.rounds_p
+    assert rounded.round_p and not mma.round_p
     flat = registry.mma_instance(16, "f16", "f32")
     assert (mma.threads, mma.tile_rows, mma.smem_bytes, mma.min_arch) == (
         flat.threads, flat.tile_rows, flat.smem_bytes, flat.min_arch)
