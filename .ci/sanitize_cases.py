@@ -43,7 +43,10 @@ CASES = ((16, 100, 3, "f16", "f32"), (13, 777, 5, "f16", "f32"), (12, 70, 100, "
 # Paged: (heads, lengths, page_size, s_q, causal, splits, cache, q): a partial row block and
 # one-row pages; causal MTP rows of which some see nothing, in bf16; FlashMLA's page size with
 # the auto chunk plan; pages of 64 with 16-bit q, where wgmma64 copies whole tiles by TMA;
-# one chunk a request (splits 1), where wgmma64 runs its instance without partials.
+# one chunk a request (splits 1), where wgmma64 runs its instance without partials. With a
+# 16-bit q under splits 3 and 5 the mma family merges in its own kernel
+# (PagedDecodeStep.merges_in_attn); with an f32 q, or under the auto plan of 3 requests (88
+# chunk slots), the combine merges.
 PAGED_CASES = ((13, (0, 1, 70, 300), 1, 1, False, 3, "f16", "f32"),
                (16, (0, 17, 129, 64), 16, 2, True, 5, "bf16", "bf16"),
                (5, (200, 0, 5), 64, 2, True, None, "f16", "f32"),

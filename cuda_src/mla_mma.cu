@@ -18,7 +18,11 @@
 // grid = (ceil(n_rows / HEADS), P, 1) (P chunk programs, mla_walk.cuh), same block and
 // shared memory; a block's HEADS "heads" are HEADS query rows r = i * H + h of its request
 // (16 heads x s_q 4 fill two mma32 blocks or four mma16 ones), partials
-// [B][max_chunks][n_rows].
+// [B][max_chunks][n_rows]. Two arguments follow the paged contract's (repro.PAGED_MMA_ARGS):
+// attn_tickets, [B][row blocks] zeroed, where the kernel merges each request of several
+// chunks itself (its last program, PagedWalk::finish; the host launches no combine; q in the
+// cache dtype only), null where the combine merges; merge_rescale, 0 for that merge's
+// negative control.
 //
 // Exact to f32 level although the tensor cores take 16-bit operands: an f32 q and p are
 // split into hi + lo parts of the cache dtype (hi = round(x), lo = round(x - hi)) and each
@@ -103,7 +107,9 @@ template <int HEADS, typename CacheT, typename QT, bool kRoundP, typename W>
 __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk, float scale_log2,
                                               float* __restrict__ part_acc,
                                               float* __restrict__ part_m,
-                                              float* __restrict__ part_l) {
+                                              float* __restrict__ part_l,
+                                              unsigned int* attn_tickets = nullptr,
+                                              int merge_rescale = 1) {
     static_assert(HEADS == 16 || HEADS == 32, "mma_attn serves 16 or 32 heads per block");
     constexpr int HM = HEADS / 16;  // m tiles of 16 heads
     using M = MmaType<CacheT>;
@@ -128,7 +134,15 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c4 = lane & 3;  // fragment row group and column pair
     BlockSlice work;  // an empty slice (S > n_ctx) writes its neutral partial and is done
-    if (!walk.begin(kHeads, kMmaLora, part_acc, part_m, part_l, work)) return;
+    // The kernel's own merge (PagedWalk::finish) is built for a 16-bit q only: the f32-q
+    // kernels hold q's hi and lo halves and sit at their register budget, which the merge's
+    // code raised by 13 (paged mma16, NVRTC 13.0); the host asks it of a 16-bit q alone.
+    if (!walk.begin(kHeads, kMmaLora, part_acc, part_m, part_l, work)) {
+        if constexpr (kQ16)
+            walk.template finish<kHeads, kMmaThreads>(attn_tickets, merge_rescale, part_acc,
+                                                      part_m, part_l);
+        return;
+    }
     const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
     const size_t part_base = work.part_base;
     const int n_head = walk.rows();  // rows of q (heads; paged: s_q x heads of a request)
@@ -403,6 +417,9 @@ __device__ __forceinline__ void mma_attn_body(const QT* __restrict__ q, W& walk,
             walk.lse[walk.latent_row(part_base + head0 + tid)] =
                 single_pass_lse(m_s[tid], l_s[tid]);
     }
+    if constexpr (kQ16)
+        walk.template finish<kHeads, kMmaThreads>(attn_tickets, merge_rescale, part_acc, part_m,
+                                                  part_l);
 }
 
 template <int HEADS, typename CacheT, typename QT, bool kRoundP>
@@ -424,12 +441,17 @@ mma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
                float* __restrict__ part_m, float* __restrict__ part_l, int target,
                int batch, int* __restrict__ chunk_counts,
-               float* __restrict__ latent, float* __restrict__ lse) {
-    pdl_launch_dependents();  // the combine may launch now; it waits for this grid
+               float* __restrict__ latent, float* __restrict__ lse,
+               unsigned int* __restrict__ attn_tickets, int merge_rescale) {
+    // The combine may launch now; it waits for this grid. Where this kernel merges (tickets),
+    // the projection is its dependent and launches as its blocks exit: launched at its entry,
+    // the projection made B = 32 x N(8192, 4096) x 16 heads' step slower (docs/schedule.md).
+    if (attn_tickets == nullptr) pdl_launch_dependents();
     PagedWalk<CacheT, kMmaTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
                                      causal, max_pages, page_shift, max_chunks, min_chunk,
                                      target, batch, chunk_counts, latent, lse};
-    mma_attn_body<HEADS, CacheT, QT, kRoundP>(q, walk, scale_log2, part_acc, part_m, part_l);
+    mma_attn_body<HEADS, CacheT, QT, kRoundP>(q, walk, scale_log2, part_acc, part_m, part_l,
+                                              attn_tickets, merge_rescale);
 }
 
 }  // namespace mla

@@ -29,6 +29,10 @@
 //   W::latent_is_partial()           latent_row is the identity (batch 1): a body may index
 //                                    the latent as its partials, the batch-1 expression (an
 //                                    inlined identity alone reorders mma_attn's PTX)
+//   w.finish<kHeads, kThreads>(tickets, rescale, part_acc, part_m, part_l)
+//                                    after the partials (or a false begin): the paged walk's
+//                                    merge by the request's last program where the host passes
+//                                    tickets (mma); nothing otherwise
 //   W::exp_offset(m), W::softmax_step(...)   the online softmax step, of a row that may see
 //                                    no position of a tile or of the whole walk (paged)
 // (No static data members: NVRTC emits each as a global symbol into every kernel's PTX.)
@@ -214,6 +218,10 @@ struct ContiguousWalk {
                                                                      row_start, row_end);
     }
     __device__ __forceinline__ size_t part_base() const { return slice_part_base(n_head); }
+    // batch 1 never merges in the attention kernel: the combine does (DecodeStep)
+    template <int kHeads, int kThreads>
+    __device__ __forceinline__ void finish(unsigned int*, int, const float*, const float*,
+                                           const float*) const {}
     __device__ __forceinline__ static float exp_offset(float m) { return m; }
     __device__ __forceinline__ static void softmax_step(float* m_s, float* l_s, float* alpha_s,
                                                         int h, float m_old, float m_new,
@@ -231,6 +239,64 @@ struct ContiguousWalk {
 // the tile lies in one page), off the critical path, and nothing in the loops over a tile.
 enum : int { kPagedMaxPasses = 2 };  // copy passes of a tile per thread, at most (an enum:
                                      // NVRTC emits namespace constants into every PTX)
+// The most chunk slots a request may have where the attention kernel merges them itself
+// (finish): past it one block would read too many partials. registry.ATTN_MERGE_MAX_CHUNKS.
+enum : int { kAttnMergeMaxChunks = 16 };
+#ifdef MLA_REGISTRY_FACTS
+static_assert(MLA_ATTN_MERGE_MAX_CHUNKS == kAttnMergeMaxChunks,
+              "registry.ATTN_MERGE_MAX_CHUNKS differs from kAttnMergeMaxChunks");
+#endif
+
+// PagedWalk::finish's merge of one row over its request's n chunks (partial first + i stride):
+// kTpr threads a row, each the float4s c, c + kTpr, ... of its 512 columns, 8 of them in
+// flight a chunk; loads through L2 (ld.global.cg): other SMs wrote them during this kernel.
+// Not inlined: called at the end of a kernel with nothing else live, its registers are its
+// own, not added to the tile loop's (inlined, NVRTC 13.0 gave paged mma16 20 more).
+template <int kTpr>
+__device__ __forceinline__ void merge_chunks(const float* part_acc, const float* part_m,
+                                          const float* part_l, size_t first, int stride, int n,
+                                          int rescale, float* latent, float* lse, size_t row) {
+    constexpr int kVec = MLA_KV_LORA / 4 / kTpr, kPass = kVec < 8 ? kVec : 8;
+    static_assert((MLA_KV_LORA / 4) % kTpr == 0 && kVec % kPass == 0, "whole float4 passes");
+    const int c = threadIdx.x % kTpr;
+    float m = -INFINITY;  // -inf only where every l == 0
+#pragma unroll 4
+    for (int i = 0; i < n; ++i) {
+        const size_t k = first + static_cast<size_t>(i) * stride;
+        if (__ldcg(part_l + k) > 0.f) m = fmaxf(m, __ldcg(part_m + k));
+    }
+    float l = 0.f;  // sum_i w_i l_i; w_i = 0 for an empty partial, never exp2(-inf + inf)
+    float4* dst = reinterpret_cast<float4*>(latent + row * MLA_KV_LORA) + c;
+#pragma unroll 1
+    for (int v0 = 0; v0 < kVec; v0 += kPass) {
+        float4 acc[kPass];
+#pragma unroll
+        for (int v = 0; v < kPass; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 2
+        for (int i = 0; i < n; ++i) {
+            const size_t k = first + static_cast<size_t>(i) * stride;
+            const float li = __ldcg(part_l + k);
+            const float w = li > 0.f ? (rescale ? exp2f(__ldcg(part_m + k) - m) : 1.f) : 0.f;
+            if (v0 == 0) l = fmaf(w, li, l);
+            const float4* src = reinterpret_cast<const float4*>(part_acc + k * MLA_KV_LORA) + c +
+                                v0 * kTpr;
+#pragma unroll
+            for (int v = 0; v < kPass; ++v) {
+                const float4 a = __ldcg(src + v * kTpr);
+                acc[v].x = fmaf(w, a.x, acc[v].x);
+                acc[v].y = fmaf(w, a.y, acc[v].y);
+                acc[v].z = fmaf(w, a.z, acc[v].z);
+                acc[v].w = fmaf(w, a.w, acc[v].w);
+            }
+        }
+        const float inv_l = single_pass_inv_l(l);
+#pragma unroll
+        for (int v = 0; v < kPass; ++v)
+            dst[(v0 + v) * kTpr] = make_float4(acc[v].x * inv_l, acc[v].y * inv_l,
+                                               acc[v].z * inv_l, acc[v].w * inv_l);
+    }
+    if (c == 0) lse[row] = single_pass_lse(m, l);
+}
 
 template <typename CacheT, int kTile>
 struct PagedWalk {
@@ -324,6 +390,41 @@ struct PagedWalk {
                 latent[row * latent_dim + k] = 0.f;
             if (threadIdx.x == 0) lse[row] = -INFINITY;
         }
+    }
+    // The merge in the attention kernel, where the host passes tickets (a ticket a (request,
+    // row block), zero between launches; PagedDecodeStep.merges_in_attn), called by every
+    // program once its partials are written or begin() returned false: a program that ran a
+    // chunk of a request of several takes its ticket, and the last of them merges the
+    // request's rows of the block as combine_paged would, then resets the ticket. Program
+    // p < B also writes latent 0, lse -inf for request p if it is empty (no program runs it).
+    // rescale 0: the negative control's merge (no exp2(m_i - m)). tickets and rescale come
+    // from the kernel's parameters, not the walk, so nothing extra stays live in the tile loop.
+    template <int kHeads, int kThreads>
+    __device__ __forceinline__ void finish(unsigned int* tickets, int rescale,
+                                           const float* part_acc, const float* part_m,
+                                           const float* part_l) const {
+        if (tickets == nullptr) return;
+        const int p = blockIdx.y;
+        if (p < batch && __ldg(cache_seqlens + p) == 0)
+            write_empty_latent(kHeads, blockIdx.x * kHeads, static_cast<size_t>(p) * n_rows,
+                               MLA_KV_LORA);
+        if (chunks < 2) return;  // no chunk (past the last), or its request's only one
+        __shared__ int last;
+        unsigned int* ticket = tickets + static_cast<size_t>(req) * gridDim.x + blockIdx.x;
+        __threadfence();  // this program's partials, before its ticket
+        __syncthreads();
+        if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == static_cast<unsigned>(chunks - 1);
+        __syncthreads();
+        if (!last) return;
+        __threadfence();  // every other chunk's partials, after their tickets
+        const int r = static_cast<int>(blockIdx.x) * kHeads + static_cast<int>(threadIdx.x) /
+                                                                  (kThreads / kHeads);
+        if (r < n_rows)
+            merge_chunks<kThreads / kHeads>(part_acc, part_m, part_l,
+                                            static_cast<size_t>(req) * max_chunks * n_rows + r,
+                                            n_rows, chunks, rescale, latent, lse,
+                                            q_row0 + r);
+        if (threadIdx.x == 0) *ticket = 0u;
     }
     __device__ __forceinline__ int rows() const { return n_rows; }
     // The request's row of the table.

@@ -357,6 +357,7 @@ class PagedBackend(CupyBackend):
         return {"variant": step.variant.name, "grid": list(p.grid), "max_chunks": p.max_chunks,
                 "head_blocks": p.head_blocks, "min_chunk": p.min_chunk, "tile": p.tile,
                 "target": p.target, "single_pass": p.single_pass,
+                "merges_in_attn": step.merges_in_attn,
                 "reason": p.reason, "n_chunks": [int(c) for c in n_chunks],
                 "chunk_len_max": int(chunk_len.max()),
                 "launches": [(ln.kernel, list(ln.grid), list(ln.block)) for ln in step.launches()],

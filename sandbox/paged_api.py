@@ -151,7 +151,7 @@ class PagedDecodeStep:
     def __init__(self, q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
                  causal: bool = False, variant: str = "auto", splits=None, scale=None,
                  sync_check: bool = False, rescale: bool = True, pdl: bool = True,
-                 fused_combine: bool | None = None):
+                 fused_combine: bool | None = None, merge_in_attn: bool | None = None):
         self.shape, self.scale = check_paged_inputs(q, kv_cache, block_table, cache_seqlens,
                                                     wv_b, scale=scale, causal=causal)
         sh = self.shape
@@ -173,9 +173,9 @@ class PagedDecodeStep:
         self.guard = PhaseGuard(var.name, sync_check=sync_check)
         self.pdl = bool(pdl)
         with self.caller.on():
-            self._setup(arrs, splits, rescale, fused_combine)
+            self._setup(arrs, splits, rescale, fused_combine, merge_in_attn)
 
-    def _setup(self, arrs, splits, rescale, fused_combine) -> None:
+    def _setup(self, arrs, splits, rescale, fused_combine, merge_in_attn) -> None:
         import cupy
 
         sh, d = self.shape, self.shape.dims
@@ -193,6 +193,7 @@ class PagedDecodeStep:
         self.result = PagedResult(*(self.caller.to_caller(a)
                                     for a in (self.latent, self.lse, self.out)))
         self.fused_combine, self.out_part, self.tickets = False, None, None
+        self.merges_in_attn, self.attn_tickets, self.merge_rescale = False, None, bool(rescale)
         self.check_inst = self.check_kernel = None
         self.kv_map = None
         self.plan: ChunkPlan | None = None
@@ -233,6 +234,10 @@ class PagedDecodeStep:
         self.part_m = scratch_for_device(dev, "part_m", n)
         self.part_l = scratch_for_device(dev, "part_l", n)
         self.chunk_counts = scratch_for_device(dev, "chunk_counts", sh.batch, "int32")
+        self.merges_in_attn = self._attn_merges(merge_in_attn)
+        if self.merges_in_attn:  # zeroed when made; each launch leaves them at 0
+            self.attn_tickets = scratch_for_device(dev, "attn_tickets",
+                                                   sh.batch * self.plan.head_blocks, "uint32")
         # where the plan merges: the combine in one kernel (a batch of at most 16 rows), or
         # the merge then the tensor-core projection, which batches many rows a head
         self.fused_combine = (self.out is not None
@@ -242,6 +247,26 @@ class PagedDecodeStep:
             self.out_part = scratch_for_device(dev, "out_part",
                                                rows * self.col_blocks * d.v_head)
             self.tickets = scratch_for_device(dev, "tickets", rows, "uint32")
+
+    def _attn_merges(self, choice: bool | None) -> bool:
+        """Whether the attention kernel merges each request's chunks itself (its last program,
+        PagedWalk::finish) and no merge is launched: the families of
+        registry.ATTN_MERGE_FAMILIES under a plan of 2 to ATTN_MERGE_MAX_CHUNKS chunk slots a
+        request, where one block reads a request's partials in about the time the merge
+        kernel takes to start, and q in the cache dtype (the kernels built with the merge:
+        mla_mma.cu says why). choice False keeps the merge kernel; True asks for the kernel's
+        merge and raises where the rule refuses it."""
+        p, sh = self.plan, self.shape
+        able = (self.variant.family in registry.ATTN_MERGE_FAMILIES and not p.single_pass
+                and p.max_chunks <= registry.ATTN_MERGE_MAX_CHUNKS
+                and sh.q_dtype == sh.cache_dtype)
+        if choice and not able:
+            raise ValueError(
+                f"merge_in_attn=True needs a family of {registry.ATTN_MERGE_FAMILIES}, q in the "
+                f"cache dtype and a plan of 2 to {registry.ATTN_MERGE_MAX_CHUNKS} chunk slots a "
+                f"request; {self.variant.name} has q {sh.q_dtype}, cache {sh.cache_dtype} and "
+                f"plans {p.max_chunks}")
+        return able if choice is None else bool(choice)
 
     @property
     def n_rows(self) -> int:
@@ -296,7 +321,12 @@ class PagedDecodeStep:
 
     def attn_launch_args(self) -> tuple:
         """attn_args() and, for the wgmma family, the cache's tensor map last (a null pointer
-        where the copies go by cp.async). The contract a user kernel takes stays attn_args()."""
+        where the copies go by cp.async); for the mma family its merge's tickets (a null
+        pointer where the combine merges) and the merge's rescale flag. The contract a user
+        kernel takes stays attn_args()."""
+        if self.variant.family == "mma":  # the kernel's own merge: tickets, or null
+            tickets = self.attn_tickets if self.merges_in_attn else _NULL
+            return self.attn_args() + (tickets, np.int32(self.merge_rescale))
         if self.variant.family != "wgmma":
             return self.attn_args()
         return self.attn_args() + (self.kv_map if self.kv_map is not None else _NULL,)
@@ -325,10 +355,16 @@ class PagedDecodeStep:
                 self.latent, self.lse, out_part, tickets, self.chunk_counts)
 
     @property
+    def launches_merge(self) -> bool:
+        """Whether the step launches the merge: not where the attention kernel writes every
+        latent (single_pass) or merges the chunks itself (merges_in_attn)."""
+        return not (self.single_pass or self.merges_in_attn)
+
+    @property
     def projects_alone(self) -> bool:
         """Whether the projection is a launch of its own: with wv_b, unless the one-kernel
-        combine runs (a plan that merges, fused_combine)."""
-        return self.out is not None and (self.single_pass or not self.fused_combine)
+        combine runs (a plan that launches the merge, fused_combine)."""
+        return self.out is not None and (not self.launches_merge or not self.fused_combine)
 
     def project_args(self) -> tuple:
         """The projection's arguments: latent [B*s_q][H][512] in, out [B*s_q][H][v_head]."""
@@ -378,7 +414,7 @@ class PagedDecodeStep:
                         cublas_projection(self.wv_b, self.latent, self.shape.cache_dtype,
                                           self.out)
                 return
-            if not self.single_pass:
+            if self.launches_merge:
                 self.guard.launch("combine", self.combine_kernel, self.combine_grid,
                                   (self.combine_inst.threads, 1, 1), self.combine_args(),
                                   kernel_name=self.combine_inst.name, pdl=self.pdl)
@@ -400,7 +436,7 @@ class PagedDecodeStep:
                       self.attn_inst.smem_bytes)]
         if self.whole_step:
             return out
-        if not self.single_pass:
+        if self.launches_merge:
             out.append(Launch(self.combine_inst.name, self.combine_grid,
                               (self.combine_inst.threads, 1, 1), 0, self.pdl))
         if self.projects_alone:

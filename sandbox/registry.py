@@ -76,6 +76,11 @@ COMBINE_THREADS = 256
 # The combine's column blocks per row are a launch choice (combine_col_blocks), a power of two
 # up to COMBINE_COL_BLOCKS (kMaxColBlocks in mla_combine.cu: 32 columns, 8 float4 threads).
 COMBINE_COL_BLOCKS = 16
+# A paged plan of at most this many chunk slots a request, with q in the cache dtype, is merged
+# by the mma family's own kernel (the request's last program, mla_walk.cuh PagedWalk::finish;
+# kAttnMergeMaxChunks) and the step launches no merge: paged_api.PagedDecodeStep.merges_in_attn.
+ATTN_MERGE_MAX_CHUNKS = 16
+ATTN_MERGE_FAMILIES = ("mma",)
 Q_ABSORB_THREADS = 256
 Q_ABSORB_COL_BLOCKS = 8   # blocks per head of q_absorb (kAbsorbColBlocks), 64 columns each
 PROJECT_THREADS = 256     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, tensor cores
@@ -375,11 +380,13 @@ def compile_defines() -> tuple[str, ...]:
 
     Each kernel static_asserts them (mla_common.cuh, "the registry's launch values"):
     MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
-    and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_Q_ABSORB_COL_BLOCKS,
-    MLA_PROJECT_V_ROWS, MLA_PROJECT_M_ROWS and their MLA_PROJECT_WIDE_ pair. They only feed
+    and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_ATTN_MERGE_MAX_CHUNKS,
+    MLA_Q_ABSORB_COL_BLOCKS, MLA_PROJECT_V_ROWS, MLA_PROJECT_M_ROWS and their
+    MLA_PROJECT_WIDE_ pair. They only feed
     static_asserts, so they change no code.
     """
     out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}",
+           f"MLA_ATTN_MERGE_MAX_CHUNKS={ATTN_MERGE_MAX_CHUNKS}",
            f"MLA_Q_ABSORB_COL_BLOCKS={Q_ABSORB_COL_BLOCKS}",
            f"MLA_PROJECT_V_ROWS={PROJECT_V_ROWS}", f"MLA_PROJECT_M_ROWS={PROJECT_M_ROWS}",
            f"MLA_PROJECT_WIDE_V_ROWS={PROJECT_WIDE_V_ROWS}",

@@ -55,6 +55,7 @@ __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_f
            "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS", "PagedReproCase",
            "make_paged_case", "render_paged_script", "write_paged_script",
            "default_paged_filename", "paged_runs_on", "PAGED_ATTN_ARGS", "PAGED_WGMMA_ARGS",
+           "PAGED_MMA_ARGS",
            "PAGED_COMBINE_ARGS"]
 
 REPRO_CONTEXTS = (4095, 4096, 20000)
@@ -73,6 +74,10 @@ PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n
 # The wgmma family's launch takes the cache's tensor map after them
 # (PagedDecodeStep.attn_launch_args).
 PAGED_WGMMA_ARGS = PAGED_ATTN_ARGS + ("kv_map",)
+# The mma family's launch takes its own merge's tickets and rescale flag after them; the script
+# passes a null pointer, so its combine merges every plan (PagedDecodeStep.merges_in_attn lets
+# the kernel merge under plans of 2 to registry.ATTN_MERGE_MAX_CHUNKS slots a request).
+PAGED_MMA_ARGS = PAGED_ATTN_ARGS + ("attn_tickets", "merge_rescale")
 PAGED_COMBINE_ARGS = ("part_acc", "part_m", "part_l", "cache_seqlens", "n_rows", "n_head",
                       "max_chunks", "attn_writes_single", "wv_b", "v_head", "out", "latent",
                       "lse", "out_part", "tickets", "chunk_counts")
@@ -268,8 +273,10 @@ def _tensor_map_source() -> str:
 
 
 def _paged_attn_args(inst) -> tuple:
-    """The attention kernel's arguments by name: the wgmma family's take the tensor map."""
-    return PAGED_WGMMA_ARGS if getattr(inst, "kind", None) == "wgmma_attn" else PAGED_ATTN_ARGS
+    """The attention kernel's arguments by name: the wgmma family's take the tensor map, the
+    mma family's its merge's tickets and rescale flag."""
+    kind = getattr(inst, "kind", None)
+    return {"wgmma_attn": PAGED_WGMMA_ARGS, "mma_attn": PAGED_MMA_ARGS}.get(kind, PAGED_ATTN_ARGS)
 
 
 def _check_embeddable(name: str, text: str) -> str:

@@ -664,6 +664,8 @@ def run_cuda(kernels, q, cache, table, lengths, wv_b):
     }
     if "kv_map" in ATTN["args"]:   # wgmma64: whole tiles by bulk tensor copy, else cp.async
         values["kv_map"] = cache_map(cache)
+    if "attn_tickets" in ATTN["args"]:  # mma: null, so the combine below merges every plan
+        values["attn_tickets"], values["merge_rescale"] = np.uint64(0), np.int32(1)
     programs = batch if mc == 1 else max(PLAN["target"], batch)   # chunk programs a row block
     grid = (-(-n_rows // PLAN["rows_per_block"]), programs, 1)
     block, smem = (ATTN["threads"], 1, 1), ATTN["smem_bytes"]

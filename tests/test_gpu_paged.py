@@ -281,27 +281,33 @@ def write_into(dev, host, stream=None) -> None:
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["split", "batched16", "mma16", "mma32"])
-def test_one_graph_serves_five_length_sets(seeds, variant):
+@pytest.mark.parametrize("variant,splits,q", [("split", None, "f32"), ("batched16", None, "f32"),
+                                              ("mma16", None, "f32"), ("mma32", None, "f32"),
+                                              ("mma16", 8, "f16")])
+def test_one_graph_serves_five_length_sets(seeds, variant, splits, q):
     """Captured once at B = 8 with every request at the maximum, replayed with five length
     sets (new lengths, table, cache, q and wv_b written into the same buffers): every replay
-    matches the reference and the step's phases never run again (no recapture)."""
+    matches the reference and the step's phases never run again (no recapture). mma16 under
+    8 chunk slots with a 16-bit q merges in its own kernel (its tickets back at 0 after every
+    replay)."""
     import cupy
 
     from mlasandbox.paged_api import PagedDecodeStep
 
     seed = seeds.one()
     full = make_paged_inputs(Dims(n_head=GRAPH_HEADS), [GRAPH_MAX] * GRAPH_B, s_q=GRAPH_SQ,
-                             page_size=GRAPH_PAGE, causal=True, seed=seed)
+                             page_size=GRAPH_PAGE, causal=True, seed=seed, q_dtype=q)
     num_pages = full.kv_cache.shape[0]
     dev = on_device(full)
-    step = PagedDecodeStep(**dev.decode_args(), variant=variant, sync_check=True)
+    step = PagedDecodeStep(**dev.decode_args(), variant=variant, splits=splits,
+                           sync_check=True)
+    assert step.merges_in_attn == (splits is not None)
     grid = step.launches()
     graph = step.capture()
     assert step.guard.captured == len(step.launches()) and step.launches() == grid
     rng = np.random.default_rng(seed)
     for k, (name, lengths) in enumerate(_graph_length_sets(rng).items()):
-        host = refill(lengths, num_pages, seed + k + 1, causal=True)
+        host = refill(lengths, num_pages, seed + k + 1, causal=True, q_dtype=q)
         stream = step.graph_stream
         write_into(dev, host, stream)
         with stream:
@@ -312,6 +318,8 @@ def test_one_graph_serves_five_length_sets(seeds, variant):
         cmp = compare_paged(step.result, reference.decode_paged(**host.decode_args()))
         assert cmp.ok, f"{variant}, replay with {name} {lengths.tolist()}: seed={seed}\n" \
                        f"{cmp.summary()}"
+        if step.merges_in_attn:
+            assert int(step.attn_tickets.sum()) == 0, f"{name}: tickets left for the next replay"
     assert step.guard.captured == len(step.launches()), \
         "a replay ran the step's Python phases again"
 

@@ -16,6 +16,7 @@ less; rows that see nothing must be exactly latent 0, out 0, lse -inf (compare_p
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -93,7 +94,7 @@ CASES = [
 def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale: bool = True,
               merge: bool = True, writes_single: bool | None = None,
               forget_latent: bool = False, tma: bool = True, defines: tuple = (),
-              partials: bool = True):
+              partials: bool = True, attn_merge: bool = False):
     """The paged attention launch and the paged combine on `inp`: (PagedResult, part_l).
     merge=False: the attention launch alone, its latent and lse (those of the requests that
     run one chunk). writes_single: the combine's attn_writes_single flag (None: as
@@ -102,7 +103,9 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     attention kernel had written partials only. tma: the wgmma family's whole tiles by bulk
     tensor copy, through the cache's map, where pages hold whole tiles (else, or False:
     cp.async, a null map). defines: -D for the attention kernel (a planted defect).
-    partials=False: the wgmma instance of a single-pass plan (registry.wgmma_instance)."""
+    partials=False: the wgmma instance of a single-pass plan (registry.wgmma_instance).
+    attn_merge: the mma family merges in its own kernel (its tickets; rescale as given) and
+    no combine runs: latent and lse only."""
     import cupy as cp
 
     from mlasandbox.kernels import get_kernel
@@ -141,10 +144,20 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
         if tma and page_size >= tensor_map.BOX_ROWS:
             assert kv_map is not None, "the driver encodes no tensor map"
         args += (kv_map if kv_map is not None else np.uint64(0),)
+    attn_tickets = None
+    if registry.variant(variant).family == "mma":  # the kernel's own merge, or a null pointer
+        if attn_merge:
+            attn_tickets = cp.zeros((batch, grid[0]), cp.uint32)
+        args += (attn_tickets if attn_merge else np.uint64(0), i32(rescale))
+    assert not attn_merge or attn_tickets is not None, f"{variant} does not merge itself"
     get_kernel(att, defines)(grid, (att.threads,), args, shared_mem=att.smem_bytes)
     want = request_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target)[0]
     assert (counts.get() == want).all(), "the published chunk counts are the rule's"
     shape = (batch, s_q, n_head)
+    if attn_merge:
+        cp.cuda.Device().synchronize()
+        assert int(attn_tickets.sum()) == 0, "the kernel's merge leaves its tickets at 0"
+        return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape), None), part_l
     if not merge:
         cp.cuda.Device().synchronize()
         return PagedResult(latent.reshape(*shape, latent_dim), lse.reshape(shape), None), part_l
@@ -319,6 +332,47 @@ def test_negative_control_the_combine_without_rescale_fails(variant):
     res, _ = run_paged(inp, variant, case.max_chunks, rescale=False)
     cmp = compare_paged(res, decode_paged(**inp.decode_args()))
     assert not cmp.ok, f"{variant} seed={seed}: the check passed a combine without rescale"
+
+
+# The mma family's own merge (PagedDecodeStep.merges_in_attn): each multi-chunk mma case above
+# with the request's last program merging and no combine; a row block none of whose rows sees
+# the last chunk (query token 0 of a 1025-position request under s_q 2, its last chunk one
+# position) still takes its ticket; an empty request gets latent 0, lse -inf from program b.
+# The merge is built for q in the cache dtype only (mla_mma.cu), so the cases take that q.
+ATTN_MERGE = [dataclasses.replace(c, q=c.cache) for c in CASES if c.variant.startswith("mma")
+              and 1 < c.max_chunks <= registry.ATTN_MERGE_MAX_CHUNKS] + [
+    Case("mma16", 16, (1025, 0, 3000), s_q=2, causal=True, page_size=64, max_chunks=16,
+         q="f16"),
+    Case("mma32", 16, (0,), page_size=16, max_chunks=3, cache="bf16", q="bf16")]
+
+
+@gpu
+@pytest.mark.parametrize("case", ATTN_MERGE, ids=str)
+def test_the_mma_kernel_merges_its_own_chunks(case):
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target,
+                            attn_merge=True)
+    cmp = compare_paged(res, decode_paged(**{**inp.decode_args(), "wv_b": None}))
+    assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
+    tile = registry.paged_attention_instance(case.variant).tile_rows
+    n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
+                          case.target)
+    assert (n > 1).any() or not np.asarray(case.lengths).any(), f"{case}: nothing merged"
+
+
+@gpu
+def test_negative_control_the_kernels_merge_without_rescale_fails():
+    case = Case("mma16", 16, (4097, 3000), s_q=2, causal=True, page_size=16, max_chunks=8,
+                q="f16")
+    seed = fresh_seed()
+    inp = _inputs(case, seed)
+    ref = decode_paged(**{**inp.decode_args(), "wv_b": None})
+    good, _ = run_paged(inp, case.variant, case.max_chunks, attn_merge=True)
+    assert compare_paged(good, ref).ok, f"seed={seed}"
+    inp = _inputs(case, seed)
+    bad, _ = run_paged(inp, case.variant, case.max_chunks, rescale=False, attn_merge=True)
+    assert not compare_paged(bad, ref).ok, f"seed={seed}: the check passed a merge without rescale"
 
 
 def _check(table, seqlens, page_size, num_pages):

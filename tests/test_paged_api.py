@@ -180,6 +180,7 @@ def _bare_step(causal=True, wv_b=True, family="mma"):
     step.out = "out" if wv_b else None
     step.project_inst = registry.project_instance("f16") if wv_b else None
     step.fused_combine = False  # the merge only: combine_args passes null projection pointers
+    step.merges_in_attn, step.attn_tickets, step.merge_rescale = False, None, True
     return step
 
 
@@ -204,10 +205,16 @@ def test_attn_args_follow_the_kernels_order_and_types():
     assert int(_bare_step(causal=False).attn_args()[7]) == 0
 
 
-def test_only_the_wgmma_launch_takes_the_cache_map_last():
+def test_the_wgmma_launch_takes_the_cache_map_and_mma_its_merge_last():
     step = _bare_step()
     step.kv_map = "kv_map"
-    assert step.attn_launch_args() == step.attn_args()   # mma: the contract as it is
+    *contract, tickets, rescale = step.attn_launch_args()  # mma: the contract, then its merge's
+    assert tuple(contract) == step.attn_args()
+    assert isinstance(tickets, np.uint64) and int(tickets) == 0 and int(rescale) == 1
+    step.merges_in_attn, step.attn_tickets, step.merge_rescale = True, "attn_tickets", False
+    assert step.attn_launch_args()[-2:] == ("attn_tickets", 0)
+    for family in ("split", "batched", "user"):              # the contract as it is
+        assert _bare_step(family=family).attn_launch_args() == step.attn_args()
     wg = _bare_step(family="wgmma")
     wg.kv_map = "kv_map"
     assert wg.attn_launch_args() == wg.attn_args() + ("kv_map",) and wg.uses_tma
@@ -543,8 +550,9 @@ def test_the_merge_skips_one_chunk_requests_only_for_families_that_write_them(fa
     assert step.single_pass == bool(writes)
 
 
-def _host_step_inputs(seed):
-    inp = make_paged_inputs(Dims(n_head=16), [0, 300, 1000], s_q=2, page_size=16, seed=seed)
+def _host_step_inputs(seed, q_dtype="f32"):
+    inp = make_paged_inputs(Dims(n_head=16), [0, 300, 1000], s_q=2, page_size=16, seed=seed,
+                            q_dtype=q_dtype)
     args = inp.decode_args()
     for k in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b"):
         args[k] = args[k].view(HostArray)
@@ -559,7 +567,8 @@ def test_a_small_batch_merges_and_projects_in_one_kernel(fake_device, seeds, fus
     args = inp.decode_args()
     for k in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b"):
         args[k] = args[k].view(HostArray)
-    step = PagedDecodeStep(**args, variant="mma16", splits=4, fused_combine=fused)
+    step = PagedDecodeStep(**args, variant="mma16", splits=4, fused_combine=fused,
+                           merge_in_attn=False)
     assert step.col_blocks == registry.COMBINE_COL_BLOCKS and not step.single_pass
     step.run()
     assert len(fake_device.log) == launches == len(step.launches())
@@ -575,14 +584,14 @@ def test_a_small_batch_merges_and_projects_in_one_kernel(fake_device, seeds, fus
 
 def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     inp, args = _host_step_inputs(seeds.one())
-    step = PagedDecodeStep(**args, variant="mma16", splits=4)
+    step = PagedDecodeStep(**args, variant="mma16", splits=4, merge_in_attn=False)
     assert step.plan.grid[::2] == (2, 1) and step.plan.min_chunk == 64
     res = step.run()
     (a_name, a_grid, a_block, a_args, a_smem), (c_name, c_grid, c_block, c_args, _), \
         (p_name, p_grid, p_block, p_args, _) = fake_device.log
     assert (a_name, a_grid, a_block, a_smem) == ("attn<paged=true>", step.plan.grid, (256, 1, 1),
                                                  1000)
-    assert len(a_args) == 21
+    assert len(a_args) == 23 and int(a_args[21]) == 0 and int(a_args[22]) == 1
     assert all(x is y or x == y for x, y in zip(a_args, step.attn_args()))
     # 96 rows: 4 column blocks (384 blocks >= 2 x 132 SMs)
     assert c_name == "combineTrue<paged=true>" and c_grid == (32, 4, 3)
@@ -593,6 +602,36 @@ def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     assert [launch.grid for launch in step.launches()] == [step.plan.grid, c_grid, p_grid]
     assert not any(launch.pdl for launch in step.launches())  # the fake device has no PDL
     assert step.guard.polls == 3 and step.guard.captured == 0
+
+
+def test_the_mma_kernel_merges_its_own_chunks_and_no_merge_is_launched(fake_device, seeds):
+    inp, args = _host_step_inputs(seeds.one(), q_dtype="f16")
+    step = PagedDecodeStep(**args, variant="mma16", splits=4)
+    assert step.merges_in_attn and not step.launches_merge and step.projects_alone
+    step.run()
+    (a_name, _, _, a_args, _), (p_name, *_) = fake_device.log
+    assert a_name == "attn<paged=true>" and p_name == "project<paged=true>"
+    assert a_args[21] is step.attn_tickets and int(a_args[22]) == 1
+    assert step.attn_tickets.size == 3 * step.plan.head_blocks  # a ticket a request, row block
+    assert [ln.kernel for ln in step.launches()] == ["attn<paged=true>", "project<paged=true>"]
+    broken = PagedDecodeStep(**args, variant="mma16", splits=4, rescale=False)
+    assert int(broken.attn_launch_args()[22]) == 0  # the negative control's merge
+
+
+@pytest.mark.parametrize("variant,splits,q,want", [
+    ("mma16", 2, "f16", True), ("mma32", registry.ATTN_MERGE_MAX_CHUNKS, "f16", True),
+    ("mma16", 4, "f32", False),                          # the f32-q kernels are built without
+    ("mma16", 1, "f16", False),                          # a single pass: nothing to merge
+    ("mma16", registry.ATTN_MERGE_MAX_CHUNKS + 1, "f16", False),  # one block would read too much
+    ("split", 4, "f16", False), ("batched16", 4, "f16", False)])  # families that do not merge
+def test_the_rule_for_the_kernels_own_merge(fake_device, seeds, variant, splits, q, want):
+    _, args = _host_step_inputs(seeds.one(), q_dtype=q)
+    assert PagedDecodeStep(**args, variant=variant, splits=splits).merges_in_attn == want
+    assert not PagedDecodeStep(**args, variant=variant, splits=splits,
+                               merge_in_attn=False).merges_in_attn
+    if not want:
+        with pytest.raises(ValueError, match="merge_in_attn=True needs"):
+            PagedDecodeStep(**args, variant=variant, splits=splits, merge_in_attn=True)
 
 
 def test_decode_paged_checks_indices_first_and_raises_in_the_host_words(fake_device, seeds):

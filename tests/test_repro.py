@@ -493,8 +493,9 @@ def test_only_an_arch_specific_kernel_is_refused_by_arch(tmp_path):
 
 def test_the_paged_kernels_take_the_scripts_arguments():
     """Every paged attention kernel's parameters, read from its source, are PAGED_ATTN_ARGS
-    by name and in order, and the wgmma family's PAGED_WGMMA_ARGS (the tensor map last): the
-    script launches each with the tuple its ATTN["args"] names."""
+    by name and in order, the wgmma family's PAGED_WGMMA_ARGS (the tensor map last) and the
+    mma family's PAGED_MMA_ARGS (its merge's tickets and rescale flag last): the script
+    launches each with the tuple its ATTN["args"] names."""
     kinds = [k for k in registry.PAGED_KINDS if k not in ("combine", "check_paged")]
     assert "wgmma_attn" in kinds and "mma_attn" in kinds
     for kind in kinds:
@@ -503,7 +504,8 @@ def test_the_paged_kernels_take_the_scripts_arguments():
         m = re.search(rf"\n{name}\((.*?)\)\s*\{{", read_source(fam.source), re.S)
         assert m, f"{name} not found in {fam.source}"
         params = tuple(re.findall(r"(\w+)\s*$", p.strip())[0] for p in m.group(1).split(","))
-        want = repro.PAGED_WGMMA_ARGS if kind == "wgmma_attn" else repro.PAGED_ATTN_ARGS
+        want = {"wgmma_attn": repro.PAGED_WGMMA_ARGS,
+                "mma_attn": repro.PAGED_MMA_ARGS}.get(kind, repro.PAGED_ATTN_ARGS)
         assert params == want, (kind, params)
 
 
