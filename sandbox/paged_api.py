@@ -250,16 +250,14 @@ class PagedDecodeStep:
 
     def _attn_merges(self, choice: bool | None) -> bool:
         """Whether the attention kernel merges each request's chunks itself (its last program,
-        PagedWalk::finish) and no merge is launched: the families of
-        registry.ATTN_MERGE_FAMILIES under a plan of 2 to ATTN_MERGE_MAX_CHUNKS chunk slots a
-        request, where one block reads a request's partials in about the time the merge
-        kernel takes to start, and q in the cache dtype (the kernels built with the merge:
-        mla_mma.cu says why). choice False keeps the merge kernel; True asks for the kernel's
+        PagedWalk::finish) and no merge is launched: registry.attn_merges, a plan of 2 to
+        ATTN_MERGE_MAX_CHUNKS chunk slots a request (where one block reads a request's
+        partials in about the time the merge kernel takes to start) and q in the cache dtype
+        (the kernels built with the merge: mla_mma.cu says why). choice False keeps the merge kernel; True asks for the kernel's
         merge and raises where the rule refuses it."""
         p, sh = self.plan, self.shape
-        able = (self.variant.family in registry.ATTN_MERGE_FAMILIES and not p.single_pass
-                and p.max_chunks <= registry.ATTN_MERGE_MAX_CHUNKS
-                and sh.q_dtype == sh.cache_dtype)
+        able = registry.attn_merges(self.variant.family, p.max_chunks, sh.q_dtype,
+                                    sh.cache_dtype)
         if choice and not able:
             raise ValueError(
                 f"merge_in_attn=True needs a family of {registry.ATTN_MERGE_FAMILIES}, q in the "

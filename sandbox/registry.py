@@ -81,6 +81,15 @@ COMBINE_COL_BLOCKS = 16
 # kAttnMergeMaxChunks) and the step launches no merge: paged_api.PagedDecodeStep.merges_in_attn.
 ATTN_MERGE_MAX_CHUNKS = 16
 ATTN_MERGE_FAMILIES = ("mma",)
+
+
+def attn_merges(family: str, max_chunks: int, q: str, cache: str) -> bool:
+    """Whether a paged step of `family` under a plan of `max_chunks` chunk slots a request
+    merges the chunks in its attention kernel (no merge launch): a family of
+    ATTN_MERGE_FAMILIES, 2 to ATTN_MERGE_MAX_CHUNKS slots, q in the cache dtype (the kernels
+    built with the merge, mla_mma.cu)."""
+    return (family in ATTN_MERGE_FAMILIES and 1 < max_chunks <= ATTN_MERGE_MAX_CHUNKS
+            and q == cache)
 Q_ABSORB_THREADS = 256
 Q_ABSORB_COL_BLOCKS = 8   # blocks per head of q_absorb (kAbsorbColBlocks), 64 columns each
 PROJECT_THREADS = 256     # cuda_src/mla_project.cu: out = wv_b[h] @ latent, tensor cores

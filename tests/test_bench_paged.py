@@ -136,6 +136,17 @@ def test_plan_report_runs_the_chunk_rule_per_variant():
     assert mma16["chunks_min"] == 0            # the empty request runs nothing
     # 84 tiles in all on 264 programs: a tile a chunk, 5000 -> 79 chunks, 300 -> 5
     assert mma16["chunks_max"] == 79 and mma16["programs_run"] == 84
+    assert mma16["merge"] == "merge kernel"    # 176 chunk slots a request: past 16
+
+
+@pytest.mark.parametrize("batch,q,merge", [
+    (32, "cache", "attention kernel"),          # 9 chunk slots, q f16: the kernel merges
+    (32, "f32", "merge kernel"),                # the f32-q kernels are built without it
+    (200, "cache", "none: one chunk a request")])  # a single pass
+def test_plan_report_says_where_the_chunks_are_merged(batch, q, merge):
+    cfg = make_paged_config(batch=batch, lengths="4096", heads=16, variants=["mma16"], q_dtype=q)
+    (row,) = plan_report(cfg, num_sms=132, blocks_per_sm=1)["plans"]
+    assert row["merge"] == merge, row
 
 
 # ---------------------------------------------------------------------------- a fake run
@@ -385,7 +396,7 @@ def test_the_paged_tables_fit_100_columns_and_keep_the_times():
            "page_size": 64, "num_sms": 132,
            "plans": [{"variant": "mma16", "rows_per_block": 16, "tile": 64, "grid": [1, 4, 32],
                       "chunks_min": 0, "chunks_max": 4, "programs_run": 124, "programs": 128,
-                      "flops": 8.547e9, "ideal_bytes": 292.7e6,
+                      "merge": "attention kernel", "flops": 8.547e9, "ideal_bytes": 292.7e6,
                       "blocks_per_sm": "1 blocks/SM from the occupancy model"}]}
     for table, must in ((bench_cmd._paged_table(result), ("158.4", "85.9", "1,848")),
                         (bench_cmd._paged_plan_table(rep), ("0..4", "124 of 128"))):
