@@ -27,7 +27,9 @@ request) the merge is not launched, and otherwise its blocks of such a request r
 (`attn_writes_single`; a user kernel's requests are all merged). Both launch with
 programmatic dependent launch (sandbox/pdl.py) where the device has it. A batch of at most 16
 rows (the merge's narrowest column blocks) runs one kernel instead, the merge whose blocks
-also project their columns (`fused_combine`).
+also project their columns (`fused_combine`). Under a plan of 2 to 16 chunk slots a request
+with q in the cache dtype the mma kernels merge each request themselves and no merge is
+launched (`merges_in_attn`, registry.attn_merges).
 
 `decode()` (batch 1, one contiguous cache) stays beside this path with its own kernels'
 machine code; batch 1 through the paged path agrees with it within the float64 tolerances.
@@ -238,9 +240,9 @@ class PagedDecodeStep:
         if self.merges_in_attn:  # zeroed when made; each launch leaves them at 0
             self.attn_tickets = scratch_for_device(dev, "attn_tickets",
                                                    sh.batch * self.plan.head_blocks, "uint32")
-        # where the plan merges: the combine in one kernel (a batch of at most 16 rows), or
-        # the merge then the tensor-core projection, which batches many rows a head
-        self.fused_combine = (self.out is not None
+        # where the merge kernel runs: the combine in one kernel (a batch of at most 16 rows),
+        # or the merge then the tensor-core projection, which batches many rows a head
+        self.fused_combine = (self.out is not None and self.launches_merge
                               and registry.combine_in_one_kernel(self.col_blocks, fused_combine))
         if self.fused_combine:
             rows = sh.batch * self.n_rows
@@ -253,8 +255,8 @@ class PagedDecodeStep:
         PagedWalk::finish) and no merge is launched: registry.attn_merges, a plan of 2 to
         ATTN_MERGE_MAX_CHUNKS chunk slots a request (where one block reads a request's
         partials in about the time the merge kernel takes to start) and q in the cache dtype
-        (the kernels built with the merge: mla_mma.cu says why). choice False keeps the merge kernel; True asks for the kernel's
-        merge and raises where the rule refuses it."""
+        (the kernels built with the merge: mla_mma.cu says why). choice False keeps the
+        merge kernel; True asks for the kernel's merge and raises where the rule refuses it."""
         p, sh = self.plan, self.shape
         able = registry.attn_merges(self.variant.family, p.max_chunks, sh.q_dtype,
                                     sh.cache_dtype)
@@ -361,8 +363,8 @@ class PagedDecodeStep:
     @property
     def projects_alone(self) -> bool:
         """Whether the projection is a launch of its own: with wv_b, unless the one-kernel
-        combine runs (a plan that launches the merge, fused_combine)."""
-        return self.out is not None and (not self.launches_merge or not self.fused_combine)
+        combine runs (fused_combine, only where the merge kernel is launched)."""
+        return self.out is not None and not self.fused_combine
 
     def project_args(self) -> tuple:
         """The projection's arguments: latent [B*s_q][H][512] in, out [B*s_q][H][v_head]."""
