@@ -216,16 +216,26 @@ def _fmt(v, spec):
     return "-" if v is None else format(v, spec)
 
 
+def _waves(waves) -> str:
+    """'2 of 2' where the grid offers a second wave, '1' where it does not ('-': a report
+    written before the plan said)."""
+    if not waves:
+        return "-"
+    taken, offered = waves
+    return f"{taken} of {offered}" if offered > 1 else str(taken)
+
+
 def _paged_plan_table(rep: dict) -> FitTable:
     """The chunk plan of each variant; at a narrow console the derived columns go first."""
     columns = (Column("variant"), Column("rows/block", "right", drop=3),
                Column("tile", "right", drop=2), Column("grid"), Column("chunks/request", "right"),
-               Column("programs run", "right"), Column("merge", drop=6, fold=True),
+               Column("programs run", "right"), Column("waves", "right", drop=7),
+               Column("merge", drop=6, fold=True),
                Column("FLOPs", "right", drop=4),
                Column("bytes (ideal)", "right", drop=5), Column("how", drop=1, fold=True))
     cells = [(r["variant"], str(r["rows_per_block"]), str(r["tile"]), str(tuple(r["grid"])),
               f"{r['chunks_min']}..{r['chunks_max']}", f"{r['programs_run']} of {r['programs']}",
-              r["merge"], f"{r['flops']:.3e}", f"{r['ideal_bytes'] / 1e6:,.1f} MB",
+              _waves(r.get("waves")), r["merge"], f"{r['flops']:.3e}", f"{r['ideal_bytes'] / 1e6:,.1f} MB",
               escape(r["blocks_per_sm"])) for r in rep["plans"]]
     return FitTable(columns, cells,
                     title=f"chunk plans: B={rep['batch']}, lengths {rep['lengths']['spec']} "

@@ -69,22 +69,35 @@ __device__ __forceinline__ int warp_max_int(int v) {
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-// u, the balanced chunk length in tiles, of the batch of `batch` lengths. Called by whole warps.
-__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
-                                                int max_chunks, int tile, int min_chunk,
-                                                int target) {
+// The batch's tiles: W = sum_b t_b, B' (non-empty requests), max t_b. Called by whole warps.
+struct BatchTiles {
+    long long total;
+    int busy, max_t;
+};
+__device__ __forceinline__ BatchTiles batch_tiles(const int* __restrict__ lengths, int batch,
+                                                  int tile) {
     const int lane = threadIdx.x & 31;
     long long total = 0;
     int busy = 0, max_t = 0;
+    // Unrolled so a lane's loads (and divisions, below) overlap: this runs ahead of every
+    // program's first copy.
+#pragma unroll 2
     for (int i = lane; i < batch; i += 32) {
         const int t = (__ldg(lengths + i) + tile - 1) / tile;
         total += t;
         busy += t > 0;
         max_t = max(max_t, t);
     }
-    total = warp_sum_ll(total);
-    busy = warp_sum_int(busy);
-    max_t = warp_max_int(max_t);
+    return {warp_sum_ll(total), warp_sum_int(busy), warp_max_int(max_t)};
+}
+// u, the balanced chunk length in tiles, of the batch of `batch` lengths on `target` programs.
+// Called by whole warps.
+__device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
+                                                int max_chunks, int tile, int min_chunk,
+                                                int target, const BatchTiles& bt) {
+    const int lane = threadIdx.x & 31;
+    const long long total = bt.total;
+    const int busy = bt.busy, max_t = bt.max_t;
     int lo = max(min_chunk / tile, static_cast<int>((total + target - 1) / target));
     int hi = target <= busy
                  ? max_t
@@ -94,6 +107,7 @@ __device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths,
     while (lo < hi) {
         const int mid = lo + (hi - lo) / 2;
         int count = 0;
+#pragma unroll 2
         for (int i = lane; i < batch; i += 32) {
             const int t = (__ldg(lengths + i) + tile - 1) / tile;
             count += min(max_chunks, (t + mid - 1) / mid);
@@ -112,7 +126,9 @@ __device__ __forceinline__ ChunkSpan request_span(int len, int u, int max_chunks
 
 // Where chunk program p of a row block lies (sandbox/chunks.py, program_chunks): the
 // requests' chunks numbered request by request, program p runs the p-th one, chunk c of
-// request b; b = -1 past the last (the program has nothing to do). `counts` not null: the
+// request b; b = -1 past the last (the program has nothing to do). The rule runs on target
+// programs, or on 2 target where the grid (gridDim.y >= 2 target, B < target) offers a second
+// wave and the lengths take it. `counts` not null: the
 // warp also writes every request's chunk count there (the combine reads them). Called by
 // whole warps; an exclusive prefix sum of the counts over 32 requests a round.
 struct ChunkSlot {
@@ -136,7 +152,17 @@ __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ length
         if (p < span.n) slot = {0, p, span.n, span.len};
         return slot;
     }
-    const int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target);
+    const BatchTiles bt = batch_tiles(lengths, batch, tile);
+    int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target, bt);
+    // The second wave a grid of 2 target programs offers (sandbox/chunks.py, two_waves):
+    // taken where one wave's unit is over 5/2 of two waves'. Two waves' unit is at least
+    // ceil(W / 2 target) (the search's lower end), so where one wave's is not over 5/2 of
+    // that (equal lengths) no second search runs.
+    const int lo2 = max(min_chunk / tile, static_cast<int>((bt.total + 2 * target - 1) / (2 * target)));
+    if (static_cast<int>(gridDim.y) >= 2 * target && batch < target && 2 * u > 5 * lo2) {
+        const int u2 = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, 2 * target, bt);
+        if (2 * u > 5 * u2) u = u2;
+    }
     int before = 0;  // chunks of the requests of earlier rounds
     for (int r0 = 0; r0 < batch; r0 += 32) {
         const int b = r0 + lane;
@@ -330,8 +356,9 @@ struct PagedWalk {
         return causal ? visible0 + r / n_head : visible0;
     }
     // Program p = blockIdx.y of row block blockIdx.x. Single-pass plan (max_chunks 1, grid
-    // y = B): request p, chunk 0. Else (grid y = max(target, B)) the p-th chunk of the batch
-    // in request order (locate_chunk), nothing past the last. Row block 0's program 0 (single-
+    // y = B): request p, chunk 0. Else (grid y = max(target, B), or 2 target offering a
+    // second wave) the p-th chunk of the batch in request order (locate_chunk), nothing past
+    // the last. Row block 0's program 0 (single-
     // pass plan: each request's program of row block 0) publishes the chunk counts. A block
     // none of whose rows sees a position of its chunk (causal) writes their neutral partials,
     // and where its request runs one chunk (single()) their latent 0 and lse -inf.

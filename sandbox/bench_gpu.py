@@ -359,6 +359,7 @@ class PagedBackend(CupyBackend):
                 "target": p.target, "single_pass": p.single_pass,
                 "merges_in_attn": step.merges_in_attn,
                 "reason": p.reason, "n_chunks": [int(c) for c in n_chunks],
+                "waves": [p.waves_taken(self.cfg.lengths), p.waves],
                 "chunk_len_max": int(chunk_len.max()),
                 "launches": [(ln.kernel, list(ln.grid), list(ln.block)) for ln in step.launches()],
                 "attn_kernel": step.attn_inst.name,

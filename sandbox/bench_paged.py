@@ -260,6 +260,7 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
                              (n_chunks * plan.head_blocks).sum()),
                          "chunks_min": int(n_chunks.min()), "chunks_max": int(n_chunks.max()),
                          "chunk_len_max": int(chunk_len.max()), "reason": plan.reason,
+                         "waves": [plan.waves_taken(cfg.lengths), plan.waves],
                          "merge": ("none: one chunk a request" if plan.single_pass else
                                    "attention kernel" if registry.attn_merges(
                                        v.family, plan.max_chunks, qd, cfg.cache_dtype)

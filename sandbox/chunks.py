@@ -29,8 +29,18 @@ when it sizes the grid (lengths live on the device and change between graph repl
   last chunk ends inside a tile), ``n = ceil(len_b / chunk_len) <= n0``. A program whose
   chunk index is >= n exits at once; an empty request (len 0) has n = 0 and its rows get
   latent 0, lse -inf.
-* The grid: (head_blocks, P, 1), P = max(target, batch) chunk programs a row block, at least
-  the chunks any lengths make. Program p runs the p-th chunk of the batch, the requests'
+* A second wave, offered by the grid and taken on the device from the lengths. Where
+  2 <= B < target <= 4 B (one to four programs a request), whole chunks of a request cannot
+  even out one wave: the longest request's chunks set it. The host then sizes the grid for
+  two waves (P = 2 target programs, `waves` = 2, max_chunks from 2 target) and the device
+  takes them (`two_waves`) where one wave's unit u1 (at target) is over 5/2 of the unit u2
+  at 2 target: two waves of chunks of at most u2 tiles take 2 u2, plus a second program
+  start, a merge a request and the rule's second search; measured (docs/schedule.md) they
+  tie with one wave at u1 = 2.26 u2 and gain 8-17% from 2.53 u2. Else it runs one wave (u1,
+  with the grid's larger cap) and the programs past its chunks exit. `programs` (the
+  grid's P) tells the rule its grid.
+* The grid: (head_blocks, P, 1), P = max(target, batch) chunk programs a row block (2 target
+  where the grid offers a second wave), at least the chunks any lengths make. Program p runs the p-th chunk of the batch, the requests'
   chunks numbered request by request (`ChunkPlan.program_chunks`, the kernels'
   locate_chunk): no program waits on another's exit, and the chunks of a wave are all real.
   Row block 0's program 0 writes every request's chunk count to a [B] buffer, which the
@@ -50,7 +60,7 @@ import numpy as np
 
 __all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "ChunkPlan",
            "plan_chunks", "batch_chunk_unit", "single_request_unit", "request_chunks",
-           "chunk_bounds"]
+           "chunk_bounds", "offers_two_waves", "two_waves"]
 
 CHUNK_CAP = 256          # chunks of one request, at most (as the batch-1 split cap)
 CHUNK_SKEW = 2           # chunk slots per request: this many times the mean request's need
@@ -76,6 +86,7 @@ class ChunkPlan:
     min_chunk: int
     reason: str
     target: int = 0      # chunk programs of a head block in one wave; 0: slots // head_blocks
+    waves: int = 1       # 2: the grid offers a second wave, which the lengths may take
 
     def __post_init__(self):
         if self.target == 0:
@@ -85,7 +96,9 @@ class ChunkPlan:
     def programs_per_block(self) -> int:
         """Chunk programs of a row block: one a request in a single pass, else
         max(target, batch), at least the chunks any set of lengths makes."""
-        return self.batch if self.single_pass else max(self.target, self.batch)
+        if self.single_pass:
+            return self.batch
+        return 2 * self.target if self.waves == 2 else max(self.target, self.batch)
 
     @property
     def grid(self) -> tuple[int, int, int]:
@@ -107,7 +120,13 @@ class ChunkPlan:
 
     def for_lengths(self, lengths):
         """(n_chunks [B], chunk_len [B]) for these lengths: what each request runs."""
-        return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target)
+        return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target,
+                              programs=self.programs_per_block)
+
+    def waves_taken(self, lengths) -> int:
+        """The waves of chunk programs these lengths run on the plan's grid (two_waves)."""
+        return 2 if two_waves(lengths, self.max_chunks, self.tile, self.min_chunk, self.target,
+                              programs=self.programs_per_block) else 1
 
     def program_chunks(self, lengths):
         """(request [P], chunk [P]) of each chunk program p of a row block, -1 past the last
@@ -136,18 +155,30 @@ def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: in
     skew = _positive_int("skew", skew)
     slots = num_sms * blocks_per_sm
     target = max(1, slots // head_blocks)
+    waves = 2 if offers_two_waves(batch, target) else 1
     if chunks is not None:
         max_chunks = _positive_int("chunks", chunks)
         if max_chunks > cap:
             raise ValueError(f"chunks must be at most the chunk cap {cap}, got {max_chunks}")
         why = f"override: up to {max_chunks} chunks a request, balanced on {target} programs"
     else:
-        max_chunks = 1 if batch >= target else max(1, min(cap, target,
-                                                            -(-skew * target // batch)))
+        fill = waves * target
+        max_chunks = 1 if batch >= target else max(1, min(cap, fill, -(-skew * fill // batch)))
         why = (f"balanced: {head_blocks} head blocks x {target} chunk programs on {slots} "
                f"slots ({blocks_per_sm}/SM x {num_sms} SMs), up to {max_chunks} chunks a "
                f"request ({skew}x the mean of {batch} requests)")
-    return ChunkPlan(batch, head_blocks, max_chunks, slots, tile, min_tiles * tile, why, target)
+    waves = waves if max_chunks > 1 else 1
+    if waves == 2:
+        why += ("; a second wave of as many programs where one wave's chunks would be over "
+                "5/2 of two waves' (chosen on the device from the lengths)")
+    return ChunkPlan(batch, head_blocks, max_chunks, slots, tile, min_tiles * tile, why, target,
+                     waves)
+
+
+def offers_two_waves(batch: int, target: int) -> bool:
+    """Whether the grid offers a second wave: one to four programs of a wave a request
+    (the kernels' locate_chunk reads the offer from the grid: P = 2 target, B < target)."""
+    return 2 <= batch < target <= 4 * batch
 
 
 def _tiles(lengths, tile):
@@ -182,10 +213,26 @@ def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target
     return lo
 
 
-def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int):
+def two_waves(lengths, max_chunks: int, tile: int, min_chunk: int, target: int,
+              programs: int) -> bool:
+    """Whether a batch on a grid of `programs` chunk programs a row block runs two waves:
+    the grid offers them (programs >= 2 target, 2 <= B < target) and one wave's unit is over
+    5/2 of two waves' (the kernels' locate_chunk)."""
+    n, _ = _tiles(lengths, tile)
+    if not (programs >= 2 * target and 2 <= len(n) < target):
+        return False
+    u1 = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
+    return 2 * u1 > 5 * batch_chunk_unit(n, max_chunks, tile, min_chunk, 2 * target)
+
+
+def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int, *,
+                   programs: int = 0):
     """(n_chunks, chunk_len) per request of the batch `lengths`, in the kernels' integer
-    arithmetic (the module docstring). Vectorized over the batch."""
+    arithmetic (the module docstring), on a grid of `programs` chunk programs a row block
+    (0: max(target, B), one wave). Vectorized over the batch."""
     n, t = _tiles(lengths, tile)
+    if two_waves(n, max_chunks, tile, min_chunk, target, programs):
+        target = 2 * target
     u = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
     want = np.minimum(max_chunks, -(-t // u))                  # 0 for an empty request
     chunk_len = np.maximum(-(-t // np.maximum(want, 1)), 1) * tile

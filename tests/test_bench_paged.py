@@ -149,6 +149,18 @@ def test_plan_report_says_where_the_chunks_are_merged(batch, q, merge):
     assert row["merge"] == merge, row
 
 
+@pytest.mark.parametrize("lengths,waves", [("4096", [1, 2]), ("normal:4096:2048", [2, 2])])
+def test_plan_report_says_which_waves_the_lengths_take(lengths, waves):
+    # B = 128 on 132 slots: the grid offers a second wave; equal requests keep one, varied
+    # ones (the longest would set one wave) take both. B = 32 is offered none.
+    cfg = make_paged_config(batch=128, lengths=lengths, heads=16, variants=["mma16"])
+    (row,) = plan_report(cfg, num_sms=132, blocks_per_sm=1)["plans"]
+    assert row["waves"] == waves and row["grid"] == [1, 264, 1], row
+    assert (row["programs_run"] > 132) == (waves[0] == 2)
+    cfg = make_paged_config(batch=32, lengths="normal:8192:4096", heads=16, variants=["mma16"])
+    assert plan_report(cfg, num_sms=132, blocks_per_sm=1)["plans"][0]["waves"] == [1, 1]
+
+
 # ---------------------------------------------------------------------------- a fake run
 
 class FakePagedBackend:
@@ -396,10 +408,11 @@ def test_the_paged_tables_fit_100_columns_and_keep_the_times():
            "page_size": 64, "num_sms": 132,
            "plans": [{"variant": "mma16", "rows_per_block": 16, "tile": 64, "grid": [1, 4, 32],
                       "chunks_min": 0, "chunks_max": 4, "programs_run": 124, "programs": 128,
-                      "merge": "attention kernel", "flops": 8.547e9, "ideal_bytes": 292.7e6,
+                      "waves": [2, 2], "merge": "attention kernel", "flops": 8.547e9,
+                      "ideal_bytes": 292.7e6,
                       "blocks_per_sm": "1 blocks/SM from the occupancy model"}]}
     for table, must in ((bench_cmd._paged_table(result), ("158.4", "85.9", "1,848")),
-                        (bench_cmd._paged_plan_table(rep), ("0..4", "124 of 128"))):
+                        (bench_cmd._paged_plan_table(rep), ("0..4", "124 of 128", "2 of 2"))):
         out = io.StringIO()
         Console(file=out, width=100, color_system=None).print(table)
         text = out.getvalue()

@@ -261,14 +261,14 @@ def _graph_length_sets(rng) -> dict:
             "random": rng.integers(0, GRAPH_MAX + 1, GRAPH_B)}
 
 
-def refill(lengths, num_pages, seed, **kw):
-    """New inputs for `lengths` laid out in exactly num_pages pages and GRAPH_PAGES table
+def refill(lengths, num_pages, seed, *, heads=GRAPH_HEADS, s_q=GRAPH_SQ, pages=GRAPH_PAGES,
+           **kw):
+    """New inputs for `lengths` laid out in exactly num_pages pages and `pages` table
     columns (the captured shapes), INVALID_PAGE in the columns past each request's pages."""
     need = int(pages_needed(lengths, GRAPH_PAGE).sum())
-    host = make_paged_inputs(Dims(n_head=GRAPH_HEADS), lengths, s_q=GRAPH_SQ,
-                             page_size=GRAPH_PAGE, seed=seed,
-                             spare_pages=num_pages - need - 1, **kw)
-    table = np.full((GRAPH_B, GRAPH_PAGES), INVALID_PAGE, np.int32)
+    host = make_paged_inputs(Dims(n_head=heads), lengths, s_q=s_q, page_size=GRAPH_PAGE,
+                             seed=seed, spare_pages=num_pages - need - 1, **kw)
+    table = np.full((len(lengths), pages), INVALID_PAGE, np.int32)
     table[:, :host.block_table.shape[1]] = host.block_table
     return dataclasses.replace(host, block_table=table)
 
@@ -278,6 +278,25 @@ def write_into(dev, host, stream=None) -> None:
     graph reads)."""
     for f in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b"):
         getattr(dev, f).set(np.ascontiguousarray(getattr(host, f)), stream=stream)
+
+
+def replay_and_check(step, graph, dev, host, what: str) -> None:
+    """`host`'s inputs written into the buffers `graph` reads, its outputs NaN-filled, one
+    replay on the step's graph stream, compared with the float64 reference; the kernel's own
+    merge (where it runs) leaves its tickets at 0 for the next replay."""
+    import cupy
+
+    stream = step.graph_stream
+    write_into(dev, host, stream)
+    with stream:
+        for arr in (step.latent, step.lse, step.out):
+            arr.fill(cupy.nan)
+    graph.launch(stream)
+    stream.synchronize()
+    cmp = compare_paged(step.result, reference.decode_paged(**host.decode_args()))
+    assert cmp.ok, f"{what}\n{cmp.summary()}"
+    if step.merges_in_attn:
+        assert int(step.attn_tickets.sum()) == 0, f"{what}: tickets left for the next replay"
 
 
 @gpu
@@ -290,8 +309,6 @@ def test_one_graph_serves_five_length_sets(seeds, variant, splits, q):
     matches the reference and the step's phases never run again (no recapture). mma16 under
     8 chunk slots with a 16-bit q merges in its own kernel (its tickets back at 0 after every
     replay)."""
-    import cupy
-
     from mlasandbox.paged_api import PagedDecodeStep
 
     seed = seeds.one()
@@ -308,20 +325,48 @@ def test_one_graph_serves_five_length_sets(seeds, variant, splits, q):
     rng = np.random.default_rng(seed)
     for k, (name, lengths) in enumerate(_graph_length_sets(rng).items()):
         host = refill(lengths, num_pages, seed + k + 1, causal=True, q_dtype=q)
-        stream = step.graph_stream
-        write_into(dev, host, stream)
-        with stream:
-            for arr in (step.latent, step.lse, step.out):
-                arr.fill(cupy.nan)
-        graph.launch(stream)
-        stream.synchronize()
-        cmp = compare_paged(step.result, reference.decode_paged(**host.decode_args()))
-        assert cmp.ok, f"{variant}, replay with {name} {lengths.tolist()}: seed={seed}\n" \
-                       f"{cmp.summary()}"
-        if step.merges_in_attn:
-            assert int(step.attn_tickets.sum()) == 0, f"{name}: tickets left for the next replay"
+        replay_and_check(step, graph, dev, host,
+                         f"{variant}, replay with {name} {lengths.tolist()}: seed={seed}")
     assert step.guard.captured == len(step.launches()), \
         "a replay ran the step's Python phases again"
+
+
+WAVE_SETS = {"even (one wave)": [3000] * 8, "one long (two waves)": [3000] * 7 + [9000],
+             "all zero": [0] * 8, "one at the maximum": [0] * 7 + [9216]}
+
+
+@gpu
+@pytest.mark.parametrize("q", ["f16", "f32"])
+def test_one_graph_takes_one_wave_or_two_as_the_lengths_ask(seeds, q):
+    """128 heads under mma16 at B = 8: 8 row blocks, a wave target of 16 programs on 132
+    SMs, so the grid offers a second wave (32 programs). One graph, replayed with lengths
+    that take it and lengths that do not (chunks.two_waves says which): every replay
+    matches the reference. With a 16-bit q the kernel merges the chunks itself."""
+    from mlasandbox.chunks import two_waves
+    from mlasandbox.paged_api import PagedDecodeStep
+
+    seed, pages = seeds.one(), 9216 // GRAPH_PAGE
+    full = make_paged_inputs(Dims(n_head=128), [9216] * 8, page_size=GRAPH_PAGE, seed=seed,
+                             q_dtype=q)
+    num_pages = full.kv_cache.shape[0]
+    dev = on_device(full)
+    step = PagedDecodeStep(**dev.decode_args(), variant="mma16", sync_check=True)
+    plan = step.plan
+    if plan.target != 16:
+        pytest.skip(f"the case is built for 132 SMs and one mma16 block an SM (target "
+                    f"{plan.target})")
+    assert plan.waves == 2 and plan.grid == (8, 32, 1) and step.merges_in_attn == (q == "f16")
+    graph = step.capture()
+    taken = {}
+    for k, (name, lengths) in enumerate(WAVE_SETS.items()):
+        host = refill(lengths, num_pages, seed + k + 1, heads=128, s_q=1, pages=pages,
+                      q_dtype=q)
+        taken[name] = two_waves(lengths, plan.max_chunks, plan.tile, plan.min_chunk,
+                                plan.target, programs=plan.programs_per_block)
+        replay_and_check(step, graph, dev, host, f"q {q}, replay with {name}: seed={seed}")
+        assert (step.chunk_counts.get() == plan.for_lengths(lengths)[0]).all(), name
+    assert taken == {"even (one wave)": False, "one long (two waves)": True, "all zero": False,
+                     "one at the maximum": False}
 
 
 def test_graph_length_sets_are_what_they_say():

@@ -26,7 +26,7 @@ import pytest
 from gpu_support import fresh_seed, gpu
 from mlasandbox import registry, tensor_map
 from mlasandbox.api import SINGLE_PASS_FAMILIES
-from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
+from mlasandbox.chunks import MIN_TILES_PER_CHUNK, offers_two_waves, request_chunks, two_waves
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import PagedResult
@@ -46,6 +46,8 @@ class Case:
     page_size: int = 64
     max_chunks: int = 4
     target: int = 132    # chunk programs of one wave per row block (the balance, chunks.py)
+    programs: int = 0    # chunk programs a row block: 0 one wave, max(target, B); 2 target
+                         # offers the second wave (chunks.two_waves)
     cache: str = "f16"
     q: str = "f32"
     wv_b: bool = True
@@ -53,7 +55,8 @@ class Case:
     def __str__(self):
         lens = "-".join(map(str, self.lengths))
         return (f"{self.variant}-H{self.heads}-sq{self.s_q}{'c' if self.causal else ''}-"
-                f"p{self.page_size}-k{self.max_chunks}-t{self.target}-{self.cache}-q{self.q}-"
+                f"p{self.page_size}-k{self.max_chunks}-t{self.target}"
+                f"{f'-P{self.programs}' if self.programs else ''}-{self.cache}-q{self.q}-"
                 f"L{lens}"
                 f"{'' if self.wv_b else '-nowv'}")
 
@@ -88,10 +91,25 @@ CASES = [
          target=4),
     Case("split", 5, (3000, 20, 1), page_size=1, max_chunks=6, target=2),
     Case("mma32", 16, (140, 8193, 2), s_q=2, page_size=64, max_chunks=12, target=9),
+    # a grid that offers a second wave, lengths that take it (one request sets one wave) and
+    # lengths that do not (even requests): TWO_WAVES checks which
+    Case("mma16", 16, (20000, 64, 0, 140), page_size=64, max_chunks=6, target=5, programs=10),
+    Case("mma16", 16, (4096, 4000), page_size=16, max_chunks=6, target=7, programs=14,
+         q="f16"),
+    Case("split", 3, (9000, 20, 1), s_q=2, causal=True, page_size=16, max_chunks=6, target=4,
+         programs=8),
+    Case("batched8", 9, (300, 7000, 1), page_size=64, max_chunks=6, target=5, programs=10,
+         cache="bf16"),
+    Case("mma32", 16, (10000, 1, 700), s_q=2, page_size=64, max_chunks=6, target=4,
+         programs=8),
 ]
+# (case index, whether its lengths take the second wave)
+TWO_WAVES = {len(CASES) - 5: True, len(CASES) - 4: False, len(CASES) - 3: True,
+             len(CASES) - 2: True, len(CASES) - 1: True}
 
 
-def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale: bool = True,
+def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, programs: int = 0,
+              rescale: bool = True,
               merge: bool = True, writes_single: bool | None = None,
               forget_latent: bool = False, tma: bool = True, defines: tuple = (),
               partials: bool = True, attn_merge: bool = False):
@@ -105,7 +123,8 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     cp.async, a null map). defines: -D for the attention kernel (a planted defect).
     partials=False: the wgmma instance of a single-pass plan (registry.wgmma_instance).
     attn_merge: the mma family merges in its own kernel (its tickets; rescale as given) and
-    no combine runs: latent and lse only."""
+    no combine runs: latent and lse only. programs: the grid's chunk programs a row block
+    (0: max(target, B); 2 target offers a second wave)."""
     import cupy as cp
 
     from mlasandbox.kernels import get_kernel
@@ -133,7 +152,7 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
     latent = cp.full((batch, n_rows, latent_dim), cp.nan, cp.float32)
     lse = cp.full((batch, n_rows), cp.nan, cp.float32)
     counts = cp.full(batch, -7, cp.int32)   # every entry must be written
-    programs = batch if max_chunks == 1 else max(target, batch)
+    programs = batch if max_chunks == 1 else (programs or max(target, batch))
     grid = (-(-n_rows // att.heads), programs, 1)
     args = (q, cache, table, seqlens, i32(n_rows), i32(n_head), i32(s_q), i32(inp.causal),
             i32(max_pages), i32(int(math.log2(page_size))), i32(max_chunks), i32(min_chunk),
@@ -151,7 +170,8 @@ def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, rescale:
         args += (attn_tickets if attn_merge else np.uint64(0), i32(rescale))
     assert not attn_merge or attn_tickets is not None, f"{variant} does not merge itself"
     get_kernel(att, defines)(grid, (att.threads,), args, shared_mem=att.smem_bytes)
-    want = request_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target)[0]
+    want = request_chunks(seqlens.get(), max_chunks, att.tile_rows, min_chunk, target,
+                          programs=programs)[0]
     assert (counts.get() == want).all(), "the published chunk counts are the rule's"
     shape = (batch, s_q, n_head)
     if attn_merge:
@@ -189,12 +209,29 @@ def _inputs(case, seed):
                              with_wv_b=case.wv_b, xp=cp)
 
 
+def test_the_two_wave_cases_take_the_wave_they_are_meant_to():
+    # so the kernels meet both sides of the device's choice: where a case takes the second
+    # wave its chunks differ from one wave's (on the grid of max(target, B), which never
+    # offers it), where it does not they are one wave's
+    for i, takes in TWO_WAVES.items():
+        c = CASES[i]
+        tile = registry.paged_attention_instance(c.variant).tile_rows
+        args = (list(c.lengths), c.max_chunks, tile, MIN_TILES_PER_CHUNK * tile, c.target)
+        assert c.programs == 2 * c.target and offers_two_waves(len(c.lengths), c.target), c
+        assert two_waves(*args, programs=c.programs) == takes, c
+        one = request_chunks(*args)[0]
+        offered = request_chunks(*args, programs=c.programs)[0]
+        assert (one != offered).any() == takes, c
+        assert not two_waves(*args, programs=max(c.target, len(c.lengths))), c
+
+
 @gpu
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_paged_kernels_match_the_float64_reference(case):
     seed = fresh_seed()
     inp = _inputs(case, seed)
-    res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target)
+    res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target,
+                            programs=case.programs)
     ref = decode_paged(**inp.decode_args())
     cmp = compare_paged(res, ref)
     assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
@@ -202,7 +239,7 @@ def test_paged_kernels_match_the_float64_reference(case):
     # ones before it wrote every row
     tile = registry.paged_attention_instance(case.variant).tile_rows
     n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
-                          case.target)
+                          case.target, programs=case.programs)
     written = ~np.isnan(part_l.get())                      # [B, max_chunks, n_rows]
     want = np.arange(case.max_chunks)[None, :] < n[:, None]  # [B, max_chunks]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
@@ -352,12 +389,12 @@ def test_the_mma_kernel_merges_its_own_chunks(case):
     seed = fresh_seed()
     inp = _inputs(case, seed)
     res, part_l = run_paged(inp, case.variant, case.max_chunks, target=case.target,
-                            attn_merge=True)
+                            programs=case.programs, attn_merge=True)
     cmp = compare_paged(res, decode_paged(**{**inp.decode_args(), "wv_b": None}))
     assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
     tile = registry.paged_attention_instance(case.variant).tile_rows
     n, _ = request_chunks(list(case.lengths), case.max_chunks, tile, MIN_TILES_PER_CHUNK * tile,
-                          case.target)
+                          case.target, programs=case.programs)
     assert (n > 1).any() or not np.asarray(case.lengths).any(), f"{case}: nothing merged"
 
 

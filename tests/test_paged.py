@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mlasandbox.chunks import (CHUNK_CAP, batch_chunk_unit, chunk_bounds, plan_chunks,
-                               request_chunks, single_request_unit)
+                               request_chunks, single_request_unit, two_waves)
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
@@ -271,6 +271,47 @@ def test_the_balance_fills_one_wave_and_long_requests_take_the_chunks():
         assert sorted(chunk[req == b]) == list(range(n[b]))
 
 
+def test_a_second_wave_is_offered_from_one_to_four_programs_a_request():
+    # 132 slots, one head block: offered for 33 <= B < 132 (the grid then has 264 programs
+    # and chunk slots for them); B = 32 keeps one wave's grid, B >= 132 is a single pass
+    for batch, waves in ((2, 1), (32, 1), (33, 2), (64, 2), (128, 2), (131, 2), (132, 1)):
+        plan = plan_chunks(batch, 1, num_sms=132, blocks_per_sm=1, tile=64)
+        assert plan.waves == waves, batch
+        assert plan.grid == (1, {1: max(132, batch) if batch < 132 else batch, 2: 264}[waves], 1)
+        if waves == 2:
+            assert plan.max_chunks == -(-2 * 264 // batch) and "second wave" in plan.reason
+    # head blocks divide the slots: at 4 blocks the target is 33, so B = 9 .. 32 are offered
+    assert plan_chunks(9, 4, num_sms=132, blocks_per_sm=1, tile=64).grid == (4, 66, 1)
+    assert plan_chunks(8, 4, num_sms=132, blocks_per_sm=1, tile=64).waves == 1
+    # an override caps the chunks; the offer stays
+    assert plan_chunks(64, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=3).grid == (1, 264, 1)
+    assert plan_chunks(64, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=1).single_pass
+
+
+def test_the_lengths_take_the_second_wave_where_one_request_would_set_one_wave():
+    rng = np.random.default_rng(5)
+    varlen = np.clip(np.round(rng.normal(4096, 2048, 128)), 0, None).astype(int)
+    plan = plan_chunks(128, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    args = (plan.max_chunks, 64, 64, plan.target)
+    u1 = batch_chunk_unit(varlen, *args)
+    u2 = batch_chunk_unit(varlen, plan.max_chunks, 64, 64, 2 * plan.target)
+    assert 2 * u1 > 5 * u2 and two_waves(varlen, *args, programs=264)
+    n, clen = plan.for_lengths(varlen)
+    assert 132 < n.sum() <= 264 and clen.max() == u2 * 64
+    req, chunk = plan.program_chunks(varlen)
+    assert len(req) == 264 and (req[:n.sum()] >= 0).all() and (req[n.sum():] == -1).all()
+    # equal requests: two waves would only split each in two, one wave stays (programs past
+    # its 128 chunks exit)
+    even = [4096] * 128
+    assert not two_waves(even, *args, programs=264)
+    n, clen = plan.for_lengths(even)
+    assert n.sum() == 128 and (clen == 4096).all()
+    # negative control: the grid of one wave never takes the second, whatever the lengths
+    assert not two_waves(varlen, *args, programs=132)
+    n1, _ = request_chunks(varlen, *args)
+    assert n1.sum() <= 132 and (n1 != plan.for_lengths(varlen)[0]).any()
+
+
 def test_a_single_pass_runs_request_p_on_program_p():
     plan = plan_chunks(200, 1, num_sms=132, blocks_per_sm=1, tile=64)
     assert plan.single_pass and plan.grid == (1, 200, 1)
@@ -368,6 +409,20 @@ def test_the_balance_puts_the_chunks_on_the_long_request(mixed_batch):
     # every chunk slot the grid has (max_chunks) and with the chunks the requests need
     got = run_paged_schedule(**inp.decode_args(), plan=plan)
     assert compare_paged(got, want).ok
+
+
+def test_the_model_runs_the_second_wave_the_lengths_take(mixed_batch):
+    # 12 SMs: the grid offers 24 programs; the 20000-position request would set one wave of
+    # 12 (63 tiles a chunk against 19 on two), so the lengths take both (its 7 chunks, the
+    # cap), and the model still matches
+    dims, inp, want = mixed_batch
+    lengths = to_host(inp.cache_seqlens)
+    plan = plan_chunks(7, 1, num_sms=12, blocks_per_sm=1, tile=64)
+    assert plan.grid == (1, 24, 1)
+    assert two_waves(lengths, plan.max_chunks, 64, 64, plan.target, programs=24)
+    n, _ = plan.for_lengths(lengths)
+    assert 12 < n.sum() <= 24 and n[-1] == plan.max_chunks == 7
+    assert compare_paged(run_paged_schedule(**inp.decode_args(), plan=plan), want).ok
 
 
 def test_paged_schedule_without_rescale_fails(mixed_batch):

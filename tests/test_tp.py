@@ -102,8 +102,9 @@ def test_the_band_budget_never_exceeds_the_slots_and_never_takes_fewer_chunks(n_
     for b, u in zip(band, flat):
         assert b.plan.head_blocks == u.plan.head_blocks
         assert b.plan.max_chunks >= u.plan.max_chunks
-        # the budget: batch x head blocks x chunks <= slots, unless one chunk already exceeds
-        assert b.plan.programs <= b.plan.slots or b.plan.max_chunks == 1
+        # the budget: batch x head blocks x chunks <= slots (twice them where the grid offers
+        # a second wave), unless one chunk already exceeds
+        assert b.plan.programs <= b.plan.waves * b.plan.slots or b.plan.max_chunks == 1
 
 
 def test_splits_override_both_budgets():

@@ -31,7 +31,8 @@ struct Chunk {
     size_t part_base;    // (request * max_chunks + chunk) * n_rows
 };
 
-// The chunk of program p = blockIdx.y: the p-th chunk of the batch in request order, or
+// The chunk of program p = blockIdx.y: the p-th chunk of the batch in request order (on one
+// wave of target programs, or two where the grid offers them and the lengths take them), or
 // request p with max_chunks == 1 (a single pass: the grid has one program per request).
 // Publishes every request's chunk count to chunk_counts[B] from row block 0's program 0
 // (a single pass: request p's count from row block 0's program p), which the combine reads.
