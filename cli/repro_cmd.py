@@ -33,7 +33,8 @@ __all__ = ["repro"]
 @splits_option(help="'auto' (resolved now, pinned in the script) or S (1..65535).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
 @click.option("--negative-control", is_flag=True,
-              help="Use the combine without its rescale: the script must FAIL.")
+              help="Merge without the rescale (the combine's, or the attention kernel's "
+                   "own merge where it merges): the script must FAIL.")
 @click.option("--sms", type=click.IntRange(min=1), default=None,
               help="SM count for 'auto' splits without a GPU (default 132).")
 @click.option("--blocks-per-sm", "bps", callback=auto_or_int, default="auto",
@@ -146,7 +147,7 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
     _write_and_say(case, write_paged_script, output, json_out,
                    {"batch": len(case.lengths), "lengths": list(case.lengths), "s_q": case.s_q,
                     "causal": case.causal, "page_size": case.page_size, "plan": case.plan,
-                    "plan_from": case.plan_from},
+                    "plan_from": case.plan_from, "attn_merges": case.attn_merges},
                    f"paged: B={len(case.lengths)}, s_q={case.s_q}"
                    f"{' causal' if case.causal else ''}, page {case.page_size}; chunk plan "
                    f"{case.plan}", runs_on=paged_runs_on(case))

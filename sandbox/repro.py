@@ -21,7 +21,11 @@ the rescale is the identity, so the control needs S >= 2 at every context (the g
 refuses otherwise: a control that cannot fail proves nothing).
 
 The batched paged script (make_paged_case, render_paged_script) launches PagedDecodeStep's
-kernels; it takes the paged-only wgmma64 too, whose sm_90a kernel CuPy's RawModule(code=...)
+kernels. Who merges a request's chunks is decided at generation by the step's rule
+(registry.attn_merges): where it holds (mma, q in the cache dtype, 2 to ATTN_MERGE_MAX_CHUNKS
+slots a request) the attention kernel merges with zeroed tickets and the script launches the
+projection alone, as the step does; elsewhere the combine's one-kernel form merges and projects.
+It takes the paged-only wgmma64 too, whose sm_90a kernel CuPy's RawModule(code=...)
 cannot build: the script compiles it with NVRTC for that target itself (compile_for_arch),
 checks it against registry.ROUND_P_RELL2_BOUND, and on a device that is not sm_90 says NOT RUN
 (exit 3) instead of compiling.
@@ -55,8 +59,7 @@ __all__ = ["ReproCase", "make_case", "render_script", "write_script", "default_f
            "REPRO_CONTEXTS", "NVRTC_OPTIONS", "ATTN_ARGS", "COMBINE_ARGS", "PagedReproCase",
            "make_paged_case", "render_paged_script", "write_paged_script",
            "default_paged_filename", "paged_runs_on", "PAGED_ATTN_ARGS", "PAGED_WGMMA_ARGS",
-           "PAGED_MMA_ARGS",
-           "PAGED_COMBINE_ARGS"]
+           "PAGED_MMA_ARGS", "PAGED_COMBINE_ARGS", "PAGED_PROJECT_ARGS"]
 
 REPRO_CONTEXTS = (4095, 4096, 20000)
 # The kernel arguments of api.DecodeStep.run_attn / run_combine, in order, by name (the
@@ -74,13 +77,15 @@ PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n
 # The wgmma family's launch takes the cache's tensor map after them
 # (PagedDecodeStep.attn_launch_args).
 PAGED_WGMMA_ARGS = PAGED_ATTN_ARGS + ("kv_map",)
-# The mma family's launch takes its own merge's tickets and rescale flag after them; the script
-# passes a null pointer, so its combine merges every plan (PagedDecodeStep.merges_in_attn lets
-# the kernel merge under plans of 2 to registry.ATTN_MERGE_MAX_CHUNKS slots a request).
+# The mma family's launch takes its own merge's tickets and rescale flag after them: zeroed
+# tickets where the kernel merges (PagedReproCase.attn_merges), else a null pointer.
 PAGED_MMA_ARGS = PAGED_ATTN_ARGS + ("attn_tickets", "merge_rescale")
 PAGED_COMBINE_ARGS = ("part_acc", "part_m", "part_l", "cache_seqlens", "n_rows", "n_head",
                       "max_chunks", "attn_writes_single", "wv_b", "v_head", "out", "latent",
                       "lse", "out_part", "tickets", "chunk_counts")
+# The projection's arguments (PagedDecodeStep.project_args), launched alone where the attention
+# kernel merges; m_rows is B * s_q, the latent rows of a head.
+PAGED_PROJECT_ARGS = ("latent", "wv_b", "n_head", "m_rows", "v_head", "out")
 PAGED_SPARE_PAGES = 2   # as make_paged_inputs' default
 # The registry's launch values go along, so the script's kernels static_assert them too.
 NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",
@@ -279,6 +284,13 @@ def _paged_attn_args(inst) -> tuple:
     return {"wgmma_attn": PAGED_WGMMA_ARGS, "mma_attn": PAGED_MMA_ARGS}.get(kind, PAGED_ATTN_ARGS)
 
 
+def _kernel_spec(inst, **launch) -> dict:
+    """What a script embeds of one kernel instance: its file, name expression, name and block
+    threads, and the launch facts given (shared memory, grid, argument names...)."""
+    return {"source": inst.source, "expression": inst.expression, "name": inst.name,
+            "threads": inst.threads, **launch}
+
+
 def _check_embeddable(name: str, text: str) -> str:
     if '"""' in text or text.rstrip().endswith("\\"):
         raise RuntimeError(f"{name} cannot be embedded in a raw triple-quoted string")
@@ -296,13 +308,11 @@ def render_script(case: ReproCase, filename: str | None = None) -> str:
     d = case.dims
     ai, ci = case.attn_instance, case.combine_instance
     if ai is not None:
-        attn = {"source": ai.source, "expression": ai.expression, "name": ai.name,
-                "threads": ai.threads,
-                "smem_bytes": ai.smem_bytes, "heads_per_block": registry.variant(case.variant).hpb,
-                "arch": _arch_target(ai), "args": ATTN_ARGS}
-        combine = {"expression": ci.expression, "name": ci.name, "threads": ci.threads,
-                   "col_blocks": getattr(registry, "COMBINE_COL_BLOCKS", 1),
-                   "args": COMBINE_ARGS}
+        attn = _kernel_spec(ai, smem_bytes=ai.smem_bytes,
+                            heads_per_block=registry.variant(case.variant).hpb,
+                            arch=_arch_target(ai), args=ATTN_ARGS)
+        combine = _kernel_spec(ci, col_blocks=getattr(registry, "COMBINE_COL_BLOCKS", 1),
+                               args=COMBINE_ARGS)
         attn_src = _check_embeddable(ai.source, read_source(ai.source))
         combine_src = _check_embeddable(ci.source, read_source(ci.source))
         engine = NO_ENGINE
@@ -343,17 +353,18 @@ def render_script(case: ReproCase, filename: str | None = None) -> str:
         "@@OPTIONS@@": repr(NVRTC_OPTIONS), "@@ATTN@@": repr(attn),
         "@@COMBINE@@": repr(combine), "@@ENGINE@@": engine,
     }
-    return _fill(TEMPLATE, values, attn_src, combine_src)
+    return _fill(TEMPLATE, values, {"@@ATTN_SOURCE@@": attn_src,
+                                    "@@COMBINE_SOURCE@@": combine_src})
 
 
-def _fill(template: str, values: dict, attn_src: str, combine_src: str) -> str:
+def _fill(template: str, values: dict, sources: dict) -> str:
+    """The template with its markers replaced: `values`, then `sources` (marker -> CUDA text)
+    last, so nothing inside a source is taken for a marker."""
     text = template.replace("@@HELPERS@@", HELPERS)
-    for k, v in values.items():
+    for k, v in {**values, **sources}.items():
         if k not in text:
             raise RuntimeError(f"the repro template lost its {k} marker")
         text = text.replace(k, v)
-    # The sources last, so nothing inside them is taken for a marker.
-    text = text.replace("@@ATTN_SOURCE@@", attn_src).replace("@@COMBINE_SOURCE@@", combine_src)
     return text
 
 
@@ -389,6 +400,11 @@ class PagedReproCase:
     scale: float
     negative_control: bool = False
     command: str = ""
+    # Who merges a request's chunks, fixed at generation by the step's rule (_merge_form):
+    # True, the attention kernel (tickets), then the projection `project_kind` alone;
+    # False, the combine's one-kernel form, which also projects (project_kind None).
+    attn_merges: bool = False
+    project_kind: str | None = None
 
     def instances(self):
         return _paged_instances(registry.variant(self.variant), self.cache_dtype, self.q_dtype,
@@ -410,6 +426,17 @@ def _paged_instances(var, cache: str, q: str, rescale: bool):
         raise ValueError("this build has no paged kernels (the registry has no "
                          "paged_attention_instance): the paged repro needs them") from None
     return get_attn(var, cache, q), get_combine(cache, rescale)
+
+
+def _merge_form(var, max_chunks: int, cache: str, q: str, m_rows: int, n_head: int,
+                num_sms: int) -> dict:
+    """attn_merges and project_kind of a paged case: PagedDecodeStep's rule on the plan's chunk
+    slots (registry.attn_merges, as merges_in_attn), and where it holds the projection the step
+    then launches alone (registry.project_kind over the m_rows = B * s_q latent rows a head,
+    with the plan's SM count)."""
+    merges = registry.attn_merges(var.family, max_chunks, q, cache)
+    return {"attn_merges": merges,
+            "project_kind": registry.project_kind(m_rows, n_head, num_sms) if merges else None}
 
 
 def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
@@ -466,9 +493,11 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
         variant=var.name, dims=dims, lengths=lens, lengths_spec=str(lengths), s_q=int(s_q),
         causal=bool(causal), page_size=int(page_size), cache_dtype=cache, q_dtype=q,
         plan={"max_chunks": plan.max_chunks, "min_chunk": plan.min_chunk, "tile": plan.tile,
-              "rows_per_block": attn.heads, "target": plan.target},
+              "rows_per_block": attn.heads, "target": plan.target,
+              "programs": plan.programs_per_block},
         plan_from=f"{plan.reason}; {how}", seed=int(seed), scale=dims.default_scale,
-        negative_control=bool(negative_control), command=command)
+        negative_control=bool(negative_control), command=command,
+        **_merge_form(var, plan.max_chunks, cache, q, len(lens) * int(s_q), dims.n_head, sms))
 
 
 def default_paged_filename(case: PagedReproCase) -> str:
@@ -478,6 +507,52 @@ def default_paged_filename(case: PagedReproCase) -> str:
             f"{case.dims.n_head}_p{case.page_size}_{case.cache_dtype}_q{case.q_dtype}{neg}.py")
 
 
+def _paged_combine(case: PagedReproCase, comb) -> tuple[dict | None, str]:
+    """(COMBINE, its source) of a paged script: the combine's one-kernel form (merge, then
+    project); (None, "") where the attention kernel merges and the step launches no merge."""
+    if case.attn_merges:
+        return None, ""
+    return (_kernel_spec(comb, col_blocks=registry.COMBINE_COL_BLOCKS,
+                         attn_writes_single=int(case.attn_writes_single()),
+                         args=PAGED_COMBINE_ARGS),
+            _check_embeddable(comb.source, read_source(comb.source)))
+
+
+def _paged_project(case: PagedReproCase) -> tuple[dict | None, str]:
+    """(PROJECT, its source): where the attention kernel merges, the projection the step then
+    launches alone (PagedDecodeStep.projects_alone: project_grid, project_args); else
+    (None, "")."""
+    if not case.attn_merges:
+        return None, ""
+    inst = registry.project_instance(case.cache_dtype, case.project_kind)
+    d = case.dims
+    grid = registry.project_grid(d.n_head, d.v_head, len(case.lengths) * case.s_q, inst.kind)
+    return (_kernel_spec(inst, grid=grid, args=PAGED_PROJECT_ARGS),
+            _check_embeddable(inst.source, read_source(inst.source)))
+
+
+def _merge_says(case: PagedReproCase) -> str:
+    """The header's paragraph on who merges a request's chunks (and so what the negative
+    control breaks)."""
+    slots = case.plan["max_chunks"]
+    if case.attn_merges:
+        says = (f"Merge: the attention kernel merges (tickets), as PagedDecodeStep does here "
+                f"(registry.attn_merges: mma, q in the cache dtype, {slots} chunk slots a "
+                f"request, 2 to {registry.ATTN_MERGE_MAX_CHUNKS}): zeroed attn_tickets [B][row "
+                f"blocks] and merge_rescale, no merge kernel, then the projection "
+                f"({case.project_kind}) alone.")
+        broken = "the attention kernel's merge runs with merge_rescale 0 (no exp(m_i - m) rescale)"
+    else:
+        says = (f"Merge: the merge kernel merges (the combine's one-kernel form, which also "
+                f"projects): registry.attn_merges does not hold for {case.variant}, q "
+                f"{case.q_dtype}, cache {case.cache_dtype} and {slots} chunk slots a request.")
+        broken = "the combine drops the exp(m_i - m) rescale of the chunk merge"
+    says = textwrap.fill(says, 92)
+    if case.negative_control:
+        says += f"\nThis is the NEGATIVE CONTROL: {broken}, so the comparison must FAIL (exit 1)."
+    return says
+
+
 def render_paged_script(case: PagedReproCase, filename: str | None = None) -> str:
     attn, comb = case.instances()
     # a user kernel (user_kernel.py) brings its own text and -D options
@@ -485,18 +560,19 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
     options = NVRTC_OPTIONS + tuple(f"-D{d}" for d in getattr(attn, "defines", ()))
     tolerance, tolerance_says, tolerance_from = _kernel_tolerance(attn, case.cache_dtype)
     attn_args = _paged_attn_args(attn)
+    combine, combine_src = _paged_combine(case, comb)
+    project, project_src = _paged_project(case)
     d = case.dims
-    title = (f"mlasandbox repro: paged {case.variant} ({attn.name} + {comb.name}), "
-             f"B={len(case.lengths)}, lengths {case.lengths_spec}, s_q={case.s_q}"
-             f"{' causal' if case.causal else ''}, H={d.n_head}, page {case.page_size}, cache "
-             f"{case.cache_dtype}, q {case.q_dtype}, seed {case.seed}"
-             + (" [NEGATIVE CONTROL: must FAIL]" if case.negative_control else ""))
+    title = (f"mlasandbox repro: paged {case.variant} ({attn.name} + "
+             f"{(combine or project)['name']}), B={len(case.lengths)}, lengths "
+             f"{case.lengths_spec}, s_q={case.s_q}{' causal' if case.causal else ''}, "
+             f"H={d.n_head}, page {case.page_size}, cache {case.cache_dtype}, q {case.q_dtype}, "
+             f"seed {case.seed}" + (" [NEGATIVE CONTROL: must FAIL]" if case.negative_control
+                                    else ""))
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     header = (f"Generated on {stamp}" + (f":\n    {case.command}" if case.command else ".")
-              + f"\nChunk plan: {case.plan_from}.\n" + textwrap.fill(tolerance_says, 92))
-    if case.negative_control:
-        header += ("\nThis is the NEGATIVE CONTROL: the combine drops the exp(m_i - m) rescale "
-                   "of the chunk merge, so the comparison must FAIL (exit 1).")
+              + f"\nChunk plan: {case.plan_from}.\n" + textwrap.fill(tolerance_says, 92)
+              + "\n" + _merge_says(case))
     values = {
         "@@TITLE@@": title, "@@HEADER@@": header,
         "@@FILENAME@@": filename or default_paged_filename(case),
@@ -508,23 +584,20 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
         "@@SPARE_PAGES@@": repr(PAGED_SPARE_PAGES), "@@SEED@@": repr(case.seed),
         "@@SCALE@@": repr(float(case.scale)), "@@PLAN@@": repr(dict(case.plan)),
         "@@PLAN_FROM@@": repr(case.plan_from), "@@NEGATIVE@@": repr(case.negative_control),
+        "@@ATTN_MERGES@@": repr(case.attn_merges),
         "@@TOLERANCE@@": repr(tolerance), "@@TOLERANCE_FROM@@": tolerance_from,
         "@@EXPECT@@": repr("FAIL" if case.negative_control else "PASS"),
         "@@OPTIONS@@": repr(options),
-        "@@ATTN@@": repr({"source": attn.source, "expression": attn.expression,
-                          "name": attn.name, "threads": attn.threads,
-                          "smem_bytes": attn.smem_bytes, "arch": _arch_target(attn),
-                          "args": attn_args}),
+        "@@ATTN@@": repr(_kernel_spec(attn, smem_bytes=attn.smem_bytes,
+                                      arch=_arch_target(attn), args=attn_args)),
         "@@TENSOR_MAP@@": (TENSOR_MAP.replace("@@TENSOR_MAP_SOURCE@@", _tensor_map_source())
                            if attn_args == PAGED_WGMMA_ARGS else ""),
-        "@@COMBINE@@": repr({"source": comb.source, "expression": comb.expression,
-                             "name": comb.name, "threads": comb.threads,
-                             "col_blocks": registry.COMBINE_COL_BLOCKS,
-                             "attn_writes_single": int(case.attn_writes_single()),
-                             "args": PAGED_COMBINE_ARGS}),
+        "@@COMBINE@@": repr(combine), "@@PROJECT@@": repr(project),
     }
-    return _fill(PAGED_TEMPLATE, values, _check_embeddable(attn.source, attn_text),
-                 _check_embeddable(comb.source, read_source(comb.source)))
+    return _fill(PAGED_TEMPLATE, values, {"@@ATTN_SOURCE@@": _check_embeddable(attn.source,
+                                                                                attn_text),
+                                          "@@COMBINE_SOURCE@@": combine_src,
+                                          "@@PROJECT_SOURCE@@": project_src})
 
 
 def paged_runs_on(case: PagedReproCase) -> str:

@@ -147,23 +147,30 @@ def arch_refusal(have):
     return f"NOT RUN: {VARIANT} needs {target}, this device is {have}; nothing was checked"
 
 
-def compile_kernels(inc):
+def raw_kernel(source, spec, opts):
+    """The cupy.RawKernel of spec["expression"] in `source`; None where spec is None (a kernel
+    this case does not launch)."""
     import cupy
 
+    if spec is None:
+        return None
+    return cupy.RawModule(code=source, options=opts, name_expressions=[
+        spec["expression"]]).get_function(spec["expression"])
+
+
+def compile_kernels(inc):
+    """(the attention kernel, then one kernel per (spec, source) of LATER_KERNELS: None where
+    the case launches none)."""
     opts = tuple(NVRTC_OPTIONS) + tuple(f"-I{d}" for d in inc)
     if ATTN["arch"]:
         attn = compile_for_arch(ATTN_SOURCE, ATTN["expression"], ATTN["arch"], opts,
                                 ATTN["source"])
     else:
-        attn = cupy.RawModule(code=ATTN_SOURCE, options=opts, name_expressions=[
-            ATTN["expression"]]).get_function(ATTN["expression"])
+        attn = raw_kernel(ATTN_SOURCE, ATTN, opts)
     if ATTN["smem_bytes"] > 48 * 1024:  # past the default 48 KB: the kernel must opt in
         attn.max_dynamic_shared_size_bytes = ATTN["smem_bytes"]
         attn.preferred_shared_memory_carveout = 100
-    combine = cupy.RawModule(code=COMBINE_SOURCE, options=opts,
-                             name_expressions=[COMBINE["expression"]]).get_function(
-                                 COMBINE["expression"])
-    return attn, combine
+    return (attn, *(raw_kernel(source, spec, opts) for spec, source in LATER_KERNELS))
 
 
 def versions():
@@ -278,6 +285,7 @@ COMBINE_SOURCE = r"""@@COMBINE_SOURCE@@"""
 CUDA_PROGRAMS = (
     [(ATTN["source"], ATTN_SOURCE, [ATTN["expression"]]),
      ("mla_combine.cu", COMBINE_SOURCE, [COMBINE["expression"]])] if ATTN else [])
+LATER_KERNELS = ((COMBINE, COMBINE_SOURCE),)   # compiled after the attention kernel
 
 
 @@HELPERS@@
@@ -494,12 +502,18 @@ of mlasandbox.paged_inputs.make_paged_inputs: a permuted block table, NaN in eve
 and past each request's length, INVALID_PAGE in every table entry past a request's pages);
 compiles the embedded CUDA source with NVRTC (an attention kernel with ATTN["arch"], such as
 wgmma64's sm_90a: for that target, by compile_for_arch) and launches the paged attention over
-grid (row blocks, MAX_CHUNKS, B), then the paged combine over (n_rows, col blocks, B) (with
-COMBINE["attn_writes_single"] it does not merge a request of one chunk, whose latent and lse
-the attention kernel wrote, and projects that latent), each phase synchronized so that an
-error names it; compares latent, lse and out with an embedded float64
-paged reference (rows that see no position must be exactly latent 0, lse -inf, out 0); prints
-one PASS / FAIL / ERROR / NOT RUN line.
+grid (row blocks, chunk programs, 1), then, as the step it reproduces, one of two forms
+(ATTN_MERGES, decided when the script was generated):
+  - the merge kernel merges: the paged combine over (n_rows, col blocks, B), which merges
+    each request's chunks and projects (with COMBINE["attn_writes_single"] it does not merge
+    a request of one chunk, whose latent and lse the attention kernel wrote, and projects
+    that latent);
+  - the attention kernel merges (tickets): the mma kernel's last program of a request merges
+    its chunks (zeroed attn_tickets, a ticket a request and row block), no merge kernel is
+    launched, and the projection PROJECT runs alone over PROJECT["grid"];
+each phase synchronized so that an error names it; compares latent, lse and out with an
+embedded float64 paged reference (rows that see no position must be exactly latent 0, lse
+-inf, out 0); prints one PASS / FAIL / ERROR / NOT RUN line.
 
 Importing this file runs nothing: host_inputs() and reference() need NumPy alone.
 
@@ -532,9 +546,15 @@ SPARE_PAGES = @@SPARE_PAGES@@      # unused (NaN) pages besides the requests' ow
 SEED = @@SEED@@                    # draws q, wv_b, the cache and the table permutation
 SCALE = @@SCALE@@
 PLAN = @@PLAN@@                    # the chunk plan: max_chunks, min_chunk, tile, rows per block,
-                                   # target (chunk programs of one wave per row block)
+                                   # target (chunk programs of one wave per row block),
+                                   # programs (the grid's chunk programs a row block: 2 target
+                                   # where it offers a second wave, the kernel's choice)
 PLAN_FROM = @@PLAN_FROM@@
 NEGATIVE_CONTROL = @@NEGATIVE@@
+ATTN_MERGES = @@ATTN_MERGES@@      # who merges the chunks, as the step decided at generation:
+                                   # the attention kernel (tickets), else the merge kernel
+MERGE_FORM = ("the attention kernel merges (tickets)" if ATTN_MERGES
+              else "the merge kernel merges")
 @@TOLERANCE_FROM@@
 TOLERANCE = @@TOLERANCE@@          # relL2 for out and latent, max |error| for lse (live rows)
 EXPECT = @@EXPECT@@
@@ -543,10 +563,13 @@ INVALID_PAGE = 2 ** 31 - 1         # table entries past a request's pages
 # ==== the kernels ==============================================================================
 NVRTC_OPTIONS = @@OPTIONS@@
 ATTN = @@ATTN@@
-COMBINE = @@COMBINE@@
+COMBINE = @@COMBINE@@              # None where the attention kernel merges
+PROJECT = @@PROJECT@@              # None where the combine projects
 LOG2E = 1.4426950408889634
 ATTN_SOURCE = r"""@@ATTN_SOURCE@@"""
 COMBINE_SOURCE = r"""@@COMBINE_SOURCE@@"""
+PROJECT_SOURCE = r"""@@PROJECT_SOURCE@@"""
+LATER_KERNELS = ((COMBINE, COMBINE_SOURCE), (PROJECT, PROJECT_SOURCE))
 
 
 @@HELPERS@@
@@ -629,52 +652,81 @@ def reference(q, cache, table, lengths, wv_b):
 
 
 # ==== launch (the CUDA kernels) ================================================================
-def run_cuda(kernels, q, cache, table, lengths, wv_b):
-    """attn over (row blocks, chunk programs, 1), then the combine over (n_rows, col blocks, B),
-    the launches of mlasandbox.PagedDecodeStep. Outputs and partials start as NaN (an
-    element a kernel fails to write shows up); the combine's tickets start at 0."""
+def launch_values(q, cache, table, lengths, wv_b):
+    """Every kernel argument by name. Outputs and partials start as NaN (an element a kernel
+    fails to write shows up); tickets start at 0."""
     import cupy
 
-    attn, combine = kernels
     batch, n_rows = len(LENGTHS), S_Q * N_HEAD
     mc = PLAN["max_chunks"]
     nan = np.float32(np.nan)
-    page_shift = PAGE_SIZE.bit_length() - 1
     n_part = batch * mc * n_rows
     values = {
         "q": q, "kv_cache": cache, "block_table": table, "cache_seqlens": lengths,
         "wv_b": wv_b, "n_rows": np.int32(n_rows), "n_head": np.int32(N_HEAD),
         "s_q": np.int32(S_Q), "causal": np.int32(CAUSAL),
-        "max_pages": np.int32(table.shape[1]), "page_shift": np.int32(page_shift),
+        "max_pages": np.int32(table.shape[1]), "page_shift": np.int32(PAGE_SIZE.bit_length() - 1),
         "max_chunks": np.int32(mc), "min_chunk": np.int32(PLAN["min_chunk"]),
-        "attn_writes_single": np.int32(COMBINE["attn_writes_single"]),
         "target": np.int32(PLAN["target"]),
         "batch": np.int32(batch), "chunk_counts": cupy.full(batch, -1, cupy.int32),
         "scale_log2": np.float32(SCALE * LOG2E),
-        "v_head": np.int32(V_HEAD),
+        "v_head": np.int32(V_HEAD), "m_rows": np.int32(batch * S_Q),
         "part_acc": cupy.full(n_part * KV_LORA, nan, cupy.float32),
         "part_m": cupy.full(n_part, nan, cupy.float32),
         "part_l": cupy.full(n_part, nan, cupy.float32),
         "out": cupy.full((batch, S_Q, N_HEAD, V_HEAD), nan, cupy.float32),
         "latent": cupy.full((batch, S_Q, N_HEAD, KV_LORA), nan, cupy.float32),
         "lse": cupy.full((batch, S_Q, N_HEAD), nan, cupy.float32),
-        "out_part": cupy.full(batch * n_rows * COMBINE["col_blocks"] * V_HEAD, nan,
-                              cupy.float32),
-        "tickets": cupy.zeros(batch * n_rows, cupy.uint32),
     }
+    if COMBINE:   # the one-kernel form: each row's column parts, and a ticket a row
+        values["attn_writes_single"] = np.int32(COMBINE["attn_writes_single"])
+        values["out_part"] = cupy.full(batch * n_rows * COMBINE["col_blocks"] * V_HEAD, nan,
+                                       cupy.float32)
+        values["tickets"] = cupy.zeros(batch * n_rows, cupy.uint32)
     if "kv_map" in ATTN["args"]:   # wgmma64: whole tiles by bulk tensor copy, else cp.async
         values["kv_map"] = cache_map(cache)
-    if "attn_tickets" in ATTN["args"]:  # mma: null, so the combine below merges every plan
-        values["attn_tickets"], values["merge_rescale"] = np.uint64(0), np.int32(1)
-    programs = batch if mc == 1 else max(PLAN["target"], batch)   # chunk programs a row block
-    grid = (-(-n_rows // PLAN["rows_per_block"]), programs, 1)
-    block, smem = (ATTN["threads"], 1, 1), ATTN["smem_bytes"]
-    with phase("attn", f"kernel {ATTN['name']}, grid {grid}, block {block}, dynamic shared "
-                       f"memory {smem} B"):
-        attn(grid, block, tuple(values[a] for a in ATTN["args"]), shared_mem=smem)
-    grid, block = (n_rows, COMBINE["col_blocks"], batch), (COMBINE["threads"], 1, 1)
-    with phase("combine", f"kernel {COMBINE['name']}, grid {grid}, block {block}"):
-        combine(grid, block, tuple(values[a] for a in COMBINE["args"]), shared_mem=0)
+    if "attn_tickets" in ATTN["args"]:
+        values.update(attn_merge_args(batch, n_rows))
+    return values
+
+
+def attn_merge_args(batch, n_rows):
+    """The mma kernel's attn_tickets and merge_rescale. Where it merges (ATTN_MERGES): a zeroed
+    ticket a request and row block, [B][row blocks] as the step sizes them, and the rescale,
+    off in the negative control; else a null pointer, and the combine merges."""
+    import cupy
+
+    if not ATTN_MERGES:
+        return {"attn_tickets": np.uint64(0), "merge_rescale": np.int32(1)}
+    row_blocks = -(-n_rows // PLAN["rows_per_block"])
+    return {"attn_tickets": cupy.zeros((batch, row_blocks), cupy.uint32),
+            "merge_rescale": np.int32(not NEGATIVE_CONTROL)}
+
+
+def launch(name, kernel, spec, grid, values, smem=0):
+    """One kernel as phase `name`: spec's block and argument names, synchronized after."""
+    block = (spec["threads"], 1, 1)
+    with phase(name, f"kernel {spec['name']}, grid {grid}, block {block}, dynamic shared "
+                     f"memory {smem} B"):
+        kernel(grid, block, tuple(values[a] for a in spec["args"]), shared_mem=smem)
+
+
+def run_cuda(kernels, q, cache, table, lengths, wv_b):
+    """attn over (row blocks, chunk programs, 1), then the combine over (n_rows, col blocks,
+    B), or where the attention kernel merges the projection alone over PROJECT["grid"]: the
+    launches of mlasandbox.PagedDecodeStep (its run_combine)."""
+    import cupy
+
+    attn, combine, project = kernels
+    values = launch_values(q, cache, table, lengths, wv_b)
+    batch, n_rows = len(LENGTHS), S_Q * N_HEAD
+    programs = PLAN["programs"]                                   # chunk programs a row block
+    launch("attn", attn, ATTN, (-(-n_rows // PLAN["rows_per_block"]), programs, 1), values,
+           ATTN["smem_bytes"])
+    if COMBINE:
+        launch("combine", combine, COMBINE, (n_rows, COMBINE["col_blocks"], batch), values)
+    if PROJECT:
+        launch("project", project, PROJECT, tuple(PROJECT["grid"]), values)
     return {k: cupy.asnumpy(values[k]) for k in ("out", "latent", "lse")}
 
 
@@ -716,8 +768,10 @@ def main(argv=None):
     say(f"  {VARIANT}: B={len(LENGTHS)}, s_q={S_Q}{' causal' if CAUSAL else ''}, H={N_HEAD}, "
         f"page {PAGE_SIZE}, cache {CACHE_DTYPE}, q {Q_DTYPE}, seed {SEED}")
     say(f"  chunk plan {PLAN} ({PLAN_FROM})")
+    say(f"  merge: {MERGE_FORM}")
     if NEGATIVE_CONTROL:
-        say("  NEGATIVE CONTROL: the combine drops its exp(m_i - m) rescale; the check must FAIL")
+        say(f"  NEGATIVE CONTROL: {'the attention kernel' if ATTN_MERGES else 'the combine'} "
+            "drops its exp(m_i - m) rescale; the check must FAIL")
     if not device_versions(say):
         return 3
     inc = include_dirs(args.include)

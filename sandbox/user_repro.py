@@ -47,7 +47,8 @@ def make_user_case(kernel, *, batch: int = 4, lengths="0,20,4097,1000", s_q: int
         variant=kernel.stem, dims=dims, lengths=lens, lengths_spec=str(lengths), s_q=int(s_q),
         causal=bool(causal), page_size=int(page_size), cache_dtype=cache, q_dtype=q,
         plan={"max_chunks": plan.max_chunks, "min_chunk": plan.min_chunk, "tile": plan.tile,
-              "rows_per_block": inst.heads, "target": plan.target},
+              "rows_per_block": inst.heads, "target": plan.target,
+              "programs": plan.programs_per_block},
         plan_from=f"{plan.reason}; plan_chunks with {num_sms} SMs and {blocks_per_sm} "
                   "blocks/SM", seed=int(seed), scale=dims.default_scale, command=command,
         user=kernel)

@@ -1,7 +1,7 @@
 """The lab tools on the device: timing (events, graph replay, L2 flush, fallback), the
 ceilings, a small bench and sweep end to end, the CLI writing its files, and the repro
-scripts, batch-1 and paged (wgmma64 included), run in a subprocess (every variant passes; the
-negative control fails)."""
+scripts, batch-1 and paged (wgmma64 and the mma kernel's own merge included), run in a
+subprocess (every variant passes; the negative control fails)."""
 from __future__ import annotations
 
 import json
@@ -211,19 +211,34 @@ PAGED_REPRO = [("mma16", 64, "f16", "f32"), ("wgmma64", 16, "f16", "f16"),
                ("wgmma64", 64, "bf16", "bf16")]
 
 
-def _paged_repro(tmp_path, variant, page_size, cache, q, negative_control):
-    from mlasandbox.kernels import device_info
-    from mlasandbox.repro import make_paged_case, write_paged_script
+def _paged_case(variant, page_size, cache, q, negative_control, **kw):
+    from mlasandbox.repro import make_paged_case
 
-    case = make_paged_case(variant, batch=4, lengths="4097,0,1,300", s_q=2, causal=True,
-                           page_size=page_size, heads=16, cache=cache, q=q, seed=11,
-                           negative_control=negative_control)
+    shape = dict(batch=4, lengths="4097,0,1,300", s_q=2, causal=True, heads=16, seed=11)
+    return make_paged_case(variant, page_size=page_size, cache=cache, q=q,
+                           negative_control=negative_control, **{**shape, **kw})
+
+
+def _paged_repro(tmp_path, case):
+    from mlasandbox.kernels import device_info
+    from mlasandbox.repro import write_paged_script
+
     out = _run(write_paged_script(case, str(tmp_path / "p.py")))
-    if variant == "wgmma64" and device_info().arch != "sm_90":
+    if case.variant == "wgmma64" and device_info().arch != "sm_90":
         assert out.returncode == 3, out.stdout + out.stderr
         assert f"NOT RUN: wgmma64 needs sm_90a, this device is {device_info().arch}" in out.stdout
         return None
     return out
+
+
+def _check_paged_verdict(out, case):
+    """PASS (exit 0), or FAIL (exit 1) saying so for the negative control."""
+    control = case.negative_control
+    rc, verdict = (1, "FAIL:") if control else (0, "PASS:")
+    assert out.returncode == rc, out.stdout + out.stderr
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith(verdict) and case.variant in last
+    assert f"page={case.page_size}" in last and ("negative control" in last) == control
 
 
 @pytest.mark.parametrize("control", [False, True], ids=["check", "negative_control"])
@@ -231,14 +246,22 @@ def _paged_repro(tmp_path, variant, page_size, cache, q, negative_control):
 def test_the_paged_repro_script_passes_and_its_negative_control_fails(tmp_path, variant,
                                                                       page_size, cache, q,
                                                                       control):
-    out = _paged_repro(tmp_path, variant, page_size, cache, q, control)
-    if out is None:
-        return
-    rc, verdict = (1, "FAIL:") if control else (0, "PASS:")
-    assert out.returncode == rc, out.stdout + out.stderr
-    last = out.stdout.strip().splitlines()[-1]
-    assert last.startswith(verdict) and variant in last and f"page={page_size}" in last
-    assert ("negative control" in last) == control
+    case = _paged_case(variant, page_size, cache, q, control)
+    out = _paged_repro(tmp_path, case)
+    if out is not None:
+        _check_paged_verdict(out, case)
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["check", "negative_control"])
+def test_the_paged_repro_of_the_attention_kernels_merge(tmp_path, control):
+    """mma16 with q f16 at B=20 under 8 chunk slots a request (pinned, so the form does not
+    hang on this device's occupancy): the attention kernel merges (tickets) and no merge
+    kernel runs, as in the step; its negative control (merge_rescale 0) must FAIL."""
+    case = _paged_case("mma16", 64, "f16", "f16", control, batch=20, splits=8)
+    assert case.attn_merges
+    out = _paged_repro(tmp_path, case)
+    _check_paged_verdict(out, case)
+    assert "merge: the attention kernel merges (tickets)" in out.stdout
 
 
 def test_repro_auto_splits_are_the_launchers():

@@ -9,7 +9,9 @@ import json
 import os
 import re
 import runpy
+import sys
 import textwrap
+import types
 
 import numpy as np
 import pytest
@@ -314,12 +316,22 @@ def test_the_paged_script_pins_the_plan_and_the_launch(tmp_path, paged_registry)
     assert ns["PLAN"] == {"max_chunks": 3, "min_chunk": case.plan["min_chunk"],
                           "tile": registry.attention_instance(
                               registry.variant("batched16")).tile_rows, "rows_per_block": 16,
-                          "target": case.plan["target"]}
+                          "target": case.plan["target"],
+                          "programs": case.plan["programs"]}
+    assert case.plan["programs"] == 264           # one wave: max(target, B), B = 6
     assert ns["ATTN"]["args"] == repro.PAGED_ATTN_ARGS
     assert ns["COMBINE"]["args"] == repro.PAGED_COMBINE_ARGS
     # batched writes a one-chunk request's latent itself: the merge skips it, as in the step
     assert ns["COMBINE"]["attn_writes_single"] == 1
     assert (ns["S_Q"], ns["CAUSAL"], ns["PAGE_SIZE"]) == (2, True, 16)
+
+
+def test_the_paged_script_launches_the_grid_that_offers_a_second_wave(paged_registry):
+    # B = 40 on 132 slots: the step's grid has 2 x 132 programs a row block (the kernel takes
+    # the second wave from the lengths); the script's grid is the plan's, not max(target, B)
+    case = repro.make_paged_case("batched16", **{**PAGED, "batch": 40, "lengths": "300",
+                                                 "blocks_per_sm": 1})
+    assert case.plan["target"] == 132 and case.plan["programs"] == 264
 
 
 def test_the_paged_args_are_the_steps():
@@ -491,6 +503,13 @@ def test_only_an_arch_specific_kernel_is_refused_by_arch(tmp_path):
         assert (ns["arch_refusal"](have) is None) == (have == "sm_90")
 
 
+def kernel_params(source: str, name: str) -> tuple:
+    """The parameter names of kernel `name` in cuda_src/`source`, in order."""
+    m = re.search(rf"\n{name}\((.*?)\)\s*\{{", read_source(source), re.S)
+    assert m, f"{name} not found in {source}"
+    return tuple(re.findall(r"(\w+)\s*$", p.strip())[0] for p in m.group(1).split(","))
+
+
 def test_the_paged_kernels_take_the_scripts_arguments():
     """Every paged attention kernel's parameters, read from its source, are PAGED_ATTN_ARGS
     by name and in order, the wgmma family's PAGED_WGMMA_ARGS (the tensor map last) and the
@@ -500,10 +519,7 @@ def test_the_paged_kernels_take_the_scripts_arguments():
     assert "wgmma_attn" in kinds and "mma_attn" in kinds
     for kind in kinds:
         fam = registry.FAMILIES[kind]
-        name = fam.paged_function.split("::")[-1]
-        m = re.search(rf"\n{name}\((.*?)\)\s*\{{", read_source(fam.source), re.S)
-        assert m, f"{name} not found in {fam.source}"
-        params = tuple(re.findall(r"(\w+)\s*$", p.strip())[0] for p in m.group(1).split(","))
+        params = kernel_params(fam.source, fam.paged_function.split("::")[-1])
         want = {"wgmma_attn": repro.PAGED_WGMMA_ARGS,
                 "mma_attn": repro.PAGED_MMA_ARGS}.get(kind, repro.PAGED_ATTN_ARGS)
         assert params == want, (kind, params)
@@ -553,3 +569,149 @@ def test_repro_cli_wgmma64(tmp_path):
         r = CliRunner().invoke(main, [*base, *args, "-o", str(tmp_path / "no.py")])
         assert r.exit_code == 2 and words in r.output, (args, r.output)
         assert not (tmp_path / "no.py").exists()
+
+
+# ---------------------------------------------------------------------------- who merges
+
+# 20 requests of 16 heads x 2 query tokens (two mma16 row blocks), some cut into several
+# chunks: the shape where the step lets the mma kernel merge (registry.attn_merges)
+MERGE = dict(batch=20, lengths="4097,0,1,300", s_q=2, causal=True, page_size=64, heads=16,
+             blocks_per_sm=1, num_sms=132)
+
+
+def merge_case(variant="mma16", q="f16", splits=8, **kw):
+    return repro.make_paged_case(variant, q=q, splits=splits, **{**MERGE, **kw})
+
+
+@pytest.mark.parametrize("variant,cache,q,splits,merges", [
+    ("mma16", "f16", "f16", 2, True), ("mma16", "f16", "f16", 16, True),
+    ("mma32r", "bf16", "bf16", 8, True), ("mma16", "f16", "f16", "auto", True),
+    ("mma16", "f16", "f32", 8, False),        # q f32: the kernels built without the merge
+    ("batched16", "f16", "f16", 8, False),    # a family without its own merge
+    ("mma16", "f16", "f16", 1, False),        # single pass: nothing to merge
+    ("mma16", "f16", "f16", 17, False)])      # past ATTN_MERGE_MAX_CHUNKS slots a request
+def test_the_paged_script_embeds_who_merges(tmp_path, variant, cache, q, splits, merges):
+    """The step's rule decides at generation (on the auto plan too: 2 to 16 slots a request
+    at B=20 on 132 SMs); the script embeds the decision, names its form, and carries the
+    kernel that follows the attention: the projection alone where the attention kernel merges,
+    else the combine."""
+    case = merge_case(variant, q=q, cache=cache, splits=splits)
+    mc = case.plan["max_chunks"]
+    assert case.attn_merges == merges == registry.attn_merges(
+        registry.variant(variant).family, mc, case.q_dtype, cache)
+    ns, text = paged_ns(tmp_path, case)
+    assert ns["ATTN_MERGES"] is merges
+    form = "the attention kernel merges (tickets)" if merges else "the merge kernel merges"
+    assert ns["MERGE_FORM"] == form and f"Merge: {form}" in ns["__doc__"]
+    if merges:
+        kind = registry.project_kind(20 * 2, 16, 132)
+        inst = registry.project_instance(cache, kind)
+        assert case.project_kind == kind and ns["COMBINE"] is None and ns["COMBINE_SOURCE"] == ""
+        assert ns["PROJECT"] == {"source": "mla_project.cu", "expression": inst.expression,
+                                 "name": inst.name, "threads": registry.PROJECT_THREADS,
+                                 "grid": registry.project_grid(16, 128, 40, kind),
+                                 "args": repro.PAGED_PROJECT_ARGS}
+        assert ns["PROJECT_SOURCE"] == read_source("mla_project.cu")
+        assert f"{mc} chunk slots a request" in ns["__doc__"]
+    else:
+        assert case.project_kind is None and ns["PROJECT"] is None and ns["PROJECT_SOURCE"] == ""
+        assert ns["COMBINE"]["args"] == repro.PAGED_COMBINE_ARGS
+        assert ns["COMBINE_SOURCE"] == read_source("mla_combine.cu")
+
+
+def test_the_merge_decision_is_the_registrys(monkeypatch):
+    """The case asks registry.attn_merges, the step's rule, with the plan's slots: a rule
+    that said otherwise would be followed, not re-derived."""
+    asked = []
+    monkeypatch.setattr(registry, "attn_merges", lambda *a: asked.append(a) or True)
+    case = merge_case(q="f32", splits=5)
+    assert asked == [("mma", 5, "f32", "f16")] and case.attn_merges
+
+
+def fake_cupy():
+    """CuPy as the script uses it, on NumPy: host arrays, a stream that syncs at once."""
+    stream = types.SimpleNamespace(synchronize=lambda: None)
+    return types.SimpleNamespace(
+        full=np.full, zeros=np.zeros, asnumpy=np.asarray, int32=np.int32,
+        float32=np.float32, uint32=np.uint32,
+        cuda=types.SimpleNamespace(get_current_stream=lambda: stream))
+
+
+def launches(ns, monkeypatch) -> list:
+    """The script's run_cuda on the host, CuPy stood in by NumPy and each kernel by a
+    recorder: [(ATTN / COMBINE / PROJECT, grid, {argument name: value})] in launch order."""
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy())
+    calls = []
+
+    def recorder(which):
+        def kernel(grid, block, args, shared_mem=0):
+            assert block == (ns[which]["threads"], 1, 1)
+            calls.append((which, grid, dict(zip(ns[which]["args"], args, strict=True))))
+        return kernel
+
+    ns["run_cuda"](tuple(recorder(w) for w in ("ATTN", "COMBINE", "PROJECT")),
+                   *ns["host_inputs"]())
+    return calls
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["check", "negative_control"])
+def test_where_the_attention_kernel_merges_the_script_launches_as_the_step(
+        tmp_path, monkeypatch, control):
+    """mma16, q f16, 8 slots a request: zeroed tickets [B][row blocks] (the step's
+    B * head_blocks), merge_rescale 1 (0: the negative control), no merge launch, then the
+    projection with project_args over project_grid (PagedDecodeStep.run_combine)."""
+    case = merge_case(negative_control=control)
+    ns, _ = paged_ns(tmp_path, case)
+    calls = launches(ns, monkeypatch)
+    assert [c[0] for c in calls] == ["ATTN", "PROJECT"]
+    (_, _, attn), (_, grid, proj) = calls
+    tickets = attn["attn_tickets"]
+    assert tickets.dtype == np.uint32 and tickets.shape == (20, 2) and not tickets.any()
+    assert attn["merge_rescale"] == np.int32(0 if control else 1)
+    assert grid == registry.project_grid(16, 128, 40, case.project_kind)
+    assert proj["latent"] is attn["latent"] and proj["out"].shape == (20, 2, 16, 128)
+    assert (proj["n_head"], proj["m_rows"], proj["v_head"]) == (16, 40, 128)
+    assert proj["wv_b"].shape == (16, 128, 512)
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["check", "negative_control"])
+def test_where_the_merge_kernel_merges_the_script_launches_as_before(tmp_path, monkeypatch,
+                                                                     control):
+    """q f32: a null attn_tickets with merge_rescale 1, and the combine merges (the rescale-less
+    combine in the negative control) and projects; no projection launch of its own."""
+    case = merge_case(q="f32", negative_control=control)
+    ns, _ = paged_ns(tmp_path, case)
+    assert ns["COMBINE"]["expression"] == registry.paged_combine_instance(
+        "f16", not control).expression
+    calls = launches(ns, monkeypatch)
+    assert [c[0] for c in calls] == ["ATTN", "COMBINE"]
+    (_, _, attn), (_, grid, comb) = calls
+    assert isinstance(attn["attn_tickets"], np.uint64) and int(attn["attn_tickets"]) == 0
+    assert attn["merge_rescale"] == 1
+    assert grid == (32, registry.COMBINE_COL_BLOCKS, 20) and comb["attn_writes_single"] == 1
+    assert comb["latent"] is attn["latent"] and comb["tickets"].shape == (20 * 32,)
+
+
+def test_the_projection_takes_the_scripts_arguments():
+    """PAGED_PROJECT_ARGS are PagedDecodeStep.project_args one to one and both projection
+    kernels' parameters, by name and in order."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(paged_api.PagedDecodeStep.project_args)))
+    ret = next(n for n in ast.walk(tree) if isinstance(n, ast.Return))
+    step = [ast.unparse(e) for e in ret.value.elts]
+    assert len(step) == len(repro.PAGED_PROJECT_ARGS)
+    for name, expr in zip(repro.PAGED_PROJECT_ARGS, step):
+        assert ("sh.batch * sh.s_q" if name == "m_rows" else name) in expr, (name, expr)
+    for kind in ("project", "project_wide"):
+        assert kernel_params("mla_project.cu", kind) == repro.PAGED_PROJECT_ARGS
+
+
+def test_the_scripts_projection_compiles_with_nvrtc(tmp_path):
+    """The embedded mla_project.cu and the script's options, through its own NVRTC call (no
+    GPU needed), give the projection's cubin."""
+    case = merge_case()
+    ns, _ = paged_ns(tmp_path, case)
+    spec = ns["PROJECT"]
+    opts = tuple(ns["NVRTC_OPTIONS"]) + tuple(f"-I{d}" for d in toolkit.cuda_include_dirs())
+    cubin, lowered = ns["cubin_for_arch"](ns["PROJECT_SOURCE"], spec["expression"], "sm_90",
+                                          opts, spec["source"])
+    assert cubin[:4] == b"\x7fELF" and lowered.startswith(f"_ZN3mla{len(case.project_kind)}")
