@@ -179,6 +179,22 @@ def test_programmatic_steps_replay_in_a_graph_and_the_control_still_fails(varian
 BATCH_1_KERNELS = [n for n, v in registry.VARIANTS.items() if v.is_cuda]
 
 
+def _behind_q_absorb_case(variant):
+    """(tolerance, inputs, seed, float64 step) of the attention-behind-q_absorb tests: 16
+    heads, 2000 positions (several slices for the splitting variants), an f16 cache and an
+    f32 q, which inputs.make_inputs stores as q_absorb(q_nope, q_rope, wk_b) in float64."""
+    import cupy
+
+    tol = tolerance(variant, "f16")   # 1e-4, or p's rounding (mma16r, mma32r)
+    inp, seed = device_inputs(Dims(n_head=16), 2000, "f16", "f32")
+    ref = reference.decode(**inp.decode_args())
+    # The inputs were written on the null stream, which a non-blocking stream does not wait
+    # for: without this the step may read them half written (a GPU shared by other processes
+    # made that visible).
+    cupy.cuda.get_current_stream().synchronize()
+    return tol, inp, seed, ref
+
+
 @gpu
 @pytest.mark.parametrize("variant", BATCH_1_KERNELS)
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -195,14 +211,7 @@ def test_the_attention_behind_q_absorb_reads_the_q_it_wrote(variant, graph):
     from mlasandbox.pdl import supported
     from mlasandbox.timing import capture_graph
 
-    tol = tolerance(variant, "f16")   # 1e-4, or p's rounding (mma16r, mma32r)
-    inp, seed = device_inputs(Dims(n_head=16), 2000, "f16", "f32")
-    # inp.q is q_absorb(q_nope, q_rope, wk_b) in float64, stored in f32 (inputs.make_inputs)
-    ref = reference.decode(**inp.decode_args())
-    # The inputs were written on the null stream, which a non-blocking stream does not wait
-    # for: without this the step may read them half written (a GPU shared by other processes
-    # made that visible).
-    cupy.cuda.get_current_stream().synchronize()
+    tol, inp, seed, ref = _behind_q_absorb_case(variant)
     with cupy.cuda.Stream(non_blocking=True) as stream:
         qa = QAbsorb(inp.q_nope, inp.q_rope, inp.wk_b)
         step = DecodeStep(**dict(inp.decode_args(), q=qa.q), variant=variant)
@@ -264,10 +273,7 @@ def test_the_attention_waits_for_a_late_q_and_without_its_wait_reads_it_early(va
     if not supported():
         pytest.skip("this device has no programmatic dependent launch (sm_90 and later)")
     late_q = cupy.RawKernel(_LATE_Q_SOURCE, "late_q")
-    tol = tolerance(variant, "f16")   # 1e-4, or p's rounding (mma16r, mma32r)
-    inp, seed = device_inputs(Dims(n_head=16), 2000, "f16", "f32")
-    ref = reference.decode(**inp.decode_args())
-    cupy.cuda.get_current_stream().synchronize()  # the null stream's inputs, as above
+    tol, inp, seed, ref = _behind_q_absorb_case(variant)
     with cupy.cuda.Stream(non_blocking=True) as stream:
         q = cupy.empty_like(inp.q)
         step = DecodeStep(**dict(inp.decode_args(), q=q), variant=variant)
