@@ -217,10 +217,7 @@ def _fmt(v, spec):
 
 
 def _waves(waves) -> str:
-    """'2 of 2' where the grid offers a second wave, '1' where it does not ('-': a report
-    written before the plan said)."""
-    if not waves:
-        return "-"
+    """'2 of 2' or '1 of 2' where the grid offers a second wave, '1' where it does not."""
     taken, offered = waves
     return f"{taken} of {offered}" if offered > 1 else str(taken)
 
@@ -235,7 +232,8 @@ def _paged_plan_table(rep: dict) -> FitTable:
                Column("bytes (ideal)", "right", drop=5), Column("how", drop=1, fold=True))
     cells = [(r["variant"], str(r["rows_per_block"]), str(r["tile"]), str(tuple(r["grid"])),
               f"{r['chunks_min']}..{r['chunks_max']}", f"{r['programs_run']} of {r['programs']}",
-              _waves(r.get("waves")), r["merge"], f"{r['flops']:.3e}", f"{r['ideal_bytes'] / 1e6:,.1f} MB",
+              _waves(r["waves"]), r["merge"], f"{r['flops']:.3e}",
+              f"{r['ideal_bytes'] / 1e6:,.1f} MB",
               escape(r["blocks_per_sm"])) for r in rep["plans"]]
     return FitTable(columns, cells,
                     title=f"chunk plans: B={rep['batch']}, lengths {rep['lengths']['spec']} "

@@ -40,11 +40,11 @@ when it sizes the grid (lengths live on the device and change between graph repl
   with the grid's larger cap) and the programs past its chunks exit. `programs` (the
   grid's P) tells the rule its grid.
 * The grid: (head_blocks, P, 1), P = max(target, batch) chunk programs a row block (2 target
-  where the grid offers a second wave), at least the chunks any lengths make. Program p runs the p-th chunk of the batch, the requests'
-  chunks numbered request by request (`ChunkPlan.program_chunks`, the kernels'
-  locate_chunk): no program waits on another's exit, and the chunks of a wave are all real.
-  Row block 0's program 0 writes every request's chunk count to a [B] buffer, which the
-  combine reads (it derives nothing itself).
+  where the grid offers a second wave), at least the chunks any lengths make. Program p runs
+  the p-th chunk of the batch, the requests' chunks numbered request by request
+  (`ChunkPlan.program_chunks`, the kernels' locate_chunk): no program waits on another's
+  exit, and the chunks of a wave are all real. Row block 0's program 0 writes every
+  request's chunk count to a [B] buffer, which the combine reads (it derives nothing itself).
 * Single pass: with max_chunks == 1 (`ChunkPlan.single_pass`) every request runs at most one
   chunk, program p is request p (P = batch) and no rule runs; the attention kernel then
   also writes latent = acc / l and lse itself (latent 0, lse -inf for an empty request), so
@@ -94,8 +94,9 @@ class ChunkPlan:
 
     @property
     def programs_per_block(self) -> int:
-        """Chunk programs of a row block: one a request in a single pass, else
-        max(target, batch), at least the chunks any set of lengths makes."""
+        """Chunk programs of a row block: one a request in a single pass, 2 target where
+        the grid offers a second wave, else max(target, batch); at least the chunks any set
+        of lengths makes."""
         if self.single_pass:
             return self.batch
         return 2 * self.target if self.waves == 2 else max(self.target, self.batch)
@@ -213,16 +214,23 @@ def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target
     return lo
 
 
+def _unit_and_waves(lengths, max_chunks: int, tile: int, min_chunk: int, target: int,
+                    programs: int) -> tuple[int, int]:
+    """(u, waves) on a grid of `programs` chunk programs a row block: two waves (u on
+    2 target) where the grid offers them (programs >= 2 target, 2 <= B < target) and one
+    wave's unit is over 5/2 of two waves'; else one (the kernels' locate_chunk)."""
+    u1 = batch_chunk_unit(lengths, max_chunks, tile, min_chunk, target)
+    if not (programs >= 2 * target and 2 <= len(lengths) < target):
+        return u1, 1
+    u2 = batch_chunk_unit(lengths, max_chunks, tile, min_chunk, 2 * target)
+    return (u2, 2) if 2 * u1 > 5 * u2 else (u1, 1)
+
+
 def two_waves(lengths, max_chunks: int, tile: int, min_chunk: int, target: int,
               programs: int) -> bool:
-    """Whether a batch on a grid of `programs` chunk programs a row block runs two waves:
-    the grid offers them (programs >= 2 target, 2 <= B < target) and one wave's unit is over
-    5/2 of two waves' (the kernels' locate_chunk)."""
+    """Whether a batch on a grid of `programs` chunk programs a row block runs two waves."""
     n, _ = _tiles(lengths, tile)
-    if not (programs >= 2 * target and 2 <= len(n) < target):
-        return False
-    u1 = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
-    return 2 * u1 > 5 * batch_chunk_unit(n, max_chunks, tile, min_chunk, 2 * target)
+    return _unit_and_waves(n, max_chunks, tile, min_chunk, target, programs)[1] == 2
 
 
 def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int, *,
@@ -231,9 +239,7 @@ def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: 
     arithmetic (the module docstring), on a grid of `programs` chunk programs a row block
     (0: max(target, B), one wave). Vectorized over the batch."""
     n, t = _tiles(lengths, tile)
-    if two_waves(n, max_chunks, tile, min_chunk, target, programs):
-        target = 2 * target
-    u = batch_chunk_unit(n, max_chunks, tile, min_chunk, target)
+    u, _ = _unit_and_waves(n, max_chunks, tile, min_chunk, target, programs)
     want = np.minimum(max_chunks, -(-t // u))                  # 0 for an empty request
     chunk_len = np.maximum(-(-t // np.maximum(want, 1)), 1) * tile
     return -(-n // chunk_len), chunk_len

@@ -91,21 +91,22 @@ CASES = [
          target=4),
     Case("split", 5, (3000, 20, 1), page_size=1, max_chunks=6, target=2),
     Case("mma32", 16, (140, 8193, 2), s_q=2, page_size=64, max_chunks=12, target=9),
-    # a grid that offers a second wave, lengths that take it (one request sets one wave) and
-    # lengths that do not (even requests): TWO_WAVES checks which
-    Case("mma16", 16, (20000, 64, 0, 140), page_size=64, max_chunks=6, target=5, programs=10),
-    Case("mma16", 16, (4096, 4000), page_size=16, max_chunks=6, target=7, programs=14,
-         q="f16"),
-    Case("split", 3, (9000, 20, 1), s_q=2, causal=True, page_size=16, max_chunks=6, target=4,
-         programs=8),
-    Case("batched8", 9, (300, 7000, 1), page_size=64, max_chunks=6, target=5, programs=10,
-         cache="bf16"),
-    Case("mma32", 16, (10000, 1, 700), s_q=2, page_size=64, max_chunks=6, target=4,
-         programs=8),
 ]
-# (case index, whether its lengths take the second wave)
-TWO_WAVES = {len(CASES) - 5: True, len(CASES) - 4: False, len(CASES) - 3: True,
-             len(CASES) - 2: True, len(CASES) - 1: True}
+# A grid that offers a second wave (programs = 2 target), with lengths that take it (one
+# request would set one wave) and lengths that do not (even requests): (case, takes it).
+TWO_WAVES = [
+    (Case("mma16", 16, (20000, 64, 0, 140), page_size=64, max_chunks=6, target=5,
+          programs=10), True),
+    (Case("mma16", 16, (4096, 4000), page_size=16, max_chunks=6, target=7, programs=14,
+          q="f16"), False),
+    (Case("split", 3, (9000, 20, 1), s_q=2, causal=True, page_size=16, max_chunks=6, target=4,
+          programs=8), True),
+    (Case("batched8", 9, (300, 7000, 1), page_size=64, max_chunks=6, target=5, programs=10,
+          cache="bf16"), True),
+    (Case("mma32", 16, (10000, 1, 700), s_q=2, page_size=64, max_chunks=6, target=4,
+          programs=8), True),
+]
+CASES += [c for c, _ in TWO_WAVES]
 
 
 def run_paged(inp, variant: str, max_chunks: int, *, target: int = 132, programs: int = 0,
@@ -213,8 +214,7 @@ def test_the_two_wave_cases_take_the_wave_they_are_meant_to():
     # so the kernels meet both sides of the device's choice: where a case takes the second
     # wave its chunks differ from one wave's (on the grid of max(target, B), which never
     # offers it), where it does not they are one wave's
-    for i, takes in TWO_WAVES.items():
-        c = CASES[i]
+    for c, takes in TWO_WAVES:
         tile = registry.paged_attention_instance(c.variant).tile_rows
         args = (list(c.lengths), c.max_chunks, tile, MIN_TILES_PER_CHUNK * tile, c.target)
         assert c.programs == 2 * c.target and offers_two_waves(len(c.lengths), c.target), c
