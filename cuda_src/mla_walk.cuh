@@ -44,13 +44,14 @@ namespace mla {
 // ---- the chunk rule --------------------------------------------------------------------
 // Exactly sandbox/chunks.py (batch_chunk_unit, request_chunks): with t_b = ceil(len_b / tile)
 // tiles per request of the batch, count(u) = sum_b min(max_chunks, ceil(t_b / u)) programs
-// run at chunks of u tiles; u = the smallest u in [lo, hi] with count(u) <= target (binary
-// search, hi if none), lo = max(min_chunk / tile, ceil(W / target)), W = sum_b t_b,
-// hi = max(lo, min(max t_b, ceil(W / (target - B')))) (B' non-empty requests; max t_b when
-// target <= B'). Request b runs n0 = min(max_chunks, ceil(t_b / u)) chunks of
+// run at chunks of u tiles; u = the smallest u in [lo, hi] with count(u) <= target (a search
+// of three candidates a step, hi if none), lo = max(min_chunk / tile, ceil(W / target)),
+// W = sum_b t_b, hi = max(lo, min(max t_b, ceil(W / (target - B')))) (B' non-empty requests;
+// max t_b when target <= B'). Request b runs n0 = min(max_chunks, ceil(t_b / u)) chunks of
 // chunk_len = max(1, ceil(t_b / n0)) * tile positions, n = ceil(len_b / chunk_len) of them.
 // Every warp of a block computes it on its own (no shared memory, no barrier): each lane
-// reads the lengths b = lane, lane + 32, ..., and the sums are warp reductions.
+// reads the lengths b = lane, lane + 32, ... (the first kHeldTiles of them once, into
+// registers), and the sums are warp reductions.
 struct ChunkSpan {
     int n, len;
 };
@@ -69,29 +70,55 @@ __device__ __forceinline__ int warp_max_int(int v) {
     for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
-// The batch's tiles: W = sum_b t_b, B' (non-empty requests), max t_b. Called by whole warps.
+// The batch's tiles: W = sum_b t_b, B' (non-empty requests), max t_b, and each lane's first
+// kHeldTiles requests' t (lane, lane + 32, ...; 0 past the batch), which the search reads from
+// registers on every step. Called by whole warps.
+enum : int { kHeldTiles = 4 };  // B <= 128 held whole (an enum: NVRTC emits namespace
+                                // constants into every PTX)
 struct BatchTiles {
     long long total;
     int busy, max_t;
+    int t[kHeldTiles];
 };
+__device__ __forceinline__ int tiles_of(const int* __restrict__ lengths, int b, int tile) {
+    return (__ldg(lengths + b) + tile - 1) / tile;
+}
 __device__ __forceinline__ BatchTiles batch_tiles(const int* __restrict__ lengths, int batch,
                                                   int tile) {
     const int lane = threadIdx.x & 31;
+    BatchTiles bt;
     long long total = 0;
     int busy = 0, max_t = 0;
-    // Unrolled so a lane's loads (and divisions, below) overlap: this runs ahead of every
-    // program's first copy.
-#pragma unroll 2
-    for (int i = lane; i < batch; i += 32) {
-        const int t = (__ldg(lengths + i) + tile - 1) / tile;
+    // All of a lane's held loads are issued together: this runs ahead of every program's
+    // first copy.
+#pragma unroll
+    for (int k = 0; k < kHeldTiles; ++k) {
+        const int b = lane + 32 * k;
+        bt.t[k] = b < batch ? tiles_of(lengths, b, tile) : 0;
+    }
+#pragma unroll
+    for (int k = 0; k < kHeldTiles; ++k) {
+        total += bt.t[k];
+        busy += bt.t[k] > 0;
+        max_t = max(max_t, bt.t[k]);
+    }
+    for (int b = lane + 32 * kHeldTiles; b < batch; b += 32) {
+        const int t = tiles_of(lengths, b, tile);
         total += t;
         busy += t > 0;
         max_t = max(max_t, t);
     }
-    return {warp_sum_ll(total), warp_sum_int(busy), warp_max_int(max_t)};
+    bt.total = warp_sum_ll(total);
+    bt.busy = warp_sum_int(busy);
+    bt.max_t = warp_max_int(max_t);
+    return bt;
 }
 // u, the balanced chunk length in tiles, of the batch of `batch` lengths on `target` programs.
-// Called by whole warps.
+// count(u) does not increase with u, so the smallest fitting u is found by testing three
+// candidates a step, which cut [lo, hi) in four: the first that fits (or hi) bounds the next
+// range. Their counts and warp reductions are independent, so a step costs about one
+// reduction's latency, and a range of d values takes log4(d) steps where halving takes
+// log2(d). Called by whole warps.
 __device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
                                                 int max_chunks, int tile, int min_chunk,
                                                 int target, const BatchTiles& bt) {
@@ -104,15 +131,35 @@ __device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths,
                  : static_cast<int>(min(static_cast<long long>(max_t),
                                         (total + (target - busy) - 1) / (target - busy)));
     hi = max(lo, hi);
+    // lo >= 1 wherever lo < hi (hi > 0 means some t > 0, so W >= 1): no division by 0.
     while (lo < hi) {
-        const int mid = lo + (hi - lo) / 2;
-        int count = 0;
-#pragma unroll 2
-        for (int i = lane; i < batch; i += 32) {
-            const int t = (__ldg(lengths + i) + tile - 1) / tile;
-            count += min(max_chunks, (t + mid - 1) / mid);
+        const int d = hi - lo;  // candidates lo + floor(k d / 4), k = 1..3: in [lo, hi)
+        const int u1 = lo + (d >> 2), u2 = lo + (d >> 1), u3 = lo + ((3 * d) >> 2);
+        int c1 = 0, c2 = 0, c3 = 0;
+#pragma unroll
+        for (int k = 0; k < kHeldTiles; ++k) {
+            if (32 * k >= batch) break;  // no lane holds a request there: skip its divisions
+            const int t = bt.t[k];
+            c1 += min(max_chunks, (t + u1 - 1) / u1);
+            c2 += min(max_chunks, (t + u2 - 1) / u2);
+            c3 += min(max_chunks, (t + u3 - 1) / u3);
         }
-        if (warp_sum_int(count) <= target) hi = mid; else lo = mid + 1;
+        for (int b = lane + 32 * kHeldTiles; b < batch; b += 32) {
+            const int t = tiles_of(lengths, b, tile);
+            c1 += min(max_chunks, (t + u1 - 1) / u1);
+            c2 += min(max_chunks, (t + u2 - 1) / u2);
+            c3 += min(max_chunks, (t + u3 - 1) / u3);
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            c1 += __shfl_xor_sync(0xffffffffu, c1, o);
+            c2 += __shfl_xor_sync(0xffffffffu, c2, o);
+            c3 += __shfl_xor_sync(0xffffffffu, c3, o);
+        }
+        if (c1 <= target) hi = u1;
+        else if (c2 <= target) { lo = u1 + 1; hi = u2; }
+        else if (c3 <= target) { lo = u2 + 1; hi = u3; }
+        else lo = u3 + 1;
     }
     return lo;
 }
@@ -158,9 +205,11 @@ __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ length
     // taken where one wave's unit is over 5/2 of two waves'. Two waves' unit is at least
     // ceil(W / 2 target) (the search's lower end), so where one wave's is not over 5/2 of
     // that (equal lengths) no second search runs.
-    const int lo2 = max(min_chunk / tile, static_cast<int>((bt.total + 2 * target - 1) / (2 * target)));
+    const int lo2 = max(min_chunk / tile,
+                        static_cast<int>((bt.total + 2 * target - 1) / (2 * target)));
     if (static_cast<int>(gridDim.y) >= 2 * target && batch < target && 2 * u > 5 * lo2) {
-        const int u2 = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, 2 * target, bt);
+        const int u2 =
+            batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, 2 * target, bt);
         if (2 * u > 5 * u2) u = u2;
     }
     int before = 0;  // chunks of the requests of earlier rounds
@@ -274,10 +323,14 @@ static_assert(MLA_ATTN_MERGE_MAX_CHUNKS == kAttnMergeMaxChunks,
 #endif
 
 // PagedWalk::finish's merge of one row over its request's n chunks (partial first + i stride):
-// kTpr threads a row, each the float4s c, c + kTpr, ... of its 512 columns, 8 of them in
-// flight a chunk; loads through L2 (ld.global.cg): other SMs wrote them during this kernel.
-// Not inlined: called at the end of a kernel with nothing else live, its registers are its
-// own, not added to the tile loop's (inlined, NVRTC 13.0 gave paged mma16 20 more).
+// kTpr threads a row, each the float4s c, c + kTpr, ... of its 512 columns (passes of at most
+// 8). Online over the chunks, kMergeInFlight at a time: each group's (m, l) and acc are loaded
+// together and the running sums rescaled to the group's new max, so no round trip for the
+// chunks' m lies ahead of the first acc load (ceil(n / 2) dependent loads a pass, not
+// 1 + ceil(n / 2)). Loads through L2 (ld.global.cg): other SMs wrote them during this kernel.
+// Called at the end of the kernel with nothing else live, so its registers (about 100 at
+// 8 float4s a thread) are not added to the tile loop's.
+enum : int { kMergeInFlight = 2 };
 template <int kTpr>
 __device__ __forceinline__ void merge_chunks(const float* part_acc, const float* part_m,
                                           const float* part_l, size_t first, int stride, int n,
@@ -285,35 +338,56 @@ __device__ __forceinline__ void merge_chunks(const float* part_acc, const float*
     constexpr int kVec = MLA_KV_LORA / 4 / kTpr, kPass = kVec < 8 ? kVec : 8;
     static_assert((MLA_KV_LORA / 4) % kTpr == 0 && kVec % kPass == 0, "whole float4 passes");
     const int c = threadIdx.x % kTpr;
-    float m = -INFINITY;  // -inf only where every l == 0
-#pragma unroll 4
-    for (int i = 0; i < n; ++i) {
-        const size_t k = first + static_cast<size_t>(i) * stride;
-        if (__ldcg(part_l + k) > 0.f) m = fmaxf(m, __ldcg(part_m + k));
-    }
-    float l = 0.f;  // sum_i w_i l_i; w_i = 0 for an empty partial, never exp2(-inf + inf)
+    float m = -INFINITY, l = 0.f;  // m: -inf until a chunk with l > 0
     float4* dst = reinterpret_cast<float4*>(latent + row * MLA_KV_LORA) + c;
 #pragma unroll 1
     for (int v0 = 0; v0 < kVec; v0 += kPass) {
         float4 acc[kPass];
 #pragma unroll
         for (int v = 0; v < kPass; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 2
-        for (int i = 0; i < n; ++i) {
-            const size_t k = first + static_cast<size_t>(i) * stride;
-            const float li = __ldcg(part_l + k);
-            const float w = li > 0.f ? (rescale ? exp2f(__ldcg(part_m + k) - m) : 1.f) : 0.f;
-            if (v0 == 0) l = fmaf(w, li, l);
-            const float4* src = reinterpret_cast<const float4*>(part_acc + k * MLA_KV_LORA) + c +
-                                v0 * kTpr;
+        m = -INFINITY;
+        l = 0.f;
+#pragma unroll 1
+        for (int i0 = 0; i0 < n; i0 += kMergeInFlight) {
+            float li[kMergeInFlight], mi[kMergeInFlight];
+            float4 a[kMergeInFlight][kPass];
+#pragma unroll
+            for (int j = 0; j < kMergeInFlight; ++j) {
+                const bool has = i0 + j < n;  // past n: an empty partial, nothing loaded
+                const size_t k = first + static_cast<size_t>(i0 + j) * stride;
+                const float4* src =
+                    reinterpret_cast<const float4*>(part_acc + k * MLA_KV_LORA) + c + v0 * kTpr;
+                li[j] = has ? __ldcg(part_l + k) : 0.f;
+                mi[j] = has ? __ldcg(part_m + k) : -INFINITY;
+#pragma unroll
+                for (int v = 0; v < kPass; ++v)
+                    a[j][v] = has ? __ldcg(src + v * kTpr) : make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            float m_new = m;
+#pragma unroll
+            for (int j = 0; j < kMergeInFlight; ++j)
+                if (li[j] > 0.f) m_new = fmaxf(m_new, mi[j]);
+            // The sums so far move to m_new; while m is -inf they are 0 and stay so (the
+            // weight 1 avoids exp2(-inf + inf)). rescale 0: the negative control, no exp2.
+            const float w_old = rescale && m != -INFINITY ? exp2f(m - m_new) : 1.f;
+            l *= w_old;
 #pragma unroll
             for (int v = 0; v < kPass; ++v) {
-                const float4 a = __ldcg(src + v * kTpr);
-                acc[v].x = fmaf(w, a.x, acc[v].x);
-                acc[v].y = fmaf(w, a.y, acc[v].y);
-                acc[v].z = fmaf(w, a.z, acc[v].z);
-                acc[v].w = fmaf(w, a.w, acc[v].w);
+                acc[v].x *= w_old; acc[v].y *= w_old; acc[v].z *= w_old; acc[v].w *= w_old;
             }
+#pragma unroll
+            for (int j = 0; j < kMergeInFlight; ++j) {
+                const float w = li[j] > 0.f ? (rescale ? exp2f(mi[j] - m_new) : 1.f) : 0.f;
+                l = fmaf(w, li[j], l);
+#pragma unroll
+                for (int v = 0; v < kPass; ++v) {
+                    acc[v].x = fmaf(w, a[j][v].x, acc[v].x);
+                    acc[v].y = fmaf(w, a[j][v].y, acc[v].y);
+                    acc[v].z = fmaf(w, a[j][v].z, acc[v].z);
+                    acc[v].w = fmaf(w, a[j][v].w, acc[v].w);
+                }
+            }
+            m = m_new;
         }
         const float inv_l = single_pass_inv_l(l);
 #pragma unroll
@@ -537,7 +611,8 @@ struct PagedWalk {
         for (int pass = 0; pass < kRows / kRowsPerPass; ++pass) {
             const int row = row0 + pass * kRowsPerPass + copy_row;
             const bool valid = row < row_end;
-            const size_t cache_row = (static_cast<size_t>(page[pass]) << page_shift) + (row & in_page);
+            const size_t cache_row =
+                (static_cast<size_t>(page[pass]) << page_shift) + (row & in_page);
             const CacheT* src = cache + cache_row * (kChunks * 8) + copy_lane * 8;
 #pragma unroll
             for (int i = 0; i < kChunks / 8; ++i)

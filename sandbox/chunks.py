@@ -18,7 +18,7 @@ when it sizes the grid (lengths live on the device and change between graph repl
   integer arithmetic the attention programs and the combine both run): with t_b =
   ceil(len_b / tile) tiles per request, ``count(u) = sum_b min(max_chunks, ceil(t_b / u))``
   programs run at a chunk length of u tiles; u is the smallest u in [lo, hi] with
-  count(u) <= target (binary search; hi if none), where
+  count(u) <= target (three candidates a step; hi if none), where
   ``lo = max(min_tiles, ceil(W / target))``, W = sum_b t_b, and
   ``hi = max(lo, min(max t_b, ceil(W / (target - B'))))`` (B' non-empty requests; max t_b when
   target <= B'), since each request wastes less than one chunk. So the programs fill one
@@ -192,25 +192,36 @@ def _tiles(lengths, tile):
 def single_request_unit(length: int, tile: int, min_chunk: int, target: int) -> int:
     """u of a batch of one request, in closed form (the kernels' locate_chunk takes this
     path): lo = max(min_tiles, ceil(t / target)) has count(lo) <= ceil(t / ceil(t / target))
-    <= target, so the binary search ends at lo."""
+    <= target, so the search ends at lo."""
     return max(min_chunk // tile, -(-(-(-int(length) // tile)) // target))
 
 
 def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target: int) -> int:
-    """u, the balanced chunk length in tiles of this batch: the kernels' binary search (a
-    batch of one request ends it at single_request_unit, which the kernels compute directly)."""
+    """u, the balanced chunk length in tiles of this batch: the kernels' search, three
+    candidates lo + floor(k d / 4) (k = 1..3, d = hi - lo) a step, the first that fits (or
+    hi) bounding the next range (a batch of one request ends it at single_request_unit,
+    which the kernels compute directly)."""
     _, t = _tiles(lengths, tile)
     total, busy = int(t.sum()), int((t > 0).sum())
     max_t = int(t.max()) if t.size else 0
     lo = max(min_chunk // tile, -(-total // target))
     hi = max_t if target <= busy else min(max_t, -(-total // (target - busy)))
     hi = max(lo, hi)
+
+    def fits(u: int) -> bool:
+        return int(np.minimum(max_chunks, -(-t // u)).sum()) <= target
+
     while lo < hi:
-        mid = (lo + hi) // 2
-        if int(np.minimum(max_chunks, -(-t // mid)).sum()) <= target:
-            hi = mid
+        d = hi - lo
+        u1, u2, u3 = lo + (d >> 2), lo + (d >> 1), lo + ((3 * d) >> 2)
+        if fits(u1):
+            hi = u1
+        elif fits(u2):
+            lo, hi = u1 + 1, u2
+        elif fits(u3):
+            lo, hi = u2 + 1, u3
         else:
-            lo = mid + 1
+            lo = u3 + 1
     return lo
 
 

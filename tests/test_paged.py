@@ -221,13 +221,17 @@ def test_chunks_cover_each_request_once_in_whole_tiles():
             assert length == 0 or (k - 1) * c < length <= k * c
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_binary_search_finds_the_smallest_balanced_unit(seed):
+@pytest.mark.parametrize("seed", range(12))
+def test_the_search_finds_the_smallest_balanced_unit(seed):
+    # three candidates a step: ranges [lo, hi] of 1 to thousands of values (a few requests
+    # far longer than the rest at small targets) reach every branch of the step
     rng = np.random.default_rng(seed)
-    batch = int(rng.integers(1, 80))
+    batch = int(rng.integers(1, 200))
     lengths = np.clip(rng.normal(8192, 6000, batch), 0, None).astype(int)
     lengths[rng.random(batch) < 0.2] = 0                  # empty requests among them
-    for max_chunks, target in ((1, 132), (3, 40), (9, 132), (64, 132), (256, 264)):
+    lengths[rng.random(batch) < 0.05] = 400_000           # and a few very long ones
+    for max_chunks, target in ((1, 132), (3, 40), (9, 132), (64, 132), (256, 264),
+                               (5, 7), (2, 300), (132, 792)):
         got = batch_chunk_unit(lengths, max_chunks, 64, 64, target)
         assert got == _brute_unit(lengths, max_chunks, 64, 64, target)
 
