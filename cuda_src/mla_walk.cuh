@@ -114,11 +114,18 @@ __device__ __forceinline__ BatchTiles batch_tiles(const int* __restrict__ length
     return bt;
 }
 // u, the balanced chunk length in tiles, of the batch of `batch` lengths on `target` programs.
+// kGuardHeld: how a step skips the held tile counts past the batch (32 k >= batch, none of a
+// warp's lanes holds a request there). false, the built-in kernels: the loop over them ends
+// there (a break); the guard instead cost mma16 3-4 us at B = 96 / 128 x N(4096, 2048) and
+// 1 us at B = 32 x N(8192, 4096) (results/h200-2026-12-03-81d9dc0, ab_guard.txt). true, the
+// user-kernel helper (mla_user.cuh): each held entry is tested on its own, since the break
+// made NVRTC 13.5's ptxas spill a 128-thread user kernel (tests/data/byok_bad_pages.cu).
 // count(u) does not increase with u, so the smallest fitting u is found by testing three
 // candidates a step, which cut [lo, hi) in four: the first that fits (or hi) bounds the next
 // range. Their counts and warp reductions are independent, so a step costs about one
 // reduction's latency, and a range of d values takes log4(d) steps where halving takes
 // log2(d). Called by whole warps.
+template <bool kGuardHeld = false>
 __device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths, int batch,
                                                 int max_chunks, int tile, int min_chunk,
                                                 int target, const BatchTiles& bt) {
@@ -138,11 +145,13 @@ __device__ __forceinline__ int batch_chunk_unit(const int* __restrict__ lengths,
         int c1 = 0, c2 = 0, c3 = 0;
 #pragma unroll
         for (int k = 0; k < kHeldTiles; ++k) {
-            if (32 * k >= batch) break;  // no lane holds a request there: skip its divisions
-            const int t = bt.t[k];
-            c1 += min(max_chunks, (t + u1 - 1) / u1);
-            c2 += min(max_chunks, (t + u2 - 1) / u2);
-            c3 += min(max_chunks, (t + u3 - 1) / u3);
+            if (!kGuardHeld && 32 * k >= batch) break;  // skip the divisions of empty entries
+            if (!kGuardHeld || 32 * k < batch) {
+                const int t = bt.t[k];
+                c1 += min(max_chunks, (t + u1 - 1) / u1);
+                c2 += min(max_chunks, (t + u2 - 1) / u2);
+                c3 += min(max_chunks, (t + u3 - 1) / u3);
+            }
         }
         for (int b = lane + 32 * kHeldTiles; b < batch; b += 32) {
             const int t = tiles_of(lengths, b, tile);
@@ -181,6 +190,7 @@ __device__ __forceinline__ ChunkSpan request_span(int len, int u, int max_chunks
 struct ChunkSlot {
     int b, c, n, len;
 };
+template <bool kGuardHeld = false>
 __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ lengths, int batch,
                                                   int p, int max_chunks, int tile,
                                                   int min_chunk, int target,
@@ -200,7 +210,8 @@ __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ length
         return slot;
     }
     const BatchTiles bt = batch_tiles(lengths, batch, tile);
-    int u = batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, target, bt);
+    int u = batch_chunk_unit<kGuardHeld>(lengths, batch, max_chunks, tile, min_chunk, target,
+                                         bt);
     // The second wave a grid of 2 target programs offers (sandbox/chunks.py, two_waves):
     // taken where one wave's unit is over 5/2 of two waves'. Two waves' unit is at least
     // ceil(W / 2 target) (the search's lower end), so where one wave's is not over 5/2 of
@@ -209,7 +220,8 @@ __device__ __forceinline__ ChunkSlot locate_chunk(const int* __restrict__ length
                         static_cast<int>((bt.total + 2 * target - 1) / (2 * target)));
     if (static_cast<int>(gridDim.y) >= 2 * target && batch < target && 2 * u > 5 * lo2) {
         const int u2 =
-            batch_chunk_unit(lengths, batch, max_chunks, tile, min_chunk, 2 * target, bt);
+            batch_chunk_unit<kGuardHeld>(lengths, batch, max_chunks, tile, min_chunk,
+                                         2 * target, bt);
         if (2 * u > 5 * u2) u = u2;
     }
     int before = 0;  // chunks of the requests of earlier rounds

@@ -51,9 +51,10 @@ __device__ __forceinline__ Chunk program_chunk(const int* __restrict__ cache_seq
         return {p, 0, 0, len, (len + tile - 1) / tile * tile, static_cast<size_t>(p) * n_rows};
     }
     const bool publish = blockIdx.x == 0 && p == 0 && threadIdx.x < 32;
-    const mla::ChunkSlot slot = mla::locate_chunk(cache_seqlens, batch, p, max_chunks, tile,
-                                                  min_chunk, target,
-                                                  publish ? chunk_counts : nullptr);
+    // the guarded form of the rule's search (mla_walk.cuh, batch_chunk_unit): the same answer
+    const mla::ChunkSlot slot = mla::locate_chunk<true>(cache_seqlens, batch, p, max_chunks,
+                                                        tile, min_chunk, target,
+                                                        publish ? chunk_counts : nullptr);
     if (slot.b < 0) return ch;
     const int len = __ldg(cache_seqlens + slot.b), start = slot.c * slot.len;
     return {slot.b, slot.c, start, min(len, start + slot.len), slot.len,
