@@ -117,7 +117,7 @@ __device__ __forceinline__ BatchTiles batch_tiles(const int* __restrict__ length
 // kGuardHeld: how a step skips the held tile counts past the batch (32 k >= batch, none of a
 // warp's lanes holds a request there). false, the built-in kernels: the loop over them ends
 // there (a break); the guard instead cost mma16 3-4 us at B = 96 / 128 x N(4096, 2048) and
-// 1 us at B = 32 x N(8192, 4096) (results/h200-2026-12-03-81d9dc0, ab_guard.txt). true, the
+// 1 us at B = 32 x N(8192, 4096) (docs/schedule.md, "A cheaper search"). true, the
 // user-kernel helper (mla_user.cuh): each held entry is tested on its own, since the break
 // made NVRTC 13.5's ptxas spill a 128-thread user kernel (tests/data/byok_bad_pages.cu).
 // count(u) does not increase with u, so the smallest fitting u is found by testing three
