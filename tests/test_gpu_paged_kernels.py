@@ -53,12 +53,17 @@ class Case:
     wv_b: bool = True
 
     def __str__(self):
-        lens = "-".join(map(str, self.lengths))
+        lens = ("-".join(map(str, self.lengths)) if len(self.lengths) <= 8 else
+                f"{len(self.lengths)}req-sum{sum(self.lengths)}")
         return (f"{self.variant}-H{self.heads}-sq{self.s_q}{'c' if self.causal else ''}-"
                 f"p{self.page_size}-k{self.max_chunks}-t{self.target}"
                 f"{f'-P{self.programs}' if self.programs else ''}-{self.cache}-q{self.q}-"
                 f"L{lens}"
                 f"{'' if self.wv_b else '-nowv'}")
+
+
+# 150 requests of 0 to 699 positions, every 50th of 5000 (so the search has a range to cover)
+PAST_HELD = tuple(5000 if i % 50 == 7 else (37 * i) % 700 for i in range(150))
 
 
 # Each variant meets each page size, causal and not, s_q 1, 2 and 4, empty requests, lengths
@@ -91,6 +96,10 @@ CASES = [
          target=4),
     Case("split", 5, (3000, 20, 1), page_size=1, max_chunks=6, target=2),
     Case("mma32", 16, (140, 8193, 2), s_q=2, page_size=64, max_chunks=12, target=9),
+    # more requests than the chunk rule holds in registers (mla_walk.cuh, kHeldTiles: 4 a
+    # lane, B <= 128): requests 128.. are read from memory on every step of the search
+    Case("mma16", 16, PAST_HELD, page_size=64, max_chunks=4, target=300, q="f16"),
+    Case("split", 3, PAST_HELD, s_q=2, causal=True, page_size=16, max_chunks=3, target=260),
 ]
 # A grid that offers a second wave (programs = 2 target), with lengths that take it (one
 # request would set one wave) and lengths that do not (even requests): (case, takes it).
