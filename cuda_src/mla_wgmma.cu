@@ -754,4 +754,375 @@ wgmma_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
                                            kv_map);
 }
 
+
+// ---- the transposed form (experiment): cache positions as wgmma's M ----------------------
+// S^T[64 positions x 16 rows] = K Q^T (A = the tile, K-major; B = q, K-major) and
+// O^T[512 x 16] += V^T P^T (A = the tile's latent blocks, MN-major; B = p^T, K-major). Two
+// warpgroups, each on every other tile of the slice in its own stage with its own (m, l, O);
+// warpgroup 1's state is merged into warpgroup 0's at the end. Rows are (s_q x heads) of the
+// request, 16 a block.
+constexpr int kTRows = 16;
+constexpr int kTThreads = 256;
+constexpr int kTQBlockBytes = kTRows * 128;         // a column block of 16 rows
+#ifndef MLA_WGMMA_T_CHAINS
+#define MLA_WGMMA_T_CHAINS 4
+#endif
+constexpr int kTChains = MLA_WGMMA_T_CHAINS;        // score accumulators (independent chains)
+static_assert(36 % kTChains == 0, "the 36 k16 steps of the scores split evenly");
+struct WgmmaTSmem {
+    static constexpr int q = 0;                                 // [9 blocks][16 rows]
+    static constexpr int tiles = q + kKeyBlocks * kTQBlockBytes;  // 2 x [9 blocks][64 pos]
+    static constexpr int p = tiles + 2 * kWgTileBytes;          // [2 wg][16 rows][64 pos]
+    static constexpr int red = p + 2 * kTQBlockBytes;           // [2 wg][4 warps][16] f32
+    static constexpr int lsum = red + 2 * 4 * kTRows * 4;       // [2 wg][4 warps][16] f32
+    static constexpr int m1 = lsum + 2 * 4 * kTRows * 4;        // [16] f32: warpgroup 1's m
+    static constexpr int bars = m1 + kTRows * 4;                // full[2], q
+    static constexpr int used = bars + 3 * 8;
+    static constexpr int bytes = used + 1024;
+    static_assert(tiles % 1024 == 0 && p % 1024 == 0, "swizzled operands 1024-aligned");
+    static_assert(kTRows * kWgLora * 4 <= kWgTileBytes, "warpgroup 1's O fits its stage");
+    static_assert(bytes <= 227 * 1024, "one block per SM");
+};
+#ifndef MLA_WGMMA_T_LBO
+#define MLA_WGMMA_T_LBO kBlockBytes
+#define MLA_WGMMA_T_SBO 1024
+#endif
+
+#define MLA_WGMMA_T_OPS(NAME, T)                                                          \
+struct NAME {                                                                             \
+    __device__ static void m64n16(float (&d)[8], unsigned long long a,                    \
+                                  unsigned long long b) {                                 \
+        asm volatile(                                                                     \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                  \
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32." T "." T                         \
+            " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 0, 0;\n}\n"              \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),     \
+              "+f"(d[6]), "+f"(d[7])                                                      \
+            : "l"(a), "l"(b), "r"(1));                                                    \
+    }                                                                                     \
+    __device__ static void m64n16_ta(float (&d)[8], unsigned long long a,                 \
+                                     unsigned long long b) {                              \
+        asm volatile(                                                                     \
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %10, 0;\n"                                  \
+            "wgmma.mma_async.sync.aligned.m64n16k16.f32." T "." T                         \
+            " {%0, %1, %2, %3, %4, %5, %6, %7}, %8, %9, p, 1, 1, 1, 0;\n}\n"              \
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]),     \
+              "+f"(d[6]), "+f"(d[7])                                                      \
+            : "l"(a), "l"(b), "r"(1));                                                    \
+    }                                                                                     \
+}
+MLA_WGMMA_T_OPS(WgmmaTF16, "f16");
+MLA_WGMMA_T_OPS(WgmmaTBf16, "bf16");
+#undef MLA_WGMMA_T_OPS
+template <typename T> struct WgmmaTOps;
+template <> struct WgmmaTOps<__half> : WgmmaTF16 {};
+template <> struct WgmmaTOps<__nv_bfloat16> : WgmmaTBf16 {};
+
+// The 128 threads of warpgroup wg (named barrier 1 + wg; 0 is __syncthreads').
+__device__ __forceinline__ void t_wg_sync(int wg) {
+    asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory");
+}
+
+// Tile t (64 positions, all 9 column blocks) into `stage` by warpgroup wg; `landed`
+// completes once it is in. The caller has every warp of wg past the products that read it.
+template <typename W>
+__device__ __forceinline__ void t_copy(unsigned char* stage, const W& walk, const void* map,
+                                       int t, int row_start, int row_end, int wt, int wg,
+                                       const int (&pg)[4], unsigned long long* landed) {
+    const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
+    const int row0 = row_start + t * kWgTile;
+    if (map != nullptr) {
+        if (row0 + kWgTile <= row_end) {
+            if (wt == 0) {
+                const int y = (pg[0] << walk.page_shift) + (row0 & in_page);
+                mbar_arrive_expect_bytes(landed, kKeyBlocks * kBlockBytes);
+#pragma unroll
+                for (int i = 0; i < kKeyBlocks; ++i)
+                    tma_box(stage + i * kBlockBytes, map, kColBlock * i, y, landed);
+            }
+            return;
+        }
+        seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], 0, true);
+        seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], 4, false);
+        mbar_arrive_after_copies_counted(landed);
+        t_wg_sync(wg);  // every thread's arrival is added before the counted one
+        if (wt == 0) mbar_arrive(landed);
+        return;
+    }
+    if (walk.template tile_in_page<kWgTile>(row_start)) {
+        seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], 0, true);
+        seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], 4, false);
+    } else {
+#pragma unroll
+        for (int pass = 0; pass < 4; ++pass) {
+            const int row = crow + 16 * pass, pos = row0 + row;
+            const bool valid = pos < row_end;
+            const size_t cache_row =
+                (static_cast<size_t>(pg[pass]) << walk.page_shift) + (pos & in_page);
+            const auto* from = walk.cache + (valid ? cache_row * kWgKey : 0) + clane * 8;
+            unsigned char* to = stage + row * 128 + ((clane ^ (row & 7)) << 4);
+#pragma unroll
+            for (int i = 0; i < kKeyBlocks; ++i)
+                cp_async_16(to + i * kBlockBytes, from + 64 * i, valid);
+        }
+    }
+    mbar_arrive_after_copies(landed);
+}
+
+template <typename CacheT, typename QT, bool kPartials, typename W>
+__device__ __forceinline__ void wgmma_t_body(const QT* __restrict__ q, W& walk, float scale_log2,
+                                             float* __restrict__ part_acc,
+                                             float* __restrict__ part_m,
+                                             float* __restrict__ part_l,
+                                             const void* __restrict__ kv_map) {
+    using Op = WgmmaTOps<CacheT>;
+    using Smem = WgmmaTSmem;
+    require_dynamic_smem(Smem::bytes);
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    unsigned char* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+    BlockSlice work;
+    if (!walk.begin(kTRows, kWgLora, part_acc, part_m, part_l, work)) return;
+    const int head0 = work.head0, row_start = work.row_start, row_end = work.row_end;
+    const size_t part_base = work.part_base;
+    const int n_rows = walk.rows();
+    const int tid = threadIdx.x, wg = __shfl_sync(0xffffffffu, tid >> 7, 0);
+    const int wt = tid & 127, lane = tid & 31, warp = wt >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int lp0 = 16 * warp + g;  // this thread's positions lp0, lp0 + 8 of a tile
+    unsigned char* q_s = smem + Smem::q;
+    unsigned char* stage = smem + Smem::tiles + wg * kWgTileBytes;
+    unsigned char* p_s = smem + Smem::p + wg * kTQBlockBytes;
+    float* red = reinterpret_cast<float*>(smem + Smem::red) + wg * 4 * kTRows;
+    float* lsum = reinterpret_cast<float*>(smem + Smem::lsum);
+    float* m1_s = reinterpret_cast<float*>(smem + Smem::m1);
+    unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + Smem::bars);
+    unsigned long long* full = bars + wg;  // this warpgroup's stage
+    unsigned long long* bar_q = bars + 2;
+    const int n_tiles = (row_end - row_start + kWgTile - 1) / kWgTile;
+    const void* map = kv_map != nullptr && walk.template tile_in_page<kWgTile>(row_start)
+                          ? kv_map : nullptr;
+    if (tid < 3) mbar_init(bars + tid, tid == 2 ? kTThreads : map ? 1 : 128);
+    if (map != nullptr && wt == 0) tma_acquire(map);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    __syncthreads();
+
+    pdl_wait();
+    static_assert(SameType<QT, CacheT>::value, "q in the cache dtype: copied, not converted");
+    if (wg == 0) {  // 16 rows, 8 threads a row
+        const CacheT* q_rows = walk.q(q);
+        const int row = wt >> 3, cl = wt & 7;
+        const bool valid = head0 + row < n_rows;
+        const CacheT* from = q_rows + (valid ? static_cast<size_t>(head0 + row) * kWgKey : 0) + cl * 8;
+        unsigned char* to = q_s + row * 128 + ((cl ^ (row & 7)) << 4);
+#pragma unroll
+        for (int i = 0; i < kKeyBlocks; ++i) cp_async_16(to + i * kTQBlockBytes, from + 64 * i, valid);
+    }
+    mbar_arrive_after_copies(bar_q);
+    int pg[4];
+    if (wg < n_tiles) {
+        seesaw_pages(walk, wg, row_start, row_end, wt, pg);
+        t_copy(stage, walk, map, wg, row_start, row_end, wt, wg, pg, full);
+    }
+    mbar_wait(bar_q, 0);
+
+    // this thread's columns n = 8j + 2c + e (k = 2j + e) and the end of each one's positions
+    int re[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) re[k] = walk.row_end(head0 + 8 * (k >> 1) + 2 * c + (k & 1), row_end);
+    const Sw128Desc q_desc(smem_u32(q_s), 16, 1024), p_desc(smem_u32(p_s), 16, 1024);
+    const Sw128Desc k_desc(smem_u32(stage), 16, 1024);
+    const Sw128Desc v_desc(smem_u32(stage), MLA_WGMMA_T_LBO, MLA_WGMMA_T_SBO);
+
+    float o[8][8];  // O^T: o[i][4j + 2h + e] = O(dim 64 i + lp0 + 8 h, row 8 j + 2 c + e)
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#pragma unroll
+        for (int x = 0; x < 8; ++x) o[i][x] = 0.f;
+    float m_run[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+    float l_run[4] = {0.f, 0.f, 0.f, 0.f};  // this thread's positions' share
+
+    for (int t = wg; t < n_tiles; t += 2) {
+        mbar_wait(full, (t >> 1) & 1);
+        __syncwarp();
+        fence_proxy_async();
+        float sc[kTChains][8];
+#pragma unroll
+        for (int a = 0; a < kTChains; ++a)
+#pragma unroll
+            for (int x = 0; x < 8; ++x) sc[a][x] = 0.f;
+        // each chain's zeros in registers of its own before the products (else ptxas feeds
+        // them from one register that a product then defines, and injects waits)
+#pragma unroll
+        for (int a = 0; a < kTChains; ++a) fence_regs(sc[a]);
+        wgmma_fence();
+#pragma unroll
+        for (int i = 0; i < 36; ++i)
+            Op::m64n16(sc[i % kTChains], k_desc.at((i >> 2) * kBlockBytes + (i & 3) * 32),
+                       q_desc.at((i >> 2) * kTQBlockBytes + (i & 3) * 32));
+        wgmma_commit();
+        const bool next = t + 2 < n_tiles;
+        if (next) seesaw_pages(walk, t + 2, row_start, row_end, wt, pg);
+        wgmma_wait<0>();
+#pragma unroll
+        for (int a = 0; a < kTChains; ++a) fence_regs(sc[a]);
+        float sp[8];
+#pragma unroll
+        for (int x = 0; x < 8; ++x) {
+            sp[x] = sc[0][x];
+#pragma unroll
+            for (int a = 1; a < kTChains; ++a) sp[x] += sc[a][x];
+        }
+
+        // softmax over the positions (M) of each column: a warp's 16, then the 4 warps'
+        const int base = row_start + t * kWgTile;
+        float cm[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int j = k >> 1, e = k & 1, lim = re[k] - base;
+            const float s0 = lp0 < lim ? sp[4 * j + e] * scale_log2 : -INFINITY;
+            const float s1 = lp0 + 8 < lim ? sp[4 * j + 2 + e] * scale_log2 : -INFINITY;
+            sp[4 * j + e] = s0;
+            sp[4 * j + 2 + e] = s1;
+            cm[k] = fmaxf(s0, s1);
+        }
+#pragma unroll
+        for (int o2 = 4; o2 < 32; o2 <<= 1)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) cm[k] = fmaxf(cm[k], __shfl_xor_sync(0xffffffffu, cm[k], o2));
+        if (g == 0) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) red[warp * kTRows + 8 * (k >> 1) + 2 * c + (k & 1)] = cm[k];
+        }
+        t_wg_sync(wg);
+        float alpha[4], m_exp[4];
+        bool any_scale = false;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int n = 8 * (k >> 1) + 2 * c + (k & 1);
+            const float mx = fmaxf(fmaxf(red[n], red[kTRows + n]),
+                                   fmaxf(red[2 * kTRows + n], red[3 * kTRows + n]));
+            const float m_new = mx > m_run[k] + kLazyLog2 ? mx : m_run[k];
+            alpha[k] = m_new == -INFINITY ? 1.f : exp2f(m_run[k] - m_new);
+            any_scale |= alpha[k] != 1.f;
+            m_exp[k] = W::exp_offset(m_new);
+            m_run[k] = m_new;
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int j = k >> 1, e = k & 1, n = 8 * j + 2 * c + e;
+            const float p0 = exp2f(sp[4 * j + e] - m_exp[k]);
+            const float p1 = exp2f(sp[4 * j + 2 + e] - m_exp[k]);
+            l_run[k] = l_run[k] * alpha[k] + p0 + p1;
+            const CacheT h0 = from_f32<CacheT>(p0), h1 = from_f32<CacheT>(p1);
+            unsigned char* row = p_s + n * 128 + ((lp0 & 7) << 1);
+            *reinterpret_cast<CacheT*>(row + (((lp0 >> 3) ^ (n & 7)) << 4)) = h0;
+            *reinterpret_cast<CacheT*>(row + ((((lp0 + 8) >> 3) ^ (n & 7)) << 4)) = h1;
+        }
+        if (__any_sync(0xffffffffu, any_scale)) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int k = 0; k < 4; ++k) {
+                    o[i][4 * (k >> 1) + (k & 1)] *= alpha[k];
+                    o[i][4 * (k >> 1) + 2 + (k & 1)] *= alpha[k];
+                }
+        }
+        fence_proxy_async();  // p^T -> the tensor cores' proxy
+        t_wg_sync(wg);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+                Op::m64n16_ta(o[i], v_desc.at(i * kBlockBytes + kk * 16 * 128), p_desc.at(kk * 32));
+        wgmma_commit();
+        wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) fence_regs(o[i]);
+        t_wg_sync(wg);  // every warp of the warpgroup is done with its stage and p^T
+        if (next) t_copy(stage, walk, map, t + 2, row_start, row_end, wt, wg, pg, full);
+    }
+
+    // ---- the column sums over the lanes, then the warps; warpgroup 1's state to smem ----
+#pragma unroll
+    for (int o2 = 4; o2 < 32; o2 <<= 1)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) l_run[k] += __shfl_xor_sync(0xffffffffu, l_run[k], o2);
+    float* o1 = reinterpret_cast<float*>(smem + Smem::tiles + kWgTileBytes);  // [16][512]
+    if (g == 0) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int n = 8 * (k >> 1) + 2 * c + (k & 1);
+            lsum[(wg * 4 + warp) * kTRows + n] = l_run[k];
+            if (wg == 1 && warp == 0) m1_s[n] = m_run[k];
+        }
+    }
+    if (wg == 1) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int n = 8 * (k >> 1) + 2 * c + (k & 1);
+#pragma unroll
+            for (int i = 0; i < 8; ++i)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)
+                    o1[n * kWgLora + 64 * i + lp0 + 8 * h] = o[i][4 * (k >> 1) + 2 * h + (k & 1)];
+        }
+    }
+    __syncthreads();
+    if (wg == 1) return;
+    const bool single = walk.single();
+    const bool partials = kPartials || !walk.single_plan();
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const int n = 8 * (k >> 1) + 2 * c + (k & 1);
+        if (head0 + n >= n_rows) continue;
+        const size_t partial = part_base + head0 + n;
+        const float m0 = m_run[k], m1 = m1_s[n], m = fmaxf(m0, m1);
+        const float a0 = m0 == -INFINITY ? 0.f : exp2f(m0 - m);
+        const float a1 = m1 == -INFINITY ? 0.f : exp2f(m1 - m);
+        float l0 = 0.f, l1 = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            l0 += lsum[w * kTRows + n];
+            l1 += lsum[(4 + w) * kTRows + n];
+        }
+        const float l = l0 * a0 + l1 * a1;
+        if (warp == 0 && g == 0) {
+            if (partials) {
+                part_m[partial] = m;
+                part_l[partial] = l;
+            }
+            if (single) walk.lse[walk.latent_row(partial)] = single_pass_lse(m, l);
+        }
+        const float inv_l = single_pass_inv_l(l);
+        float* dst = part_acc + partial * kWgLora + lp0;
+        float* lat = single ? walk.latent + walk.latent_row(partial) * kWgLora + lp0 : nullptr;
+#pragma unroll
+        for (int i = 0; i < 8; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float v = o[i][4 * (k >> 1) + 2 * h + (k & 1)] * a0 +
+                                o1[n * kWgLora + 64 * i + lp0 + 8 * h] * a1;
+                if (partials) dst[64 * i + 8 * h] = v;
+                if (single) lat[64 * i + 8 * h] = v * inv_l;
+            }
+    }
+}
+
+template <typename CacheT, typename QT, bool kPartials>
+__global__ void __launch_bounds__(kTThreads, 1)
+wgmma_t_attn_paged(const QT* __restrict__ q, const CacheT* __restrict__ kv_cache,
+                   const int* __restrict__ block_table, const int* __restrict__ cache_seqlens,
+                   int n_rows, int n_head, int s_q, int causal, int max_pages, int page_shift,
+                   int max_chunks, int min_chunk, float scale_log2, float* __restrict__ part_acc,
+                   float* __restrict__ part_m, float* __restrict__ part_l, int target,
+                   int batch, int* __restrict__ chunk_counts, float* __restrict__ latent,
+                   float* __restrict__ lse, const void* __restrict__ kv_map) {
+    pdl_launch_dependents();
+    PagedWalk<CacheT, kWgTile> walk{kv_cache, block_table, cache_seqlens, n_rows, n_head, s_q,
+                                    causal, max_pages, page_shift, max_chunks, min_chunk,
+                                    target, batch, chunk_counts, latent, lse};
+    wgmma_t_body<CacheT, QT, kPartials>(q, walk, scale_log2, part_acc, part_m, part_l, kv_map);
+}
+
 }  // namespace mla
