@@ -9,7 +9,7 @@
     step = mla.PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b, ...)
     step.run()                      # or step.run_attn(); step.run_combine()
     step.launches()                 # attn, the merge, the projection: grids and blocks
-    graph = step.capture()          # cupy.cuda.Graph of the whole step
+    graph = step.capture()          # StepGraph: the whole step's cupy.cuda.Graph (.graph)
     graph.launch(stream)            # replays read the same table and length buffers
 
 The contract (shapes, causal rule, empty rows) is sandbox/paged.py's; the chunk rule is
@@ -52,7 +52,7 @@ from .paged import (PagedResult, PagedShape, check_paged_inputs, check_paged_val
                     pages_needed, visible_lengths)
 from .timing import capture_graph
 
-__all__ = ["decode_paged", "PagedDecodeStep", "PagedResult", "PAGE_SIZES",
+__all__ = ["decode_paged", "PagedDecodeStep", "StepGraph", "PagedResult", "PAGE_SIZES",
            "paged_variant", "paged_variant_names", "plan_for", "check_page_size",
            "check_capturable", "raise_for_index_report"]
 
@@ -480,11 +480,12 @@ class PagedDecodeStep:
             raise_for_index_report(report, table, lengths, self.shape)
 
     # ---- CUDA graphs ---------------------------------------------------------------------
-    def capture(self):
+    def capture(self) -> "StepGraph":
         """The whole step (attn, combine) captured into a cupy.cuda.Graph on a non-default
-        stream of its own (`self.graph_stream`). `graph.launch(stream)` replays it: the
-        replay reads cache_seqlens and block_table from the same device buffers, so new
-        contents need no recapture. Raises for the cublas engine."""
+        stream of its own (`self.graph_stream`), returned as a StepGraph that holds this step.
+        `graph.launch(stream)` replays it: the replay reads cache_seqlens and block_table from
+        the same device buffers, so new contents need no recapture. Raises for the cublas
+        engine."""
         import cupy
 
         check_capturable(self.variant)
@@ -496,11 +497,34 @@ class PagedDecodeStep:
             finally:
                 self._stream = None
         self.graph_stream = stream
-        return graph
+        return StepGraph(graph, self)
 
     def _run_phases(self) -> None:
         self.run_attn()
         self.run_combine()
+
+
+class StepGraph:
+    """A captured PagedDecodeStep: `graph`, the cupy.cuda.Graph, and `step`, whose buffers the
+    graph's kernels read and write (its latent, lse and out, the partials, the tickets, the
+    tensor map, and the caller's inputs it holds). A bare graph does not keep them alive, so a
+    graph replayed after its step was collected would run into freed memory (an illegal
+    address, or silently wrong numbers where the memory was reused); this one keeps the step
+    for as long as it can be replayed."""
+
+    __slots__ = ("graph", "step")
+
+    def __init__(self, graph, step) -> None:
+        self.graph = graph
+        self.step = step
+
+    def launch(self, stream=None) -> None:
+        """Replays the step on `stream` (the current stream where None)."""
+        self.graph.launch(stream)
+
+    def upload(self, stream=None) -> None:
+        """Loads the executable graph onto the device ahead of its first launch."""
+        self.graph.upload(stream)
 
 
 def decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, causal: bool = False,

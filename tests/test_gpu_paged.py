@@ -331,6 +331,34 @@ def test_one_graph_serves_five_length_sets(seeds, variant, splits, q):
         "a replay ran the step's Python phases again"
 
 
+@gpu
+@pytest.mark.parametrize("variant", ["mma16", "split"])
+def test_a_graph_replays_right_after_its_step_is_dropped(seeds, variant):
+    """Only the graph is kept: the step goes out of scope and is collected, and arrays of the
+    step's buffer sizes are allocated (where a freed step's memory would be handed out again)
+    and NaN-filled before the replay. The replay still matches the reference, in the buffers
+    the graph holds (capture returns a StepGraph that keeps its step)."""
+    import gc
+
+    import cupy
+
+    from mlasandbox.paged_api import PagedDecodeStep
+
+    seed = seeds.one()
+    full = make_paged_inputs(Dims(n_head=GRAPH_HEADS), [GRAPH_MAX] * GRAPH_B, s_q=GRAPH_SQ,
+                             page_size=GRAPH_PAGE, causal=True, seed=seed, q_dtype="f16")
+    dev = on_device(full)
+    graph = PagedDecodeStep(**dev.decode_args(), variant=variant).capture()
+    sizes = [a.size for a in (graph.step.latent, graph.step.lse, graph.step.out)]
+    gc.collect()
+    decoys = [cupy.full(n, cupy.nan, dtype=cupy.float32) for n in sizes for _ in range(4)]
+    lengths = np.random.default_rng(seed).integers(0, GRAPH_MAX + 1, GRAPH_B)
+    host = refill(lengths, full.kv_cache.shape[0], seed + 1, causal=True, q_dtype="f16")
+    replay_and_check(graph.step, graph, dev, host,
+                     f"{variant}, replay after the step was dropped: seed={seed}")
+    assert all(bool(cupy.isnan(d).all()) for d in decoys), "the replay wrote into other arrays"
+
+
 WAVE_SETS = {"even (one wave)": [3000] * 8, "one long (two waves)": [3000] * 7 + [9000],
              "all zero": [0] * 8, "one at the maximum": [0] * 7 + [9216]}
 

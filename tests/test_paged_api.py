@@ -649,12 +649,34 @@ def test_decode_paged_checks_indices_first_and_raises_in_the_host_words(fake_dev
 def test_capture_runs_the_phases_once_on_its_own_stream(fake_device, seeds):
     _, args = _host_step_inputs(seeds.one())
     step = PagedDecodeStep(**args, variant="split")
-    assert step.capture() == "graph"
+    captured = step.capture()
+    assert captured.graph == "graph" and captured.step is step
     assert step.guard.captured == 3 and step.guard.polls == 0  # attn, merge, projection
     assert step.graph_stream.name == "capture" and step.launch_stream().name == "caller"
     with pytest.raises(RuntimeError, match="cannot run inside a CUDA-graph capture"):
         fake_device.current.capturing = True
         step.check_indices()
+
+
+def test_a_captured_graph_keeps_its_step_alive(fake_device, seeds):
+    """The graph's kernels write the step's own buffers (latent, lse, partials, tickets): a
+    graph that outlived its step would replay into freed memory. The StepGraph holds the
+    step until the graph itself goes; the negative control, the bare graph alone, does not."""
+    import gc
+    import weakref
+
+    _, args = _host_step_inputs(seeds.one())
+    step = PagedDecodeStep(**args, variant="split")
+    captured = step.capture()
+    bare = captured.graph
+    alive = weakref.ref(step)
+    del step
+    gc.collect()
+    assert alive() is not None, "the captured graph let its step be collected"
+    del captured
+    gc.collect()
+    assert alive() is None, "the step outlived its graph: the check above cannot fail"
+    assert bare == "graph"
 
 
 def test_the_cublas_engine_refuses_to_run_inside_a_capture(fake_device, seeds):
