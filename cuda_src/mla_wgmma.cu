@@ -185,6 +185,15 @@ __device__ __forceinline__ void warpgroup_sync(int wg) {
     else asm volatile("bar.sync 2, 128;\n" ::: "memory");
 }
 
+// Four 8 x 8 matrices of 16-bit pairs from the m64 accumulator fragments of a warp into shared
+// memory (stmatrix): register i of a thread is row lane / 4, columns 2 (lane % 4), + 1 of matrix i,
+// and lane l gives the address of row l % 8 of matrix l / 8. One instruction where four 32-bit
+// stores a thread and their addresses would be sixteen.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                 ::"r"(addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 // The three products, f32 accumulators: m64n64k16 (scores: A = q, B = the tile, K-major, both
 // in shared memory) and m64n256k16 with B MN-major (values: the tile's latent columns), its A
 // (p) from shared memory (_ss) or from this thread's registers (_rs: the four 16-bit pairs of
@@ -490,6 +499,13 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
 
     // the end of each row's visible positions in the slice (causal rows see fewer)
     const int re0 = walk.row_end(head0 + r0, row_end), re1 = walk.row_end(head0 + r0 + 8, row_end);
+    // every row of the block sees at least this far: a row's end grows with its query token, so
+    // the block's first row has the least (block-uniform, so the branch on it below is too)
+    const int re_all = walk.row_end(head0, row_end);
+    // the row of p whose 16 bytes lane l gives to stmatrix (matrix l / 8, its row l % 8):
+    // 16 (warp) + 8 ((l / 8) & 1) + l % 8, at columns 16 kk + 8 (l / 16)
+    const int st_row = 16 * ((tid >> 5) & 3) + 8 * ((lane >> 3) & 1) + (lane & 7);
+    const int st_col = 8 * (lane >> 4);
     const unsigned q_addr = smem_u32(q_s), p_addr = smem_u32(p_s);
     const unsigned stage0 = smem_u32(tiles), stage1 = stage0 + kWgTileBytes;
     const unsigned own_addr = wg == 0 ? stage0 : stage1;
@@ -540,18 +556,30 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
                        float (&own_scale)[2], unsigned (&pa)[4][4], float (&sums)[2],
                        unsigned char* p_out, unsigned long long* ready) {
         const int base = row_start + t_own * kWgTile;
-        const int lim0 = re0 - base, lim1 = re1 - base;
         float mx0 = -INFINITY, mx1 = -INFINITY;
+        if (base + kWgTile <= re_all) {  // every row sees the whole tile: no mask
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
+            for (int j = 0; j < 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int col = 8 * j + 2 * c + e;
-                sp[4 * j + e] = col < lim0 ? sp[4 * j + e] * scale_log2 : -INFINITY;
-                sp[4 * j + 2 + e] = col < lim1 ? sp[4 * j + 2 + e] * scale_log2 : -INFINITY;
-                mx0 = fmaxf(mx0, sp[4 * j + e]);
-                mx1 = fmaxf(mx1, sp[4 * j + 2 + e]);
-            }
+                for (int e = 0; e < 2; ++e) {
+                    sp[4 * j + e] *= scale_log2;
+                    sp[4 * j + 2 + e] *= scale_log2;
+                    mx0 = fmaxf(mx0, sp[4 * j + e]);
+                    mx1 = fmaxf(mx1, sp[4 * j + 2 + e]);
+                }
+        } else {
+            const int lim0 = re0 - base - 2 * c, lim1 = re1 - base - 2 * c;
+#pragma unroll
+            for (int j = 0; j < 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int col = 8 * j + e;  // the column less 2 c, as lim0 and lim1 are
+                    sp[4 * j + e] = col < lim0 ? sp[4 * j + e] * scale_log2 : -INFINITY;
+                    sp[4 * j + 2 + e] = col < lim1 ? sp[4 * j + 2 + e] * scale_log2 : -INFINITY;
+                    mx0 = fmaxf(mx0, sp[4 * j + e]);
+                    mx1 = fmaxf(mx1, sp[4 * j + 2 + e]);
+                }
+        }
 #pragma unroll
         for (int o2 = 1; o2 < 4; o2 <<= 1) {
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
@@ -576,12 +604,12 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             pa[j >> 1][2 * (j & 1)] = pack2<CacheT>(p0, p1);
             pa[j >> 1][2 * (j & 1) + 1] = pack2<CacheT>(p2, p3);
         }
+        // pa[kk] holds the four 8 x 8 matrices of columns 16 kk .. 16 kk + 15: rows r0 and
+        // r0 + 8 of the first eight columns, then of the next eight
+        const unsigned st_base = smem_u32(p_out);
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            const int col = 8 * j + 2 * c;
-            *reinterpret_cast<unsigned*>(p_out + sw_offset(r0, col)) = pa[j >> 1][2 * (j & 1)];
-            *reinterpret_cast<unsigned*>(p_out + sw_offset(r0 + 8, col)) = pa[j >> 1][2 * (j & 1) + 1];
-        }
+        for (int kk = 0; kk < 4; ++kk)
+            stmatrix_x4(st_base + sw_offset(st_row, 16 * kk + st_col), pa[kk]);
         if (c == 0) { mx_s[wg * kWgRows + r0] = m_run[0]; mx_s[wg * kWgRows + r0 + 8] = m_run[1]; }
         fence_proxy_async();  // p -> the other warpgroup's wgmma
         mbar_arrive(ready);

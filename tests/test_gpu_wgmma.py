@@ -24,6 +24,7 @@ A negative control (the combine without its rescale) fails these bounds.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -133,6 +134,28 @@ def test_wgmma_matches_the_float64_reference(case, tma):
     written = ~np.isnan(part_l.get())
     want = np.arange(case.max_chunks)[None, :] < n[:, None]
     assert (written == want[:, :, None]).all(), f"{case} seed={seed}: chunks written"
+
+
+# Any finite scale is valid input (paged.check_paged_inputs): the row max must be taken of the
+# scaled scores, on tiles every row sees whole (the softmax's unmasked path) and on cut ones
+# (4097, causal rows). A max of the raw scores is the min under a negative scale, and the p of
+# that tile overflow the 16-bit dtype: a build that did so gave NaN latents on this case and
+# at 4 times the scale (H200, 2026-12-04, scratch A/B), so the negative case has power.
+SCALE_CASE = Case("wgmma64", 64, (4097, 300), s_q=2, causal=True, page_size=64, max_chunks=3,
+                  cache="f16", q="f16")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("factor", [1.0, -1.0, 0.0], ids=["positive", "negative", "zero"])
+def test_wgmma_takes_a_scale_of_either_sign_or_zero(factor):
+    seed = fresh_seed()
+    inp = _inputs(SCALE_CASE, seed)
+    inp = dataclasses.replace(inp, scale=inp.scale * factor)
+    res, _ = run_paged(inp, SCALE_CASE.variant, SCALE_CASE.max_chunks)
+    ref = decode_paged(**inp.decode_args())
+    cmp = compare_paged(res, ref, rounding_tolerance(inp, ref, SCALE_CASE.cache))
+    assert cmp.ok, f"scale x {factor} seed={seed}\n{cmp.summary()}"
 
 
 @gpu
