@@ -335,26 +335,33 @@ __device__ __forceinline__ void seesaw_pages(const W& walk, int t, int row_start
 }
 
 // The cp.async copy of tile t's column blocks four .. four + 3 (and the rope block 8 where
-// `rope`) where the tile is rows (row0 & in_page) .. + 63 of page pg (page 0 past the slice):
-// one base address a tile, and every pass a fixed offset from it. Rows at or past row_end lie
-// in that page too; their zero-size copies read nothing and zero-fill.
-template <typename W>
-__device__ __forceinline__ void seesaw_copy_one_page(unsigned char* stage, const W& walk,
-                                                     int row0, int row_end, int wt, int pg,
-                                                     int four, bool rope) {
-    const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
-    const size_t tile_row = (static_cast<size_t>(pg) << walk.page_shift) + (row0 & in_page);
-    const auto* src = walk.cache + (tile_row + crow) * kWgKey + clane * 8;
-    unsigned char* to = stage + crow * 128 + ((clane ^ (crow & 7)) << 4);
+// `rope`) into `stage`, rows at or past row_end zero-filled: their zero-size copies read
+// nothing. `one_page`: the tile is rows (row0 & in_page) .. + 63 of page pg0 (page 0 past the
+// slice), one base address and fixed offsets (pg1 .. pg3 unread); else row crow + 16 pass lies
+// in page pg<pass>. Out of line (__noinline__): under a tensor map it runs for a slice's
+// partial last tile alone, and inline its code would sit between the instructions every
+// pair runs, which a launch fetches cold from memory after an L2 flush (measured in
+// docs/wgmma-deep-dive.md).
+template <typename CacheT>
+__device__ __noinline__ void seesaw_copy_async(unsigned char* stage, const CacheT* cache,
+                                               int page_shift, bool one_page, int row0,
+                                               int row_end, int wt, int pg0, int pg1, int pg2,
+                                               int pg3, int four, bool rope) {
+    const int crow = wt >> 3, clane = wt & 7, in_page = (1 << page_shift) - 1;
+    const int pg[4] = {pg0, one_page ? pg0 : pg1, one_page ? pg0 : pg2, one_page ? pg0 : pg3};
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
-        const bool valid = row0 + crow + 16 * pass < row_end;
-        const auto* from = src + pass * 16 * kWgKey;
+        const int row = crow + 16 * pass, pos = row0 + row;
+        const bool valid = pos < row_end;
+        const size_t cache_row = one_page
+            ? (static_cast<size_t>(pg0) << page_shift) + (row0 & in_page) + row
+            : (static_cast<size_t>(pg[pass]) << page_shift) + (pos & in_page);
+        const CacheT* from = cache + (valid ? cache_row * kWgKey : 0) + clane * 8;
+        unsigned char* to = stage + row * 128 + ((clane ^ (row & 7)) << 4);
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-            cp_async_16(to + pass * 16 * 128 + (four + i) * kBlockBytes, from + 64 * (four + i),
-                        valid);
-        if (rope) cp_async_16(to + pass * 16 * 128 + 8 * kBlockBytes, from + 64 * 8, valid);
+            cp_async_16(to + (four + i) * kBlockBytes, from + 64 * (four + i), valid);
+        if (rope) cp_async_16(to + 8 * kBlockBytes, from + 64 * 8, valid);
     }
 }
 
@@ -374,7 +381,7 @@ __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk,
                                             int t, int row_start, int row_end, int wt,
                                             const int (&pg)[4], int four, bool rope,
                                             unsigned long long* landed) {
-    const int crow = wt >> 3, clane = wt & 7, in_page = (1 << walk.page_shift) - 1;
+    const int in_page = (1 << walk.page_shift) - 1;
     const bool copies = !(kAblateCacheLoads && t >= 2);
     const int row0 = row_start + t * kWgTile;
     if (map != nullptr) {
@@ -393,29 +400,18 @@ __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk,
             }
             return;
         }
-        if (copies) seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], four, rope);
+        if (copies)
+            seesaw_copy_async(stage, walk.cache, walk.page_shift, true, row0, row_end, wt, pg[0],
+                              pg[0], pg[0], pg[0], four, rope);
         mbar_arrive_after_copies_counted(landed);
         warpgroup_sync(wg);  // every thread's arrival is added before the counted one
         if (wt == 0) mbar_arrive(landed);
         return;
     }
-    if (copies && walk.template tile_in_page<kWgTile>(row_start)) {
-        seesaw_copy_one_page(stage, walk, row0, row_end, wt, pg[0], four, rope);
-    } else if (copies) {
-#pragma unroll
-        for (int pass = 0; pass < 4; ++pass) {
-            const int row = crow + 16 * pass, pos = row0 + row;
-            const bool valid = pos < row_end;
-            const size_t cache_row =
-                (static_cast<size_t>(pg[pass]) << walk.page_shift) + (pos & in_page);
-            const auto* from = walk.cache + (valid ? cache_row * kWgKey : 0) + clane * 8;
-            unsigned char* to = stage + row * 128 + ((clane ^ (row & 7)) << 4);
-#pragma unroll
-            for (int i = 0; i < 4; ++i)
-                cp_async_16(to + (four + i) * kBlockBytes, from + 64 * (four + i), valid);
-            if (rope) cp_async_16(to + 8 * kBlockBytes, from + 64 * 8, valid);
-        }
-    }
+    if (copies)
+        seesaw_copy_async(stage, walk.cache, walk.page_shift,
+                          walk.template tile_in_page<kWgTile>(row_start), row0, row_end, wt,
+                          pg[0], pg[1], pg[2], pg[3], four, rope);
     mbar_arrive_after_copies(landed);  // once this thread's copies have landed
 }
 
