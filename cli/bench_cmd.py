@@ -26,7 +26,7 @@ import click
 from rich import box
 from rich.markup import escape
 
-from mlasandbox import metrics, registry, toolkit
+from mlasandbox import limits, metrics, registry, toolkit
 from mlasandbox.baseline import SchemaError, compare_runs, load_result
 from mlasandbox.bench import run_bench, write_csv
 from mlasandbox.bench_config import DEFAULT_CONTEXTS, make_config, plan_work, q_dtype_of
@@ -42,7 +42,7 @@ from mlasandbox.splits import default_gate, plan_splits
 from . import lab_render, render
 from .check_cmd import cpu_accuracy
 from .options import (arch_option, cache_option, ctx_option, deliver_json, heads_option,
-                      int_list, json_option,
+                      int_list, json_option, non_empty_path,
                       output_option, paged_options, peers_option, preset_option, progress_bar,
                       q_option, splits_option, stderr_console, timing_options, variants_option,
                       write_json)
@@ -167,13 +167,14 @@ def _render(result, details, cmp):
 def _paged_bench(o: dict):
     """The paged branch of `bench`: options validated here, the run in paged_bench_view."""
     ctx = click.get_current_context()
-    depth_only = [f"--{n.replace('_', '-')}" for n in ("contexts", "hpbs", "aa_ctx",
-                                                       "graph_max_ctx", "check_ctx", "vs_path",
-                                                       "plot_out", "budget_s")
-                  if ctx.get_parameter_source(n) == click.core.ParameterSource.COMMANDLINE]
+    depth_only = [p.opts[0] for p in ctx.command.params
+                  if p.name in ("contexts", "hpbs", "aa_ctx", "graph_max_ctx", "check_ctx",
+                                "vs_path", "plot_out", "budget_s")
+                  and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
     if depth_only:
-        raise click.UsageError(f"{', '.join(depth_only).replace('--contexts', '--ctx')} "
-                               "belong to the depth bench, not the paged step (--batch)")
+        raise click.UsageError(f"{', '.join(depth_only)} belong"
+                               f"{'s' if len(depth_only) == 1 else ''} to the depth bench, not "
+                               "the paged step (--batch)")
     if len(o["caches"]) != 1:
         raise click.UsageError("the paged step takes one --cache dtype")
     preset = o["preset"] if ctx.get_parameter_source("preset") == \
@@ -403,7 +404,8 @@ def _print_no_gpu(data, arch, why) -> None:
               help="Heads-per-block values of the batched family to run (1 is split).")
 @cache_option(multiple=True)
 @q_option()
-@splits_option(help="'auto' (the split rule) or S (1..65535) for the splitting variants.")
+@splits_option(help="'auto' (the split rule) or S (1..65535; with --batch, every request's "
+               "chunk cap, 1..256) for the splitting variants.")
 @timing_options(target_ms=150.0)
 @click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True,
               help="Untimed runs before each measurement.")
@@ -418,9 +420,10 @@ def _print_no_gpu(data, arch, why) -> None:
               help="Interleaved rounds of the A/A noise-floor measurement.")
 @click.option("--check/--no-check", default=True, show_default=True,
               help="Correctness spot check of every variant before timing.")
-@click.option("--check-ctx", type=click.IntRange(min=1), default=20000, show_default=True,
-              help="Context of the correctness spot check.")
-@click.option("--check-heads", type=click.IntRange(min=1), default=16, show_default=True,
+@click.option("--check-ctx", type=click.IntRange(1, limits.MAX_CTX), default=20000,
+              show_default=True, help="Context of the correctness spot check.")
+@click.option("--check-heads", type=click.IntRange(1, limits.MAX_HEADS), default=16,
+              show_default=True,
               help="Heads of the correctness spot check.")
 @click.option("--budget-s", type=click.FloatRange(min=1), default=480.0, show_default=True,
               help="Time budget of the timed work; the per-measurement target shrinks to fit.")
@@ -430,6 +433,7 @@ def _print_no_gpu(data, arch, why) -> None:
                help="Draw the depth curves (log-log) into FILE.png (needs a GPU and "
                     "matplotlib).")
 @click.option("--vs", "vs_path", type=click.Path(dir_okay=False), default=None,
+              callback=non_empty_path,
               help="Compare with a saved run (a --json FILE of an earlier bench).")
 @click.option("--explain", is_flag=True, help="Print the byte and FLOP formulas.")
 @click.option("--details", is_flag=True, help="Phase tables at every context, checks table.")

@@ -8,7 +8,7 @@ import click
 from mlasandbox.user_new import TEMPLATES, new_kernel_source
 
 from . import render
-from .options import bad_input, json_option, write_json
+from .options import bad_input, json_option, output_problem, write_json
 
 
 @click.command("new")
@@ -27,6 +27,9 @@ def new(name, template, force, json_out):
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
         bad_input(f"NAME {name}: folder {folder} does not exist")
+    problem = output_problem(path)
+    if problem:
+        bad_input(f"NAME {name}: {problem}")
     try:
         text = new_kernel_source(stem, template)
     except ValueError as exc:

@@ -23,6 +23,7 @@ from .render import emit_json, jsonable
 __all__ = ["int_list", "str_list", "auto_or_int", "OutputFile", "json_option", "write_json",
            "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
            "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
+           "non_empty_path",
            "arch_option", "timing_options", "preset_option", "q_option", "variants_option",
            "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of",
            "paged_options", "peers_option"]
@@ -238,10 +239,19 @@ class OutputFile(click.Path):
         if self.allow_dash and value == "-":
             return value
         path = os.fspath(value)
+        if not path:
+            self.fail("an empty path; give a file path", param, ctx)
         problem = output_problem(path)
         if problem:
             self.fail(problem, param, ctx)
         return path
+
+
+def non_empty_path(ctx, param, value):
+    """A click callback for a path option read later: '' is a usage error, not 'not given'."""
+    if value is not None and os.fspath(value) == "":
+        raise click.BadParameter("an empty path; give a file path", ctx, param)
+    return value
 
 
 def output_problem(path: str, directory: bool = False) -> str | None:

@@ -24,7 +24,7 @@ from mlasandbox.ncu import NcuError, PagedSpec, profile_attention
 
 from . import render
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
-                      output_problem, paged_options, paged_step_config, q_of, q_option,
+                      non_empty_path, output_problem, paged_options, paged_step_config, q_of, q_option,
                       refuse_paged_options, splits_option, stderr_console)
 
 __all__ = ["stalls"]
@@ -66,8 +66,12 @@ def _read_saved(path: str) -> tuple[str, str | None]:
                                  param_hint="'--from'") from None
     raw_text = None
     if raw and os.path.exists(raw):
-        with open(raw, encoding="utf-8") as f:
-            raw_text = f.read()
+        try:
+            with open(raw, encoding="utf-8") as f:
+                raw_text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise click.BadParameter(f"{raw} is not a UTF-8 ncu raw page ({exc})",
+                                     param_hint="'--from'") from None
     return source_text, raw_text
 
 
@@ -152,9 +156,10 @@ def _paged_spec(o: dict, ctx) -> tuple[PagedSpec, int, str]:
 @click.option("--ncu", "ncu_path", default=None, metavar="PATH",
               help="The ncu executable (default: $NCU, then PATH, then /usr/local/cuda/bin).")
 @click.option("--save", "save_dir", default=None, metavar="DIR",
-              type=click.Path(file_okay=False),
+              type=click.Path(file_okay=False), callback=non_empty_path,
               help="Keep ncu's report and its raw.csv / source.csv pages in DIR.")
 @click.option("--from", "from_path", default=None, metavar="PATH", type=click.Path(),
+              callback=non_empty_path,
               help="Read a profile saved with --save (or ncu's per-SASS CSV, .gz allowed) "
                    "instead of running ncu; needs no GPU.")
 @paged_options(SERVING_PRESETS, serving_help())
@@ -226,7 +231,8 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
         kernel, lines = st.read_source_csv(source_text)
         metrics = st.read_raw_csv(raw_text) if raw_text else {}
     except st.NcuFormatError as exc:
-        fail(str(exc))
+        # a saved profile or CSV that is not ncu's is bad input; a live run's is ncu's problem
+        fail(str(exc), usage=from_path is not None)
     report = st.summarize(kernel, lines, top_blocks=top_blocks)
     result = {"ok": True, "config": config, "kernel_metrics": metrics, **report.as_dict()}
     if deliver_json(result, json_out, err):

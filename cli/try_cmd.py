@@ -17,13 +17,13 @@ import time
 
 import click
 
-from mlasandbox import toolkit
+from mlasandbox import limits, toolkit
 from mlasandbox.occupancy import arch_limits
-from mlasandbox.user_kernel import (HeaderError, UserCompileError, compile_report,
-                                    load_kernel)
+from mlasandbox.user_kernel import UserCompileError, compile_report, load_kernel
 
 from . import render
-from .options import JsonAwareException, bad_input, int_list, json_option, write_json
+from .options import (JsonAwareException, OutputFile, bad_input, int_list, json_option,
+                      write_json)
 
 
 def _params(values) -> dict:
@@ -43,7 +43,7 @@ def _compile(path, params, arch):
     try:
         kernel = load_kernel(path)
         return kernel, compile_report(kernel, params_override=params, arch=arch)
-    except (HeaderError, FileNotFoundError) as exc:
+    except ValueError as exc:  # HeaderError, or a file that is missing or unreadable
         bad_input(str(exc))
     except UserCompileError as exc:
         raise JsonAwareException(f"compile: {exc.summary}",
@@ -223,10 +223,11 @@ def _run(path, opts, say):
 @click.option("--batch", type=click.IntRange(1, 65535), default=None,
               help="Batch of the timing and of one more battery case.")
 @click.option("--lengths", default=None, help="Request lengths: N, N,N,... or "
-              "normal:MEAN:STD (with --batch).")
+              "normal:MEAN:STD or @FILE (with --batch).")
 @click.option("--sanitize", is_flag=True, help="compute-sanitizer memcheck and racecheck "
               "over one case (where compute-sanitizer is installed).")
-@click.option("--repro", default=None, metavar="FILE", help="Write the repro script here.")
+@click.option("--repro", type=OutputFile(), default=None, metavar="FILE",
+              help="Write the repro script here.")
 @click.option("--watch", is_flag=True, help="Re-run the compile and the fast checks on every "
               "save of FILE (Ctrl-C stops).")
 @click.option("--no-time", "no_time", is_flag=True, help="Check only, no timing.")
@@ -243,9 +244,13 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
         bad_input(f"FILE {file}: no such file")
     if lengths is not None and batch is None:
         bad_input("--lengths needs --batch")
-    for opt, vals, low in (("--heads", heads, 1), ("--ctx", ctx, 0)):
+    for opt, vals, low, high in (("--heads", heads, 1, limits.MAX_HEADS),
+                                 ("--ctx", ctx, 0, limits.MAX_CTX)):
         if vals and min(vals) < low:
             bad_input(f"{opt} must be integers >= {low}, got {min(vals)}")
+        if vals and max(vals) > high:
+            bad_input(f"{opt} must be integers <= {high:,} (the kernels index it as int32), "
+                      f"got {max(vals):,}")
     if arch is not None:
         try:
             toolkit.check_arch(arch)

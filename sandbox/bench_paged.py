@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -34,7 +33,7 @@ from . import metrics, registry
 from .bench import SCHEMA as _DEPTH_SCHEMA
 from .bench import ControlPhase, aa_floor
 from .bench_config import check_dtypes_and_splits, q_dtype_of
-from .chunks import plan_chunks
+from .chunks import CHUNK_CAP, plan_chunks
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .noise import control_report, verdict
@@ -44,7 +43,7 @@ from .peers import PEER_NAMES, PeerUnavailable
 from .timing import Timing
 
 __all__ = ["SCHEMA", "SERVING_PRESETS", "DEFAULT_PAGED_VARIANTS", "PAGED_PHASES",
-           "PagedBenchConfig", "make_paged_config", "parse_length_spec", "plan_report",
+           "PagedBenchConfig", "make_paged_config", "plan_report",
            "run_paged_bench", "paged_work", "serving_help", "fastest_step", "like_for_like"]
 
 SCHEMA = _DEPTH_SCHEMA.replace("bench/", "bench-paged/")
@@ -55,7 +54,6 @@ DEFAULT_PAGED_VARIANTS = ("mma16", "mma32", "split", "batched16")
 PAGED_PHASES = ("attn", "combine", "step", "graph", "latent", "floor")
 # the phases whose work is the whole step (with wv_b) and the step without it
 _WHOLE_STEP, _LATENT_STEP = ("step", "graph"), ("latent",)
-MAX_LENGTHS_FILE_BYTES = 16 << 20
 
 # The serving shapes the bench reports against FlashMLA: name -> the options they set.
 SERVING_PRESETS = {
@@ -73,36 +71,6 @@ def serving_help() -> str:
     return "; ".join(f"{k}: B={v['batch']} x {v['lengths']} x {v['heads']} heads"
                      + (f", s_q {v['s_q']}" if v["s_q"] > 1 else "")
                      + (" causal" if v["causal"] else "") for k, v in SERVING_PRESETS.items())
-
-
-def parse_length_spec(spec, batch: int, seed: int = 0) -> np.ndarray:
-    """paged_inputs.parse_lengths, plus '@FILE': one length per line (blank lines and lines
-    starting with '#' skipped), cycled to the batch. ValueError naming the file and line."""
-    if isinstance(spec, str) and spec.startswith("@"):
-        path = Path(spec[1:])
-        try:
-            if path.stat().st_size > MAX_LENGTHS_FILE_BYTES:
-                raise ValueError(f"lengths file {str(path)!r} is larger than "
-                                 f"{MAX_LENGTHS_FILE_BYTES >> 20} MiB")
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise ValueError(f"lengths file {str(path)!r}: {exc.strerror}") from None
-        except UnicodeDecodeError:
-            raise ValueError(f"lengths file {str(path)!r} is not text") from None
-        values = []
-        for i, line in enumerate(text.splitlines(), 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            try:
-                values.append(int(line))
-            except ValueError:
-                raise ValueError(f"lengths file {str(path)!r}, line {i}: {line[:40]!r} is "
-                                 "not an integer") from None
-        if not values:
-            raise ValueError(f"lengths file {str(path)!r} holds no lengths")
-        return parse_lengths(values, batch, seed)
-    return parse_lengths(spec, batch, seed)
 
 
 @dataclass(frozen=True)
@@ -178,7 +146,7 @@ def make_paged_config(*, batch=None, lengths=None, s_q=None, causal=None, page_s
     if isinstance(batch, bool) or int(batch) != batch or batch < 1:
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     spec = str(base.get("lengths", "4096"))
-    lens = parse_length_spec(spec, int(batch), seed)
+    lens = parse_lengths(spec, int(batch), seed)
     s_q = int(base.get("s_q", 1))
     if s_q < 1:
         raise ValueError(f"s_q must be >= 1, got {s_q}")
@@ -205,6 +173,9 @@ def make_paged_config(*, batch=None, lengths=None, s_q=None, causal=None, page_s
         if p not in PEER_NAMES:
             raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEER_NAMES)}")
     splits = check_dtypes_and_splits((cache_dtype,), q_dtype, splits)
+    if splits != "auto" and splits > CHUNK_CAP:
+        raise ValueError(f"splits (every request's chunk cap in the paged step) must be at "
+                         f"most {CHUNK_CAP}, got {splits}")
     cfg = PagedBenchConfig(dims=dims, batch=int(batch), lengths=tuple(int(n) for n in lens),
                            lengths_spec=spec, s_q=s_q, causal=bool(base.get("causal", False)),
                            page_size=int(page_size), serving=serving, variants=names,

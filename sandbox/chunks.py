@@ -58,6 +58,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .limits import MAX_SPLITS
+
 __all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "ChunkPlan",
            "plan_chunks", "batch_chunk_unit", "single_request_unit", "request_chunks",
            "chunk_bounds", "offers_two_waves", "two_waves"]
@@ -121,6 +123,10 @@ class ChunkPlan:
 
     def for_lengths(self, lengths):
         """(n_chunks [B], chunk_len [B]) for these lengths: what each request runs."""
+        n = np.asarray(lengths).reshape(-1).size
+        if n != self.batch:
+            raise ValueError(f"lengths: the plan is for a batch of {self.batch}, got {n} "
+                             "lengths")
         return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target,
                               programs=self.programs_per_block)
 
@@ -172,8 +178,14 @@ def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: in
     if waves == 2:
         why += ("; a second wave of as many programs where one wave's chunks would be over "
                 "5/2 of two waves' (chosen on the device from the lengths)")
-    return ChunkPlan(batch, head_blocks, max_chunks, slots, tile, min_tiles * tile, why, target,
+    plan = ChunkPlan(batch, head_blocks, max_chunks, slots, tile, min_tiles * tile, why, target,
                      waves)
+    if plan.programs_per_block > MAX_SPLITS:
+        raise ValueError(f"the plan needs {plan.programs_per_block:,} chunk programs a head "
+                         f"block (num_sms={num_sms} x blocks_per_sm={blocks_per_sm} over "
+                         f"{head_blocks} head blocks, batch {batch}): the grid's y dimension "
+                         f"holds at most {MAX_SPLITS:,}")
+    return plan
 
 
 def offers_two_waves(batch: int, target: int) -> bool:
@@ -183,6 +195,7 @@ def offers_two_waves(batch: int, target: int) -> bool:
 
 
 def _tiles(lengths, tile):
+    tile = _positive_int("tile", tile)
     n = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if (n < 0).any():
         raise ValueError(f"lengths must be >= 0, got {int(n.min())}")
@@ -193,6 +206,7 @@ def single_request_unit(length: int, tile: int, min_chunk: int, target: int) -> 
     """u of a batch of one request, in closed form (the kernels' locate_chunk takes this
     path): lo = max(min_tiles, ceil(t / target)) has count(lo) <= ceil(t / ceil(t / target))
     <= target, so the search ends at lo."""
+    tile, target = _positive_int("tile", tile), _positive_int("target", target)
     return max(min_chunk // tile, -(-(-(-int(length) // tile)) // target))
 
 
@@ -201,6 +215,7 @@ def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target
     candidates lo + floor(k d / 4) (k = 1..3, d = hi - lo) a step, the first that fits (or
     hi) bounding the next range (a batch of one request ends it at single_request_unit,
     which the kernels compute directly)."""
+    target, max_chunks = _positive_int("target", target), _positive_int("max_chunks", max_chunks)
     _, t = _tiles(lengths, tile)
     total, busy = int(t.sum()), int((t > 0).sum())
     max_t = int(t.max()) if t.size else 0
@@ -258,5 +273,8 @@ def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: 
 
 def chunk_bounds(length: int, chunk_len: int, c: int) -> tuple[int, int]:
     """[start, end) of chunk c of a request; empty (start == end) past its last chunk."""
+    chunk_len = _positive_int("chunk_len", chunk_len)
+    if isinstance(c, (bool, np.bool_)) or int(c) != c or c < 0:
+        raise ValueError(f"c must be an integer >= 0, got {c!r}")
     start = min(c * chunk_len, length)
     return start, min(length, start + chunk_len)

@@ -14,16 +14,21 @@ device: the same seed gives the same values on either.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .bf16 import BF16_NAN_BITS, to_storage
 from .dims import Dims, preset
-from .paged import INVALID_PAGE, pages_needed
+from .paged import INVALID_PAGE, MAX_SEQLEN, pages_needed
 
-__all__ = ["PagedInputs", "make_paged_inputs", "parse_lengths"]
+__all__ = ["PagedInputs", "make_paged_inputs", "parse_lengths", "as_lengths",
+           "MAX_LENGTHS_FILE_BYTES"]
+
+MAX_LENGTHS_FILE_BYTES = 16 << 20  # a lengths file larger than this is refused, not read
 
 
 @dataclass
@@ -43,32 +48,82 @@ class PagedInputs:
                 "causal": self.causal, "scale": self.scale}
 
 
+def as_lengths(values, shown=None) -> np.ndarray:
+    """`values` as int64 request lengths, each an integer in 0..MAX_SEQLEN (cache_seqlens is
+    int32 on the device); a float is taken only where it is a whole number. ValueError naming
+    the request and the limit."""
+    shown = values if shown is None else shown
+    arr = np.atleast_1d(np.asarray(values, dtype=object)).reshape(-1)
+    if arr.size == 0:
+        raise ValueError(f"lengths must be one or more integers >= 0, got {shown!r}")
+    out = np.empty(arr.size, dtype=np.int64)
+    for i, v in enumerate(arr):
+        whole = isinstance(v, (float, np.floating)) and math.isfinite(v) and float(v).is_integer()
+        if isinstance(v, (bool, np.bool_)) or not (isinstance(v, (int, np.integer)) or whole):
+            raise ValueError(f"lengths must be integers, got {v!r} (request {i})")
+        if not 0 <= int(v) <= MAX_SEQLEN:
+            raise ValueError(f"lengths: request {i} has {int(v):,}, outside 0..{MAX_SEQLEN:,} "
+                             "(cache_seqlens is int32)")
+        out[i] = int(v)
+    return out
+
+
+def _lengths_file(path: Path) -> list:
+    try:
+        if path.stat().st_size > MAX_LENGTHS_FILE_BYTES:
+            raise ValueError(f"lengths file {str(path)!r} is larger than "
+                             f"{MAX_LENGTHS_FILE_BYTES >> 20} MiB")
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"lengths file {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"lengths file {str(path)!r} is not text") from None
+    values = []
+    for i, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            values.append(int(line))
+        except ValueError:
+            raise ValueError(f"lengths file {str(path)!r}, line {i}: {line[:40]!r} is "
+                             "not an integer") from None
+    if not values:
+        raise ValueError(f"lengths file {str(path)!r} holds no lengths")
+    return values
+
+
 def parse_lengths(spec, batch: int, seed: int = 0) -> np.ndarray:
-    """Request lengths from a spec: an int (every request), a list of ints (cycled to the
-    batch), or 'normal:MEAN:STD' (drawn, rounded, clipped at 0)."""
+    """Request lengths from a spec: an int (every request), a list of ints or 'N,N,...'
+    (cycled to the batch), 'normal:MEAN:STD' (drawn from the seed, rounded, clipped at 0),
+    or '@FILE' (one length per line; blank lines and lines starting with '#' skipped, cycled
+    to the batch). Each length is in 0..MAX_SEQLEN. ValueError naming what is wrong."""
+    if isinstance(batch, (bool, np.bool_)) or not isinstance(batch, (int, np.integer)) \
+            or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     batch = int(batch)
-    if batch < 1:
-        raise ValueError(f"batch must be >= 1, got {batch}")
+    if isinstance(spec, str) and spec.startswith("@"):
+        return np.resize(as_lengths(_lengths_file(Path(spec[1:]))), batch)
     if isinstance(spec, str) and spec.startswith("normal:"):
         try:
             _, mean, std = spec.split(":")
             mean, std = float(mean), float(std)
         except ValueError:
             raise ValueError(f"lengths spec {spec!r}: expected normal:MEAN:STD") from None
-        if not (mean >= 0 and std >= 0):
-            raise ValueError(f"lengths spec {spec!r}: MEAN and STD must be >= 0")
-        draw = np.random.default_rng(seed).normal(mean, std, batch)
-        return np.maximum(np.rint(draw), 0).astype(np.int64)
+        if not (math.isfinite(mean) and math.isfinite(std) and mean >= 0 and std >= 0):
+            raise ValueError(f"lengths spec {spec!r}: MEAN and STD must be finite and >= 0")
+        draw = np.maximum(np.rint(np.random.default_rng(seed).normal(mean, std, batch)), 0)
+        if draw.max() > MAX_SEQLEN:
+            raise ValueError(f"lengths spec {spec!r} drew a length of {draw.max():,.0f}, past "
+                             f"{MAX_SEQLEN:,} (cache_seqlens is int32)")
+        return draw.astype(np.int64)
     if isinstance(spec, str):
         try:
             spec = [int(x) for x in spec.split(",")]
         except ValueError:
-            raise ValueError(f"lengths spec {spec!r}: expected N, N,N,..., or "
-                             "normal:MEAN:STD") from None
-    values = np.atleast_1d(np.asarray(spec, dtype=np.int64))
-    if values.size == 0 or (values < 0).any():
-        raise ValueError(f"lengths must be one or more integers >= 0, got {spec!r}")
-    return np.resize(values, batch)
+            raise ValueError(f"lengths spec {spec!r}: expected N, N,N,..., normal:MEAN:STD "
+                             "or @FILE") from None
+    return np.resize(as_lengths(spec), batch)
 
 
 def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
@@ -80,9 +135,12 @@ def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
         dims = preset(dims)
     if not isinstance(dims, Dims):
         raise TypeError(f"dims must be a Dims or a preset name, got {type(dims).__name__}")
-    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    if lengths.size == 0 or (lengths < 0).any():
-        raise ValueError(f"lengths must be one or more integers >= 0, got {lengths.tolist()}")
+    lengths = as_lengths(lengths)
+    if not isinstance(causal, (bool, np.bool_)):
+        raise ValueError(f"causal must be True or False, got {causal!r}")
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
+            or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     if cache_dtype not in ("f16", "bf16"):
         raise ValueError(f"cache_dtype must be 'f16' or 'bf16', got {cache_dtype!r}")
     if q_dtype not in ("f32", cache_dtype):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .limits import check_problem
 from .registry import ATTN_TILE
 
 __all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "FIXED_TILES", "MERGE_TILES",
@@ -102,6 +103,8 @@ class SplitPlan:
 
 def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
     """[start, end) of slice s, exactly as the kernel computes it."""
+    if isinstance(splits, bool) or int(splits) != splits or splits < 1:
+        raise ValueError(f"splits must be an integer >= 1, got {splits!r}")
     length = -(-n_ctx // splits)
     start = min(s * length, n_ctx)
     return start, min(n_ctx, start + length)
@@ -121,9 +124,11 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
     `min_ctx`: the split gate; None for default_gate(heads_per_block)."""
     for name, value, low in (("n_ctx", n_ctx, 1), ("n_head", n_head, 1),
                              ("heads_per_block", heads_per_block, 1), ("num_sms", num_sms, 1),
-                             ("blocks_per_sm", blocks_per_sm, 1), ("cap", cap, 1)):
-        if int(value) != value or value < low:
+                             ("blocks_per_sm", blocks_per_sm, 1), ("cap", cap, 1),
+                             ("min_tiles", min_tiles, 1), ("tile", tile, 1)):
+        if isinstance(value, bool) or int(value) != value or value < low:
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    check_problem(n_ctx=n_ctx, splits=splits)  # the kernels' int32 and grid limits
     head_blocks = -(-n_head // heads_per_block)
     slots = blocks_per_sm * num_sms
 

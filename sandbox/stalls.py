@@ -22,6 +22,7 @@ issue). Reads text only: no GPU, no ncu (mlasandbox.ncu runs ncu).
 from __future__ import annotations
 
 import csv
+import math
 import re
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
@@ -86,9 +87,12 @@ def _number(text: str) -> float:
     if not text or text == "-":
         return 0.0
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         return 0.0
+    if not math.isfinite(value):  # ncu writes counts; a nan or inf cell is not its CSV
+        raise NcuFormatError(f"a count of {text!r} in the per-SASS table")
+    return value
 
 
 def _opcode(source: str) -> str:

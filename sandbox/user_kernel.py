@@ -495,7 +495,14 @@ class UserKernel:
 
     def __init__(self, path, params: dict | None = None, text: str | None = None):
         self.path = Path(path)
-        self.text = self.path.read_text(encoding="utf-8") if text is None else text
+        if text is None:
+            try:
+                text = self.path.read_text(encoding="utf-8")
+            except OSError as exc:
+                raise ValueError(f"user kernel {self.path}: {exc.strerror}") from None
+            except UnicodeDecodeError:
+                raise ValueError(f"user kernel {self.path}: not UTF-8 text") from None
+        self.text = text
         self.header = parse_header(self.text, str(self.path))
         fixed = self.header.default_params()
         for k, v in (params or {}).items():
@@ -618,7 +625,7 @@ def _load(path: str, params: tuple, mtime: float) -> UserKernel:
 def load_kernel(spec, **params) -> UserKernel:
     """A user kernel as a variant: `load_kernel("my.cu")`, `load_kernel("my.cu", HPB=12)` or
     `load_kernel("my.cu:HPB=12")`. HeaderError (a ValueError) for a bad header, a missing
-    file is a FileNotFoundError naming it."""
+    file is a ValueError naming it."""
     if isinstance(spec, UserKernel):
         return spec.with_params(params) if params else spec
     path, *items = str(spec).split(":")
@@ -632,8 +639,10 @@ def load_kernel(spec, **params) -> UserKernel:
             raise ValueError(f"{spec}: {k}={v}: the value must be an integer") from None
     if not path.endswith(".cu"):
         raise ValueError(f"a user kernel is a .cu file, got {path!r}")
+    if os.path.isdir(path):
+        raise ValueError(f"user kernel {path}: a directory, not a .cu file")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"user kernel {path}: no such file")
+        raise ValueError(f"user kernel {path}: no such file")
     return _load(path, tuple(sorted(params.items())), os.path.getmtime(path))
 
 

@@ -244,3 +244,96 @@ def test_a_cache_too_wide_for_q_blames_q_and_one_too_narrow_blames_the_cache(arg
         check_inputs(args["q"][:, :500], args["cache"], args["wv_b"])
     with pytest.raises(ValueError, match="^cache must be"):
         check_inputs(args["q"], args["cache"][:, :520], args["wv_b"])
+
+
+# ------------------------------------------------- files, lengths and plans a user gives
+
+def test_lengths_past_int32_or_not_finite_are_named():
+    # a length that overflows int64, a draw that is not finite, a float: never a traceback,
+    # a wrapped int32 or a negative length
+    for spec, phrase in (("99999999999999999999999", "outside 0..2,147,483,647"),
+                         (str(2**31), "outside 0..2,147,483,647"),
+                         ("normal:10:inf", "must be finite"), ("normal:1e30:0", "past"),
+                         ("4.5", "expected N")):
+        for cmd in (("bench", "--batch", "4"), ("repro", "--variant", "split", "--batch", "4")):
+            res = run(*cmd, "--lengths", spec)
+            assert res.exit_code == 2 and phrase in words(res), (cmd, spec, res.output)
+
+
+def test_repro_reads_a_lengths_file(tmp_path):
+    (tmp_path / "lens.txt").write_text("5\n70\n")
+    out = tmp_path / "r.py"
+    res = run("repro", "--variant", "split", "--batch", "4", "--lengths",
+              f"@{tmp_path / 'lens.txt'}", "-o", out)
+    assert res.exit_code == 0, res.output
+    assert "(5, 70, 5, 70)" in out.read_text()
+
+
+def test_a_plan_past_the_grid_limit_is_refused(tmp_path):
+    for opt in (("--blocks-per-sm", "9999999"), ("--sms", "99999999")):
+        res = run("repro", "--variant", "split", "--batch", "4", *opt, "-o", tmp_path / "r.py")
+        assert res.exit_code == 2 and "holds at most 65,535" in words(res), res.output
+        assert not (tmp_path / "r.py").exists()
+
+
+@pytest.mark.parametrize("make", ["missing", "directory", "binary"])
+def test_a_user_kernel_that_cannot_be_read(tmp_path, make):
+    path = tmp_path / "k.cu"
+    if make == "directory":
+        path.mkdir()
+    elif make == "binary":
+        path.write_bytes(b"\xff\xfe not text")
+    phrase = {"missing": "no such file", "directory": "a directory",
+              "binary": "not UTF-8 text"}[make]
+    res = run("bench", "--batch", "4", "--variants", path)
+    assert res.exit_code == 2 and phrase in words(res), res.output
+    res = run("try", path, "--no-time")  # an uncaught exception would be exit code 1
+    assert res.exit_code == 2 and phrase.split()[-1] in words(res), res.output
+
+
+def test_new_and_try_check_the_files_they_write(tmp_path):
+    (tmp_path / "d.cu").mkdir()
+    res = run("new", tmp_path / "d.cu", "--force")
+    assert res.exit_code == 2 and "is a directory" in words(res)
+    res = run("new", tmp_path / "no" / "k")
+    assert res.exit_code == 2 and "does not exist" in words(res)
+    assert run("new", tmp_path / "k").exit_code == 0
+    res = run("try", tmp_path / "k.cu", "--no-time", "--repro", tmp_path / "no" / "r.py")
+    assert res.exit_code == 2 and "--repro" in words(res) and "does not exist" in words(res)
+
+
+@pytest.mark.parametrize("cmd", [("info", "--json", ""), ("bench", "--csv", ""),
+                                 ("bench", "--vs", ""), ("repro", "--variant", "split", "-o", "")])
+def test_an_empty_path_is_not_taken_as_no_path(cmd):
+    res = run(*cmd)
+    assert res.exit_code == 2 and "an empty path" in words(res), res.output
+
+
+def test_paged_bench_options_are_named_as_typed():
+    res = run("bench", "--batch", "4", "--hpb", "4")
+    assert res.exit_code == 2 and "--hpb belongs to the depth bench" in words(res)
+    res = run("bench", "--batch", "4", "--splits", "300")
+    assert res.exit_code == 2 and "at most 256" in words(res)
+
+
+@pytest.mark.parametrize("cmd", [("bench", "--check-ctx", str(2**40)),
+                                 ("bench", "--check-heads", str(2**40))])
+def test_spot_check_sizes_past_int32(cmd):
+    res = run(*cmd)
+    assert res.exit_code == 2 and "2147" in words(res).replace(",", ""), res.output
+
+
+def test_render_results_names_a_file_it_cannot_render(tmp_path):
+    import subprocess
+    import sys
+
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "render_results.py")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "manifest.json").write_text("[1]")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "manifest.json").write_text('{"date": "x"}')
+    (tmp_path / "b" / "x.json").write_text('{"schema": "mlasandbox.bench/1", "rows": []}')
+    for d, phrase in (("a", "a manifest is a JSON object"), ("b", "not a complete phases")):
+        p = subprocess.run([sys.executable, tool, str(tmp_path / d), "-o",
+                            str(tmp_path / "out.md")], capture_output=True, text=True)
+        assert p.returncode == 2 and phrase in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -13,11 +13,12 @@ from gpu_support import gpu
 from mlasandbox import metrics, toolkit
 from mlasandbox.bench_gpu import PagedBackend
 from mlasandbox.bench_paged import (DEFAULT_PAGED_VARIANTS, PAGED_PHASES, SERVING_PRESETS,
-                                    make_paged_config, paged_work, parse_length_spec,
-                                    plan_report, run_paged_bench)
+                                    make_paged_config, paged_work, plan_report,
+                                    run_paged_bench)
 from mlasandbox.cli import bench_cmd
 from mlasandbox.cli.main import main as cli
 from mlasandbox.dims import PRESETS
+from mlasandbox.paged_inputs import parse_lengths
 from mlasandbox.timing import Timing, summarize
 
 DSV3 = PRESETS["dsv3"]
@@ -57,22 +58,22 @@ def test_normal_lengths_are_drawn_from_the_seed_and_clipped():
 def test_a_lengths_file_is_read_one_per_line(tmp_path):
     f = tmp_path / "lens.txt"
     f.write_text("# lengths\n5\n\n0\n70000\n")
-    assert parse_length_spec(f"@{f}", 5).tolist() == [5, 0, 70000, 5, 0]
+    assert parse_lengths(f"@{f}", 5).tolist() == [5, 0, 70000, 5, 0]
     bad = tmp_path / "bad.txt"
     bad.write_text("5\nseven\n")
     with pytest.raises(ValueError, match="line 2: 'seven'"):
-        parse_length_spec(f"@{bad}", 2)
+        parse_lengths(f"@{bad}", 2)
     with pytest.raises(ValueError, match="No such file"):
-        parse_length_spec(f"@{tmp_path / 'none'}", 2)
+        parse_lengths(f"@{tmp_path / 'none'}", 2)
     (tmp_path / "empty").write_text("# nothing\n")
     with pytest.raises(ValueError, match="holds no lengths"):
-        parse_length_spec(f"@{tmp_path / 'empty'}", 2)
+        parse_lengths(f"@{tmp_path / 'empty'}", 2)
 
 
 @pytest.mark.parametrize("kw,words", [
     ({}, "needs --batch"), ({"batch": 0}, "batch must be"), ({"batch": 2, "page_size": 32},
                                                              "page size"),
-    ({"batch": 2, "lengths": "4,-1"}, ">= 0"), ({"batch": 2, "lengths": "normal:1"}, "normal"),
+    ({"batch": 2, "lengths": "4,-1"}, "outside 0.."), ({"batch": 2, "lengths": "normal:1"}, "normal"),
     ({"batch": 2, "variants": ("per_head",)}, "batch 1"),
     ({"batch": 2, "variants": ("tiled16",)}, "batch 1"),
     ({"batch": 2, "variants": ("cublas",)}, "cannot be captured"),

@@ -120,7 +120,7 @@ def test_paged_variant_takes_a_user_kernel():
     v = paged_variant(f"{CORRECT}:ROWS=8", 1, 16)
     assert v.family == "user" and v.params == {"ROWS": 8} and v.hpb == 8
     assert paged_variant(v, 1, 16) is v
-    with pytest.raises(FileNotFoundError, match="no such file"):
+    with pytest.raises(ValueError, match="no such file"):
         paged_variant("missing.cu", 1, 16)
     with pytest.raises(uk.HeaderError, match="no parameter X"):
         uk.load_kernel(str(CORRECT), X=1)

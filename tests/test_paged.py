@@ -185,9 +185,30 @@ def test_parse_lengths():
     assert parse_lengths("1,2", 5).tolist() == [1, 2, 1, 2, 1]
     drawn = parse_lengths("normal:4096:2048", 1000, seed=1)
     assert (drawn >= 0).all() and abs(drawn.mean() - 4096) < 300
-    for bad in ("normal:1", "x", "-3", [], "normal:-1:2"):
+    assert parse_lengths([3.0, 2**31 - 1], 2).tolist() == [3, 2**31 - 1]
+    # past int32, non-integers, non-finite draws: named, never wrapped, truncated or negative
+    for bad in ("normal:1", "x", "-3", [], "normal:-1:2", "normal:10:inf", "normal:nan:1",
+                "normal:1e30:0", str(2**31), "99999999999999999999999", [1.5], [True],
+                "@/nonexistent/lengths.txt"):
         with pytest.raises(ValueError, match="lengths"):
             parse_lengths(bad, 2)
+    for batch in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="batch"):
+            parse_lengths(4, batch)
+
+
+def test_kv_lora_must_be_a_positive_integer():
+    args = [_args()[k] for k in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b")]
+    for bad in (0, -5, 1.5, "a", True):
+        with pytest.raises(ValueError, match="kv_lora must be an integer >= 1"):
+            check_paged_inputs(*args, kv_lora=bad)
+
+
+def test_paged_inputs_refuse_a_causal_or_seed_of_the_wrong_kind():
+    for kw, word in (({"causal": "no"}, "causal"), ({"seed": -1}, "seed"),
+                     ({"seed": 1.5}, "seed"), ({"lengths": [1.7]}, "lengths")):
+        with pytest.raises(ValueError, match=word):
+            make_paged_inputs(SMALL, **{"lengths": [5, 1], **kw})
 
 
 # -- the chunk rule ---------------------------------------------------------------------

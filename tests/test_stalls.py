@@ -9,6 +9,7 @@ times their share of its instructions in samples.
 """
 from __future__ import annotations
 
+import csv
 import gzip
 import json
 import os
@@ -199,7 +200,33 @@ def test_cli_refuses_a_missing_or_foreign_profile(tmp_path):
     assert res.exit_code == 2 and "does not exist" in res.output
     (tmp_path / "x.csv").write_text("not ncu\n")
     res = run("stalls", "--from", tmp_path / "x.csv")
-    assert res.exit_code == 1 and "no per-SASS table" in res.output
+    assert res.exit_code == 2 and "no per-SASS table" in res.output
+    res = run("stalls", "--from", "")
+    assert res.exit_code == 2 and "an empty path" in res.output
+
+
+def test_cli_refuses_a_saved_profile_it_cannot_read(saved):
+    (saved / "raw.csv").write_bytes(b"\xff\xfe not text")
+    res = run("stalls", "--from", saved)
+    assert res.exit_code == 2 and "not a UTF-8 ncu raw page" in res.output, res.output
+    (saved / "raw.csv").unlink()
+    (saved / "raw.csv").mkdir()
+    res = run("stalls", "--from", saved)
+    assert res.exit_code == 2 and "raw.csv" in res.output, res.output
+    (saved / "raw.csv").rmdir()
+    # a count that is not a number of executions: a format error, not a crash
+    text = recorded_text()
+    header = next(line for line in text.splitlines() if '"Instructions Executed"' in line)
+    col = next(i for i, c in enumerate(next(csv.reader([header])))
+               if c == "Instructions Executed")
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith('"0x'))
+    cells = next(csv.reader([lines[first]]))
+    cells[col] = "nan"
+    lines[first] = ",".join(f'"{c}"' for c in cells)
+    (saved / "source.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    res = run("stalls", "--from", saved)
+    assert res.exit_code == 2 and "a count of 'nan'" in res.output, res.output
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")

@@ -73,6 +73,9 @@ def load_run(run_dir: Path) -> dict:
     if not man_path.is_file():
         raise RunError(f"{run_dir}: no manifest.json (write it with tools/write_manifest.py)")
     run = {"dir": run_dir, "manifest": _load(man_path), "files": {}}
+    if not isinstance(run["manifest"], dict):
+        raise RunError(f"{man_path}: a manifest is a JSON object, got "
+                       f"{type(run['manifest']).__name__}")
     for path in sorted(run_dir.glob("*.json")):
         if path.name == "manifest.json":
             continue
@@ -349,10 +352,21 @@ def run_section(run: dict, out_dir: Path) -> list[str]:
     out.append("")
     for kind, fn in SECTIONS:
         if kind in run["files"]:
-            out += fn(run["files"][kind], out_dir)
+            out += _section(fn, run["files"][kind], out_dir, kind)
     if plan_files(run):
-        out += plan_section(plan_files(run), out_dir)
+        out += _section(plan_section, plan_files(run), out_dir, "split plan")
     return out
+
+
+def _section(fn, files, out_dir: Path, kind: str) -> list[str]:
+    """fn's lines for `files`; a file of the right schema that lacks what its table reads is a
+    RunError naming it, never a traceback."""
+    try:
+        return fn(files, out_dir)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as exc:
+        names = ", ".join(str(path) for path, _ in files)
+        raise RunError(f"{names}: not a complete {kind} result ({type(exc).__name__}: "
+                       f"{exc})") from None
 
 
 def render(run_dirs: list[Path], out_dir: Path) -> str:
@@ -368,9 +382,12 @@ def render(run_dirs: list[Path], out_dir: Path) -> str:
 
 def default_runs(results: Path) -> list[Path]:
     """Every run under results/, newest date first (the manifest's date, then the name)."""
+    def date(d: Path) -> str:
+        m = _load(d / "manifest.json")
+        return str(m.get("date") or "") if isinstance(m, dict) else ""
+
     runs = [p.parent for p in results.glob("*/manifest.json")]
-    return sorted(runs, key=lambda d: (_load(d / "manifest.json").get("date") or "", d.name),
-                  reverse=True)
+    return sorted(runs, key=lambda d: (date(d), d.name), reverse=True)
 
 
 def main(argv: list[str] | None = None) -> int:
