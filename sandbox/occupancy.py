@@ -157,10 +157,13 @@ def occupancy(arch, regs_per_thread: int, threads_per_block: int,
     regs_per_block = regs_per_warp * warps
     # The hardware check assumes a block's warps spread over every sub-partition.
     if regs_per_warp * _round_up(warps, a.sub_partitions) > a.regs_per_block:
+        spread = _round_up(warps, a.sub_partitions)
         raise ValueError(
             f"regs_per_thread={regs_per_thread} x threads_per_block={threads_per_block} needs "
-            f"{regs_per_block} registers per block (as allocated); the {a.arch} limit is "
-            f"{a.regs_per_block} registers per block")
+            f"{regs_per_warp * spread} registers per block as the hardware checks it ({warps} "
+            f"warps spread over {a.sub_partitions} sub-partitions count as {spread}, "
+            f"{regs_per_warp} registers each); the {a.arch} limit is {a.regs_per_block} "
+            "registers per block")
 
     if regs_per_warp:
         warps_per_sub = (a.regs_per_sm // a.sub_partitions) // regs_per_warp

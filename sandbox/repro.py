@@ -417,15 +417,9 @@ class PagedReproCase:
 
 
 def _paged_instances(var, cache: str, q: str, rescale: bool):
-    """(paged attention instance, paged combine instance) from the registry, or a ValueError
-    saying this build has no paged kernels."""
-    try:
-        get_attn, get_combine = (registry.paged_attention_instance,
-                                 registry.paged_combine_instance)
-    except AttributeError:
-        raise ValueError("this build has no paged kernels (the registry has no "
-                         "paged_attention_instance): the paged repro needs them") from None
-    return get_attn(var, cache, q), get_combine(cache, rescale)
+    """(paged attention instance, paged combine instance) from the registry."""
+    return (registry.paged_attention_instance(var, cache, q),
+            registry.paged_combine_instance(cache, rescale))
 
 
 def _merge_form(var, max_chunks: int, cache: str, q: str, m_rows: int, n_head: int,

@@ -197,3 +197,15 @@ def test_the_paged_ladder_is_judged_against_itself_not_the_batch_one_rows():
     last_batch_one = rows[rows.index(first_paged) - 1]
     assert first_paged["blocks_per_sm"] < last_batch_one["blocks_per_sm"]
     assert not first_paged["step"]
+
+
+def test_registers_are_shared_out_per_sub_partition():
+    # sm_90: 65536 registers an SM in 4 sub-partitions of 16384; a warp of 88-register
+    # threads takes 88 x 32 = 2816 (a multiple of the 256-register unit). A sub-partition
+    # holds 16384 // 2816 = 5 such warps, so 4 x 5 = 20 one-warp blocks, where the SM's file
+    # as one pool would say 65536 // 2816 = 23.
+    assert occupancy("sm_90", 88, 32).blocks_per_sm == 20
+    # 10 warps of 192-register threads (6144 each) land 3 on some sub-partition: 3 x 6144 =
+    # 18432 > 16384, so the block cannot launch, though 10 x 6144 = 61440 fits in 65536.
+    with pytest.raises(ValueError, match="10 warps spread over 4 sub-partitions count as 12"):
+        occupancy("sm_90", 192, 320)

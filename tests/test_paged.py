@@ -120,6 +120,14 @@ def test_inputs_tables_are_permutations_with_invalid_tails(seeds):
     assert inp.kv_cache.shape[0] > used.size  # spare pages, NaN
     spare = np.setdiff1d(np.arange(inp.kv_cache.shape[0]), used)
     assert np.isnan(np.asarray(inp.kv_cache, np.float32)[spare]).all()
+    # shuffled, so a kernel that ignores the table reads the wrong pages: over 125 pages a
+    # random order puts page p + 1 right after page p about once a request (a Poisson count
+    # of mean ~1); 10 or more such steps has probability below 1e-6, and an identity table
+    # would have 123
+    big = np.asarray(make_paged_inputs(SMALL, [200, 300], page_size=4,
+                                       seed=seeds.one()).block_table)
+    steps = sum(int((np.diff(row[row != INVALID_PAGE]) == 1).sum()) for row in big)
+    assert steps < 10, f"{steps} of 123 consecutive table entries are adjacent pages"
 
 
 def test_flashmla_cache_layout_is_accepted(seeds):

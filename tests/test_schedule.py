@@ -315,6 +315,16 @@ def test_the_rule_takes_the_least_cost_and_the_old_floor_was_slower():
         assert other.cost() >= best.cost() or s > 16
 
 
+def test_a_cost_within_the_tie_takes_the_fewer_splits():
+    # 96 heads one a block, 4096 positions (128 tiles of 32), 264 slots (2 a SM): 8 splits
+    # cost 3 waves x (3 fixed + 16 tiles) + 8/256 = 57.03125 tile-steps, the least; 5 splits
+    # 2 waves x (3 + 26) + 5/256 = 58.01953125, within 2% of it, and fewer slices to merge
+    plan = lambda s=None: plan_splits(4096, 96, 1, num_sms=132, blocks_per_sm=2, splits=s)
+    assert plan(8).cost() == 57.03125 and plan(5).cost() == 58.01953125
+    assert min(plan(k).cost() for k in range(1, 129)) == 57.03125
+    assert plan().splits == 5
+
+
 def test_predict_us_follows_waves_and_the_bandwidth_bound():
     from mlasandbox.splits import H200_BANDWIDTH, latency_model, predict_us
 
