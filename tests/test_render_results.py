@@ -203,3 +203,40 @@ def test_manifest_commit_is_the_callers_where_the_tree_was_copied(monkeypatch):
     assert wm._commit() == "99e592a"
     monkeypatch.delenv("MLASANDBOX_COMMIT")
     assert wm._commit() != "99e592a"
+
+
+def test_the_plan_table_puts_the_model_beside_the_measured_phases(run):
+    from mlasandbox.cli.lab_render import fmt_us
+    from mlasandbox.splits import plan_splits, predict_us
+
+    path = run / "bench_h16.json"
+    doc = json.loads(path.read_text())
+    doc["config"]["dims"].update(kv_lora=512, rope=64)
+    doc["plans"] = [{"variant": "mma16", "n_ctx": 4096, "splits": 4, "slots": 132,
+                     "heads_per_block": 16},
+                    {"variant": "split", "n_ctx": 4096, "splits": None, "slots": 132,
+                     "heads_per_block": 1}]  # no split plan: no row
+    path.write_text(json.dumps(doc))
+    text = _render(run)
+    pred = predict_us(plan_splits(4096, 16, 16, num_sms=132, blocks_per_sm=1, splits=4,
+                                  tile=64), "mma", cache_bytes=2, key_dim=576)
+    # measured: mma16's attn 200.123, combine 12.0, step 229.623 in the fixture
+    assert _row(text, "mma16", "### Split plan, predicted vs measured, 16 heads") == (
+        f"| mma16 | 4,096 | 4 | {fmt_us(pred['attn'])} | 200.1 | "
+        f"{fmt_us(pred['attn'] + pred['combine'])} | 212.1 | 229.6 |")
+    with pytest.raises(AssertionError, match="no row 'split'"):
+        _row(text, "split", "### Split plan")
+
+
+def test_the_vs_table_shows_before_after_and_the_floor(run):
+    path = run / "bench_h16.json"
+    doc = json.loads(path.read_text())
+    doc["vs"] = {"baseline": "/somewhere/before.json", "floor": 0.0123,
+                 "rows": [{"variant": "mma16", "phase": "attn", "baseline_us": 250.5,
+                           "current_us": 200.123, "text": "faster by 20.1%"}]}
+    path.write_text(json.dumps(doc))
+    text = _render(run)
+    assert _row(text, "mma16", "### Against a saved bench") == (
+        "| mma16 | attn | 16 | 250.5 | 200.1 | faster by 20.1% | 1.23% | "
+        "[`bench_h16.json`](../runs/fixture-gpu-2026-01-02-abc1234/bench_h16.json) vs "
+        "`before.json` |")
