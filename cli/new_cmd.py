@@ -24,10 +24,7 @@ def new(name, template, force, json_out):
     stem = os.path.splitext(os.path.basename(path))[0]
     if os.path.exists(path) and not force:
         bad_input(f"{path} exists; pass --force to overwrite it")
-    folder = os.path.dirname(path) or "."
-    if not os.path.isdir(folder):
-        bad_input(f"NAME {name}: folder {folder} does not exist")
-    problem = output_problem(path)
+    problem = output_problem(path)  # a missing folder, a directory, a device, read-only
     if problem:
         bad_input(f"NAME {name}: {problem}")
     try:

@@ -24,8 +24,8 @@ from mlasandbox.ncu import NcuError, PagedSpec, profile_attention
 
 from . import render
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
-                      non_empty_path, output_problem, paged_options, paged_step_config, q_of, q_option,
-                      refuse_paged_options, splits_option, stderr_console)
+                      non_empty_path, output_problem, paged_options, paged_step_config, q_of,
+                      q_option, refuse_paged_options, splits_option, stderr_console)
 
 __all__ = ["stalls"]
 

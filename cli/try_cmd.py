@@ -244,13 +244,15 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
         bad_input(f"FILE {file}: no such file")
     if lengths is not None and batch is None:
         bad_input("--lengths needs --batch")
-    for opt, vals, low, high in (("--heads", heads, 1, limits.MAX_HEADS),
-                                 ("--ctx", ctx, 0, limits.MAX_CTX)):
+    for opt, vals, low in (("--heads", heads, 1), ("--ctx", ctx, 0)):
         if vals and min(vals) < low:
             bad_input(f"{opt} must be integers >= {low}, got {min(vals)}")
-        if vals and max(vals) > high:
-            bad_input(f"{opt} must be integers <= {high:,} (the kernels index it as int32), "
-                      f"got {max(vals):,}")
+    try:  # the kernels' int32 limits, as every command states them
+        limits.check_problem(n_ctx=max(ctx) if ctx and max(ctx) else None,
+                             n_head=max(heads) if heads else None,
+                             names={"n_ctx": "--ctx", "n_head": "--heads"})
+    except ValueError as exc:
+        bad_input(str(exc))
     if arch is not None:
         try:
             toolkit.check_arch(arch)

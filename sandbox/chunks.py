@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .limits import MAX_SPLITS
+from .limits import MAX_SPLITS, check_int
 
 __all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "ChunkPlan",
            "plan_chunks", "batch_chunk_unit", "single_request_unit", "request_chunks",
@@ -71,9 +71,7 @@ COMBINE_TILE_MAX = 64    # chunk partials the combine merges in one step, at mos
 
 
 def _positive_int(name, value):
-    if isinstance(value, (bool, np.bool_)) or int(value) != value or value < 1:
-        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    return int(value)
+    return check_int(name, value, 1)
 
 
 @dataclass(frozen=True)
@@ -273,8 +271,6 @@ def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: 
 
 def chunk_bounds(length: int, chunk_len: int, c: int) -> tuple[int, int]:
     """[start, end) of chunk c of a request; empty (start == end) past its last chunk."""
-    chunk_len = _positive_int("chunk_len", chunk_len)
-    if isinstance(c, (bool, np.bool_)) or int(c) != c or c < 0:
-        raise ValueError(f"c must be an integer >= 0, got {c!r}")
+    chunk_len, c = _positive_int("chunk_len", chunk_len), check_int("c", c, 0)
     start = min(c * chunk_len, length)
     return start, min(length, start + chunk_len)

@@ -14,9 +14,11 @@ float64 in host memory, and a request that cannot fit is refused before it alloc
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 
-__all__ = ["MAX_SPLITS", "MAX_CTX", "MAX_HEADS", "check_problem", "cpu_bytes",
+__all__ = ["MAX_SPLITS", "MAX_CTX", "MAX_HEADS", "check_problem", "check_int", "cpu_bytes",
            "host_memory_bytes", "check_host_memory"]
 
 MAX_SPLITS = 65535
@@ -35,6 +37,16 @@ def _check_int(label: str, value, low: int, high: int, why: str) -> int:
     if value > high:
         raise ValueError(f"{label} must be <= {high:,} ({why}), got {value:,}")
     return value
+
+
+def check_int(name: str, value, low: int) -> int:
+    """`value` as an int >= low: an integer or a whole-number float, never a bool, text or a
+    fraction. ValueError naming `name` and the limit."""
+    whole = isinstance(value, numbers.Integral) or (
+        isinstance(value, numbers.Real) and math.isfinite(value) and float(value).is_integer())
+    if isinstance(value, bool) or not whole or value < low:  # numpy bools are not numbers
+        raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
 
 
 def check_problem(n_ctx=None, n_head=None, splits=None, names: dict | None = None) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from .dims import Dims, dtype_name
+from .limits import check_int
 
 __all__ = ["PagedShape", "PagedResult", "check_paged_inputs", "check_paged_values",
            "visible_lengths", "pages_needed", "INVALID_PAGE", "MAX_SEQLEN"]
@@ -93,9 +94,7 @@ def check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
     `kv_lora` splits the cache row into latent and rope; wv_b must agree with it.
     Raises ValueError/TypeError naming the parameter and the limit.
     """
-    if isinstance(kv_lora, (bool, np.bool_)) or not isinstance(kv_lora, (int, np.integer)) \
-            or kv_lora < 1:
-        raise ValueError(f"kv_lora must be an integer >= 1, got {kv_lora!r}")
+    kv_lora = check_int("kv_lora", kv_lora, 1)
     qb, s_q, n_head, key_dim = _shape("q", q, (4,))
     cshape = _shape("kv_cache", kv_cache, (3, 4))
     if len(cshape) == 4:

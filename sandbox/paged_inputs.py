@@ -23,6 +23,7 @@ import numpy as np
 
 from .bf16 import BF16_NAN_BITS, to_storage
 from .dims import Dims, preset
+from .limits import check_int
 from .paged import INVALID_PAGE, MAX_SEQLEN, pages_needed
 
 __all__ = ["PagedInputs", "make_paged_inputs", "parse_lengths", "as_lengths",
@@ -48,14 +49,13 @@ class PagedInputs:
                 "causal": self.causal, "scale": self.scale}
 
 
-def as_lengths(values, shown=None) -> np.ndarray:
+def as_lengths(values) -> np.ndarray:
     """`values` as int64 request lengths, each an integer in 0..MAX_SEQLEN (cache_seqlens is
     int32 on the device); a float is taken only where it is a whole number. ValueError naming
     the request and the limit."""
-    shown = values if shown is None else shown
     arr = np.atleast_1d(np.asarray(values, dtype=object)).reshape(-1)
     if arr.size == 0:
-        raise ValueError(f"lengths must be one or more integers >= 0, got {shown!r}")
+        raise ValueError(f"lengths must be one or more integers >= 0, got {values!r}")
     out = np.empty(arr.size, dtype=np.int64)
     for i, v in enumerate(arr):
         whole = isinstance(v, (float, np.floating)) and math.isfinite(v) and float(v).is_integer()
@@ -98,10 +98,7 @@ def parse_lengths(spec, batch: int, seed: int = 0) -> np.ndarray:
     (cycled to the batch), 'normal:MEAN:STD' (drawn from the seed, rounded, clipped at 0),
     or '@FILE' (one length per line; blank lines and lines starting with '#' skipped, cycled
     to the batch). Each length is in 0..MAX_SEQLEN. ValueError naming what is wrong."""
-    if isinstance(batch, (bool, np.bool_)) or not isinstance(batch, (int, np.integer)) \
-            or batch < 1:
-        raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
-    batch = int(batch)
+    batch = check_int("batch", batch, 1)
     if isinstance(spec, str) and spec.startswith("@"):
         return np.resize(as_lengths(_lengths_file(Path(spec[1:]))), batch)
     if isinstance(spec, str) and spec.startswith("normal:"):
@@ -138,9 +135,7 @@ def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
     lengths = as_lengths(lengths)
     if not isinstance(causal, (bool, np.bool_)):
         raise ValueError(f"causal must be True or False, got {causal!r}")
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) \
-            or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+    check_int("seed", seed, 0)
     if cache_dtype not in ("f16", "bf16"):
         raise ValueError(f"cache_dtype must be 'f16' or 'bf16', got {cache_dtype!r}")
     if q_dtype not in ("f32", cache_dtype):
@@ -148,8 +143,7 @@ def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
                          f"got {q_dtype!r}")
     for name, value, low in (("s_q", s_q, 1), ("page_size", page_size, 1),
                              ("spare_pages", spare_pages, 0)):
-        if int(value) != value or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        check_int(name, value, low)
     batch, H, D = lengths.size, dims.n_head, dims.key_dim
     need = pages_needed(lengths, page_size)
     max_pages = max(1, int(need.max()))

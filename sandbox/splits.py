@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .limits import check_problem
+from .limits import check_int, check_problem
 from .registry import ATTN_TILE
 
 __all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "FIXED_TILES", "MERGE_TILES",
@@ -103,8 +103,7 @@ class SplitPlan:
 
 def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
     """[start, end) of slice s, exactly as the kernel computes it."""
-    if isinstance(splits, bool) or int(splits) != splits or splits < 1:
-        raise ValueError(f"splits must be an integer >= 1, got {splits!r}")
+    splits = check_int("splits", splits, 1)
     length = -(-n_ctx // splits)
     start = min(s * length, n_ctx)
     return start, min(n_ctx, start + length)
