@@ -3,7 +3,7 @@
 Times each variant's attention phase real and with its cache copies removed, interleaved
 with an A/A pair of the real kernel for the noise floor: of the batch-1 step, or with --batch
 / --serving of a paged serving step (wgmma64 runs only there). Needs a CUDA device; without
-one it says so and exits 1.
+one it says so and exits 2.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import click
 from rich import box
 from rich.markup import escape
 
-from mlasandbox import registry, toolkit
+from mlasandbox import registry
 from mlasandbox.ablate import ablate as run
 from mlasandbox.ablate import ablate_paged as run_paged
 from mlasandbox.bench_gpu import run_meta
@@ -25,8 +25,8 @@ from . import render
 from .lab_render import fmt_us
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
                       paged_options, paged_step_config, preset_option, progress_bar, q_of,
-                      q_option, refuse_paged_options, splits_option, stderr_console,
-                      variants_option)
+                      q_option, refuse_paged_options, require_gpu, splits_option,
+                      stderr_console, variants_option)
 from .render import Column, FitTable
 
 __all__ = ["ablate"]
@@ -120,9 +120,7 @@ def ablate(variants, n_ctx, preset, heads, cache, q_dtype, splits, rounds, seed,
         if heads is not None:
             dims = dataclasses.replace(dims, n_head=heads)
         q = q_of(q_dtype, cache)
-    ok, why = toolkit.device_available()
-    if not ok:
-        raise click.ClickException(f"ablate times kernels on a GPU: {why}")
+    why = require_gpu("ablate times kernels on a GPU")
     err = stderr_console()
     rows = []
     split_arg = None if splits == "auto" else splits

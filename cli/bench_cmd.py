@@ -6,7 +6,7 @@ variant and the cuBLAS engine; a progress bar on stderr, then the tables on stdo
 `--json FILE`, `--csv FILE`, `--plot FILE.png`; `--vs BASELINE.json` compares with a saved
 run. Without a GPU: says so, shows the compile-side tables (registers, occupancy) and the
 schedule model's accuracy, and `--json FILE` writes them; `--csv`, `--plot` and `--vs` need
-timings and exit 1 saying so, before any work. `--explain` prints the byte/FLOP formulas
+timings and exit 2 saying so, before any work. `--explain` prints the byte/FLOP formulas
 either way.
 
 With `--batch B` (or `--serving PRESET`): one serving step instead, B requests of `--lengths`
@@ -41,8 +41,8 @@ from mlasandbox.splits import default_gate, plan_splits
 
 from . import lab_render, render
 from .check_cmd import cpu_accuracy
-from .options import (arch_option, cache_option, ctx_option, deliver_json, heads_option,
-                      int_list, json_option, non_empty_path,
+from .options import (NoGpu, arch_option, cache_option, ctx_option, deliver_json,
+                      heads_option, int_list, json_option, non_empty_path,
                       output_option, paged_options, peers_option, preset_option, progress_bar,
                       q_option, splits_option, stderr_console, timing_options, variants_option,
                       write_json)
@@ -278,8 +278,8 @@ def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
     has_gpu, why = toolkit.device_available()
     if not has_gpu:
         if csv_out:
-            raise click.ClickException(f"--csv needs timings, and there is no GPU here ({why}); "
-                                       "--json FILE writes what runs without one")
+            raise NoGpu(f"--csv needs timings, and there is no GPU here ({why}); "
+                        "--json FILE writes what runs without one")
         rep = plan_report(cfg)
         data = {"ok": not rep["problems"] and not require_gpu, "device": None,
                 "no_device_reason": why, "timings": None, "how_to_time": HOW_TO_TIME,
@@ -298,7 +298,7 @@ def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
         if rep["problems"]:
             raise SystemExit(1)
         if require_gpu:
-            raise click.ClickException(f"--require-gpu: {why}")
+            raise NoGpu(f"--require-gpu: {why}")
         return
     with progress_bar(err) as bar:
         task = bar.add_task("bench", total=paged_work(cfg))
@@ -492,7 +492,7 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
         wanted = [name for name, v in (("--csv", csv_out), ("--plot", plot_out),
                                        ("--vs", vs_path)) if v]
         if wanted:
-            raise click.ClickException(
+            raise NoGpu(
                 f"{' and '.join(wanted)} need{'s' if len(wanted) == 1 else ''} timings, and "
                 f"there is no GPU here ({why}); --json FILE writes what runs without one")
         if explain and not as_json:
@@ -512,7 +512,7 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
         if data["problems"]:
             raise SystemExit(1)
         if require_gpu:
-            raise click.ClickException(f"--require-gpu: {why}")
+            raise NoGpu(f"--require-gpu: {why}")
         return
 
     with progress_bar(err) as bar:

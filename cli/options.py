@@ -306,6 +306,24 @@ class JsonAwareException(click.ClickException):
         self.exit_code = exit_code
 
 
+class NoGpu(click.ClickException):
+    """A command or option that needs a GPU, run where there is none: exit 2 with the
+    reason, as bad input does (a missing device is an input the run cannot take, not a
+    failed check)."""
+
+    exit_code = 2
+
+
+def require_gpu(what: str) -> str:
+    """The device's description; NoGpu ("WHAT: the reason") where no CUDA device is usable."""
+    from mlasandbox import toolkit
+
+    ok, why = toolkit.device_available()
+    if not ok:
+        raise NoGpu(f"{what}: {why}")
+    return why
+
+
 def bad_input(msg: str):
     """Exit 2 with `msg` (the group adds the JSON error object under --json)."""
     raise click.UsageError(msg)

@@ -18,14 +18,14 @@ from rich.table import Table
 
 from mlasandbox import registry
 from mlasandbox import stalls as st
-from mlasandbox import toolkit
 from mlasandbox.bench_paged import SERVING_PRESETS, serving_help
 from mlasandbox.ncu import NcuError, PagedSpec, profile_attention
 
 from . import render
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
                       non_empty_path, output_problem, paged_options, paged_step_config, q_of,
-                      q_option, refuse_paged_options, splits_option, stderr_console)
+                      q_option, refuse_paged_options, require_gpu, splits_option,
+                      stderr_console)
 
 __all__ = ["stalls"]
 
@@ -201,9 +201,8 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
         source_text, raw_text = _read_saved(from_path)
         config = {"from": from_path}
     else:
-        ok, why = toolkit.device_available()
-        if not ok:
-            fail(f"stalls profiles a kernel on a GPU: {why} (or read a saved profile with --from)")
+        require_gpu("stalls profiles a kernel on a GPU (or reads a saved profile with "
+                    "--from)")
         config = {"variant": variant, "n_head": heads, "n_ctx": n_ctx, "cache": cache, "q": q,
                   "splits": splits, "seed": seed}
         what = f"H={heads}, n_ctx={n_ctx}"

@@ -15,7 +15,7 @@ from mlasandbox.tp_bench import TP_PHASES, run_tp_bench, tp_plan_report
 from mlasandbox.tp_comm import visible_gpus
 
 from . import render
-from .options import deliver_json, progress_bar, stderr_console
+from .options import NoGpu, deliver_json, progress_bar, stderr_console
 from .render import Column, FitTable
 
 __all__ = ["tp_option", "tp_engine_option", "run_tp_cli", "grid_tp_table", "band_heads"]
@@ -89,11 +89,11 @@ def _pct(x) -> str:
 
 
 def _exit_without_gpu(problems: bool, require_gpu: bool, why: str) -> None:
-    """Exit 1 when the plans met a problem or --require-gpu was given; else return."""
+    """Exit 1 when the plans met a problem, 2 when --require-gpu was given; else return."""
     if problems:
         raise SystemExit(1)
     if require_gpu:
-        raise click.ClickException(f"--require-gpu: {why}")
+        raise NoGpu(f"--require-gpu: {why}")
 
 
 def run_tp_cli(cfg, tp: int, *, engine: str, repeats: int, json_out, require_gpu) -> None:

@@ -306,6 +306,20 @@ def test_cli_without_gpu_prints_the_chunk_plans(monkeypatch):
 
 
 @pytest.mark.parametrize("args,words", [
+    (["--csv", "{tmp}/p.csv"], "--csv needs timings"), (["--require-gpu"], "--require-gpu"),
+    (["--tp", "2", "--require-gpu"], "--require-gpu")])
+def test_cli_paged_options_that_need_a_gpu_exit_2_without_one(monkeypatch, tmp_path, args,
+                                                              words):
+    # no GPU is an input the run cannot take (exit 2, as bad input), not a failed check (1)
+    _no_gpu(monkeypatch)
+    args = [a.format(tmp=tmp_path) for a in args]
+    r = CliRunner().invoke(cli, ["bench", "--batch", "4", "--lengths", "100", *args])
+    assert r.exit_code == 2 and words in r.output and "no CUDA device (test)" in r.output, \
+        r.output
+    assert not (tmp_path / "p.csv").exists()
+
+
+@pytest.mark.parametrize("args,words", [
     (["--lengths", "5"], "needs --batch"), (["--batch", "2", "--ctx", "64"], "depth bench"),
     (["--batch", "2", "--page-size", "32"], "page-size"),
     (["--batch", "70000"], "at most 65535"), (["--batch", "2", "--peers", "vllm"], "vllm"),

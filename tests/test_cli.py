@@ -315,7 +315,7 @@ def test_bench_without_gpu_says_so_and_shows_what_runs():
     assert "No GPU here" in out and "blocks/SM" in out and "relL2" in out
     assert "Timings need a CUDA GPU" in " ".join(out.split())
     res = run("bench", "--require-gpu", ok=False)
-    assert res.exit_code == 1 and "--require-gpu" in res.stderr
+    assert res.exit_code == 2 and "--require-gpu" in res.stderr
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU: bench times for real")
@@ -327,5 +327,5 @@ def test_bench_without_gpu_writes_what_it_can(tmp_path):
     assert "No GPU here" in res.stdout and f"wrote {js}" in " ".join(res.stderr.split())
     for opt, name in (("--csv", "b.csv"), ("--plot", "b.png")):
         res = run("bench", opt, str(tmp_path / name), ok=False)
-        assert res.exit_code == 1 and f"{opt} needs timings" in res.stderr
+        assert res.exit_code == 2 and f"{opt} needs timings" in res.stderr
         assert "no GPU here" in res.stderr and not (tmp_path / name).exists()

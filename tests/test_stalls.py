@@ -232,7 +232,7 @@ def test_cli_refuses_a_saved_profile_it_cannot_read(saved):
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
 def test_cli_without_a_gpu_says_so_and_how_to_read_a_saved_profile():
     res = run("stalls", "--variant", "tiled16")
-    assert res.exit_code == 1
+    assert res.exit_code == 2
     assert "stalls profiles a kernel on a GPU" in res.output and "--from" in res.output
 
 
