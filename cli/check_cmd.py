@@ -38,6 +38,20 @@ def cpu_accuracy(ctxs, seeds, splits="auto", preset: str | None = None,
     for n in ctxs:
         limits.check_host_memory(n, dims.n_head, dims.key_dim, what="n_ctx",
                                  engine="the schedule model and the float64 reference")
+    counts = {n: schedule.study_splits(n, splits, dims) for n in ctxs}
+    if not any(schedule.splits_with_power(n, s) for n, s in counts.items()):
+        # the study would run, and its verdict could only be "no power": say why up front
+        given = ", ".join(f"{n} -> S = {s}" for n, s in counts.items())
+        if splits == "auto":
+            first = next((n for n in (2 ** k for k in range(1, 21))
+                          if schedule.splits_with_power(n, schedule.study_splits(n, "auto", dims))),
+                         None)
+            hint = (f"give a context of at least {first} positions (the split plan's gate)"
+                    if first else "the split plan splits no context of this preset")
+        else:
+            hint = "give a context of at least 2 positions"
+        raise ValueError(f"--ctx: no context splits into two or more non-empty slices ({given}), "
+                         f"so the split path and its negative control would not run; {hint}")
     raw = schedule.accuracy_study(list(ctxs), list(range(seeds)), splits=splits, dims=dims,
                                   cache_dtype=cache)
     verdict = schedule.judge_study(raw)

@@ -50,7 +50,7 @@ from .registry import ATTN_TILE
 from .splits import plan_splits, slice_bounds
 
 __all__ = ["SCHEDULES", "run_schedule", "AccuracyRow", "StudyVerdict", "accuracy_study",
-           "judge_study", "DEFAULT_STUDY_DIMS"]
+           "study_splits", "splits_with_power", "judge_study", "DEFAULT_STUDY_DIMS"]
 
 SCHEDULES = ("per_head", "split", "batched")
 
@@ -182,7 +182,8 @@ class AccuracyRow:
     splits: int
     unsplit: float            # per_head: one slice, sequential over all n_ctx
     split: float              # `splits` contiguous slices + the combine
-    split_no_rescale: float   # the negative control (NaN where splits == 1: it cannot differ)
+    split_no_rescale: float   # the negative control (NaN where it cannot differ: fewer than
+                              # two non-empty slices, splits_with_power)
 
     @property
     def gain(self) -> float:
@@ -191,7 +192,7 @@ class AccuracyRow:
 
     @property
     def control_applies(self) -> bool:
-        return self.splits > 1
+        return splits_with_power(self.n_ctx, self.splits)
 
 
 @dataclass(frozen=True)
@@ -204,6 +205,20 @@ class StudyVerdict:
         return self.ok
 
 
+def study_splits(n_ctx: int, splits="auto", dims: Dims = DEFAULT_STUDY_DIMS, *,
+                 num_sms: int = 132, blocks_per_sm: int = 2) -> int:
+    """The split count accuracy_study runs `n_ctx` with (HPB = 1, as it does)."""
+    return plan_splits(n_ctx, dims.n_head, 1, num_sms=num_sms, blocks_per_sm=blocks_per_sm,
+                       splits=None if splits == "auto" else splits).splits
+
+
+def splits_with_power(n_ctx: int, s: int) -> bool:
+    """Whether a split of `n_ctx` into `s` slices of ceil(n_ctx / s) positions leaves two or
+    more slices non-empty. With one, the merge has nothing to rescale: the combine without
+    its rescale gives the same latent, and its negative control cannot fail."""
+    return s > 1 and n_ctx > -(-n_ctx // s)
+
+
 def accuracy_study(n_ctxs, seeds, splits="auto", dims: Dims = DEFAULT_STUDY_DIMS,
                    tile: int = ATTN_TILE, *, num_sms: int = 132, blocks_per_sm: int = 2,
                    cache_dtype: str = "f16", q_dtype: str = "f32") -> list:
@@ -214,8 +229,7 @@ def accuracy_study(n_ctxs, seeds, splits="auto", dims: Dims = DEFAULT_STUDY_DIMS
     """
     rows = []
     for n_ctx in n_ctxs:
-        s = plan_splits(n_ctx, dims.n_head, 1, num_sms=num_sms, blocks_per_sm=blocks_per_sm,
-                        splits=None if splits == "auto" else splits).splits
+        s = study_splits(n_ctx, splits, dims, num_sms=num_sms, blocks_per_sm=blocks_per_sm)
         for seed in seeds:
             inp = make_inputs(dims, n_ctx, n_ctx, cache_dtype=cache_dtype, q_dtype=q_dtype,
                               seed=seed)
@@ -224,7 +238,8 @@ def accuracy_study(n_ctxs, seeds, splits="auto", dims: Dims = DEFAULT_STUDY_DIMS
             unsplit = run_schedule(**args, schedule="per_head", tile=tile).latent
             split = run_schedule(**args, schedule="split", splits=s, tile=tile).latent
             control = (run_schedule(**args, schedule="split", splits=s, tile=tile,
-                                    rescale=False).latent if s > 1 else None)
+                                    rescale=False).latent
+                       if splits_with_power(n_ctx, s) else None)
             rows.append(AccuracyRow(
                 n_ctx=int(n_ctx), seed=int(seed), splits=s,
                 unsplit=rel_l2(unsplit, want), split=rel_l2(split, want),

@@ -17,6 +17,7 @@ from mlasandbox.archs import ARCH_NAMES
 from mlasandbox.cli.main import main
 from mlasandbox.dims import Dims, check_inputs
 from mlasandbox.inputs import make_inputs
+from mlasandbox.splits import SPLIT_MIN_CTX
 
 
 def run(*args):
@@ -166,6 +167,17 @@ def test_splits_past_the_grid_limit(cmd):
     res = run(*cmd, "--splits", "100000")
     assert res.exit_code == 2 and "'--splits'" in words(res)
     assert "<= 65,535" in words(res) and "grid's y dimension" in words(res)
+
+
+@pytest.mark.parametrize("args, hint", [
+    (("--ctx", "1,100"), f"at least {SPLIT_MIN_CTX} positions"),
+    (("--ctx", "1", "--splits", "4"), "at least 2 positions")])
+def test_check_contexts_that_no_split_reaches(args, hint):
+    # every row unsplit (or split with one non-empty slice): the negative control could
+    # not run, so the study could only report "no power": bad input, named up front
+    res = run("check", "--no-gpu", *args)
+    assert res.exit_code == 2 and "--ctx: no context splits" in words(res), res.output
+    assert hint in words(res)
 
 
 def test_check_context_past_host_memory(monkeypatch):

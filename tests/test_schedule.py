@@ -15,7 +15,8 @@ from mlasandbox.compare import DEFAULT_TOLERANCE, compare, rel_l2
 from mlasandbox.dims import Dims, preset
 from mlasandbox.inputs import RISING_SPAN, make_inputs, make_rising_inputs
 from mlasandbox.reference import decode
-from mlasandbox.schedule import (AccuracyRow, accuracy_study, judge_study, run_schedule)
+from mlasandbox.schedule import (AccuracyRow, accuracy_study, judge_study, run_schedule,
+                                 splits_with_power)
 from mlasandbox.splits import SPLIT_MIN_CTX, plan_splits, slice_bounds
 from tolerances import f32_error_scale
 
@@ -107,6 +108,18 @@ def test_below_the_split_gate_a_missing_rescale_is_invisible(seeds):
     np.testing.assert_array_equal(with_rescale.lse, without.lse)
 
 
+@pytest.mark.parametrize("n_ctx, s", [(1, 4), (2, 4), (3, 2), (5, 4), (9, 1), (64, 64)])
+def test_the_control_has_power_exactly_where_two_slices_hold_positions(n_ctx, s, seeds):
+    # splits_with_power decides which study rows carry the negative control: it must say
+    # yes exactly where dropping the rescale changes the latent (two or more non-empty
+    # slices, whose maxima differ on random scores), no where it changes no bit
+    inp = make_inputs(SHARD, n_alloc=n_ctx, seed=seeds.one())
+    with_rescale = run_schedule(**inp.decode_args(), schedule="split", splits=s).latent
+    without = run_schedule(**inp.decode_args(), schedule="split", splits=s,
+                           rescale=False).latent
+    assert splits_with_power(n_ctx, s) == (not np.array_equal(with_rescale, without)), seeds
+
+
 def _row(**kw):
     base = dict(n_ctx=DEPTH, seed=0, splits=22, unsplit=2e-6, split=3e-7, split_no_rescale=0.3)
     base.update(kw)
@@ -119,6 +132,7 @@ def _row(**kw):
     ([_row(split=2e-4)], "split relL2"),
     ([_row(unsplit=float("nan"))], "unsplit relL2"),
     ([_row(splits=1, split=2e-6, split_no_rescale=float("nan"))], "never ran"),
+    ([_row(n_ctx=1, splits=4, split=2e-6, split_no_rescale=float("nan"))], "never ran"),
 ])
 def test_the_study_verdict_catches_each_kind_of_failure(rows, complaint):
     assert judge_study([_row()]).ok  # the baseline row passes...
