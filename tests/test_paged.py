@@ -232,8 +232,8 @@ def _brute_unit(lengths, max_chunks, tile, min_chunk, target):
     return ok[0] if ok else hi
 
 
-def test_chunks_cover_each_request_once_in_whole_tiles():
-    rng = np.random.default_rng(0)
+def test_chunks_cover_each_request_once_in_whole_tiles(seeds):
+    rng = np.random.default_rng(seeds.one())
     lengths = np.concatenate([[0, 1, 63, 64, 65, 255, 256, 257, 4095, 4096, 4097, 131072],
                               rng.integers(0, 200_000, 200)])
     for max_chunks, target in ((1, 132), (2, 264), (7, 50), (22, 132), (132, 132),
@@ -243,18 +243,18 @@ def test_chunks_cover_each_request_once_in_whole_tiles():
         for length, k, c in zip(lengths, n, clen):
             spans = [chunk_bounds(int(length), int(c), j) for j in range(max_chunks)]
             live = [s for s in spans if s[1] > s[0]]
-            assert len(live) == k                     # exactly the counted chunks run
-            assert sum(e - s for s, e in live) == length
+            assert len(live) == k, seeds              # exactly the counted chunks run
+            assert sum(e - s for s, e in live) == length, seeds
             assert all(a[1] == b[0] for a, b in zip(live, live[1:]))  # contiguous, in order
             assert (k == 0) == (length == 0)
             assert length == 0 or (k - 1) * c < length <= k * c
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_search_finds_the_smallest_balanced_unit(seed):
+@pytest.mark.parametrize("draw", range(12))
+def test_the_search_finds_the_smallest_balanced_unit(draw, seeds):
     # three candidates a step: ranges [lo, hi] of 1 to thousands of values (a few requests
     # far longer than the rest at small targets) reach every branch of the step
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng(seeds.one())
     batch = int(rng.integers(1, 200))
     lengths = np.clip(rng.normal(8192, 6000, batch), 0, None).astype(int)
     lengths[rng.random(batch) < 0.2] = 0                  # empty requests among them
@@ -262,7 +262,8 @@ def test_the_search_finds_the_smallest_balanced_unit(seed):
     for max_chunks, target in ((1, 132), (3, 40), (9, 132), (64, 132), (256, 264),
                                (5, 7), (2, 300), (132, 792)):
         got = batch_chunk_unit(lengths, max_chunks, 64, 64, target)
-        assert got == _brute_unit(lengths, max_chunks, 64, 64, target)
+        assert got == _brute_unit(lengths, max_chunks, 64, 64, target), (max_chunks, target,
+                                                                         seeds)
 
 
 def test_one_request_takes_the_closed_form_and_it_equals_the_search():
@@ -277,27 +278,34 @@ def test_one_request_takes_the_closed_form_and_it_equals_the_search():
             assert single_request_unit(length, 64, min_chunk, target) == want
             assert batch_chunk_unit([length], max_chunks, 64, min_chunk, target) == want
     # negative control: with two requests or more the search is needed; its lower end (the
-    # closed form's expression over the batch) is not its answer at B = 32 x N(8192, 4096)
+    # closed form's expression over the batch) is not its answer at B = 32 x N(8192, 4096).
+    # A fixed draw (docs/schedule.md's): a fresh one could, rarely, land on lo itself.
     rng = np.random.default_rng(3)
     batch = np.clip(np.round(rng.normal(8192, 4096, 32)), 0, None).astype(int)
     lo = -(-(-(-batch // 64)).sum() // 132)
     assert batch_chunk_unit(batch, 9, 64, 64, 132) > lo
 
 
-def test_the_balance_fills_one_wave_and_long_requests_take_the_chunks():
+@pytest.mark.parametrize("draw", range(8))
+def test_the_balance_fills_one_wave_and_long_requests_take_the_chunks(draw, seeds):
     # B = 32, lengths N(8192, 4096), 16 heads on 132 SMs: the case the per-request cap left
     # at twice the ideal critical path (every request cut into 4, the longest's chunks long)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(seeds.one())
     lengths = np.clip(np.round(rng.normal(8192, 4096, 32)), 0, None).astype(int)
     plan = plan_chunks(32, 1, num_sms=132, blocks_per_sm=1, tile=64)
     assert plan.max_chunks == 9 and plan.target == 132 and plan.grid == (1, 132, 1)
     n, clen = plan.for_lengths(lengths)
-    assert n.sum() <= 132                                  # one wave of programs
-    ideal = -(-(-(-lengths // 64)).sum() // 132)           # tiles a program at perfect balance
-    assert clen.max() // 64 <= 1.2 * ideal
-    order = np.argsort(lengths)
-    assert n[order[-1]] > n[order[0]]                      # the longest takes more chunks
-    assert (np.diff(n[order]) >= 0).all()                  # never fewer for a longer request
+    assert n.sum() <= 132, seeds                           # one wave of programs
+    # The critical path's bound: the unit u = ceil(total / (target - busy)) tiles fits, since
+    # sum ceil(t_b / u) <= total / u + busy <= target, so the search's u is no longer; a
+    # request capped at 9 chunks runs ceil(t_b / 9) tiles a chunk, which may exceed u.
+    t = -(-lengths // 64)
+    busy = int((t > 0).sum())
+    bound = max(-(-int(t.sum()) // (132 - busy)), -(-int(t.max()) // 9))
+    assert clen.max() // 64 <= bound, (clen.max() // 64, bound, seeds)
+    order = np.argsort(lengths, kind="stable")
+    assert n[order[-1]] > n[order[0]], seeds               # the longest takes more chunks
+    assert (np.diff(n[order]) >= 0).all(), seeds           # never fewer for a longer request
     req, chunk = plan.program_chunks(lengths)              # program p: the p-th chunk
     assert len(req) == 132 and (req[:n.sum()] >= 0).all() and (req[n.sum():] == -1).all()
     for b in range(32):

@@ -366,3 +366,25 @@ def test_predict_us_follows_waves_and_the_bandwidth_bound():
                                 + plan.tiles_per_block() * per_sm * s.sm_tile_us)
     with pytest.raises(ValueError, match="no latency model"):
         latency_model("cublas", 1)
+
+
+def test_predict_us_pays_each_wave_in_full():
+    # 16 heads x 4 slices of 8192 = 64 blocks of one head, 64 tiles of 32 positions each,
+    # one block an SM (blocks_per_sm = 1). On 64 SMs that is one wave; on 16, 8 and 4 SMs
+    # the same blocks run in 4, 8 and 16 waves, each wave the same one-block-an-SM work, so
+    # the time past the launch is exactly that many times one wave's: fixed + 64 tiles, a
+    # tile at the model's one-block latency (its bytes, 32 x 576 x 2 B at a few TB/s, take
+    # ~0.01 us: not the bound).
+    from mlasandbox.splits import latency_model, predict_us
+
+    m = latency_model("split", 1)
+
+    def past_launch(num_sms):
+        plan = plan_splits(8192, 16, 1, num_sms=num_sms, blocks_per_sm=1, splits=4)
+        assert plan.blocks == 64 and plan.tiles_per_block() == 64 and plan.tile == 32
+        return predict_us(plan, "split")["attn"] - m.launch_us
+
+    one_wave = m.fixed_us + 64 * m.tile_us
+    assert past_launch(64) == pytest.approx(one_wave)
+    for num_sms, waves in ((16, 4), (8, 8), (4, 16)):
+        assert past_launch(num_sms) == pytest.approx(waves * one_wave), num_sms
