@@ -37,6 +37,7 @@ from .chunks import CHUNK_CAP, plan_chunks
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .noise import control_report, verdict
+from .auto_variant import AutoFacts
 from .paged_api import PAGE_SIZES, paged_variant
 from .paged_inputs import parse_lengths
 from .peers import PEER_NAMES, PeerUnavailable
@@ -208,8 +209,10 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
     rows, problems = [], []
     n_rows = cfg.s_q * cfg.dims.n_head
     qd = q_dtype_of(cfg.q_dtype, cfg.cache_dtype)
+    # "auto" as on the device this report models (an H200: sm_90, num_sms SMs)
+    facts = AutoFacts.of_lengths(cfg.lengths, cfg.page_size, qd, cfg.cache_dtype)
     for name in cfg.variants:
-        v = paged_variant(name, cfg.s_q, cfg.dims.n_head)
+        v = paged_variant(name, cfg.s_q, cfg.dims.n_head, facts)
         try:
             inst = registry.attention_instance(v, cfg.cache_dtype, qd)
             bps = blocks_per_sm

@@ -41,6 +41,7 @@ import math
 import numpy as np
 
 from . import interop, registry, tensor_map
+from .auto_variant import AutoFacts, auto_name
 from .api import (DEFAULT_BATCHED_HPB, SINGLE_PASS_FAMILIES, check_device_array,
                   scratch_for_device)
 from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
@@ -72,9 +73,11 @@ def paged_variant_names() -> list[str]:
             if v.family in PAGED_FAMILIES or not v.is_cuda] + list(registry.PAGED_ONLY_VARIANTS)
 
 
-def paged_variant(name: str, s_q: int, n_head: int) -> registry.Variant:
-    """The Variant of `name` for the paged step: "auto" is mma16 when the s_q x H query rows
-    fit one 16-row tile, else mma32; "batched" is batched<DEFAULT_BATCHED_HPB>."""
+def paged_variant(name: str, s_q: int, n_head: int,
+                  facts: AutoFacts | None = None) -> registry.Variant:
+    """The Variant of `name` for the paged step: "auto" is auto_variant.auto_name's choice
+    (mma16 for at most 16 query rows; wgmma64 on an sm_90 device where `facts` say the step
+    is large enough; else mma32); "batched" is batched<DEFAULT_BATCHED_HPB>."""
     if getattr(name, "family", None) == "user" or (isinstance(name, str) and name.split(
             ":", 1)[0].endswith(".cu")):   # a user kernel (sandbox/user_kernel.py)
         from .user_kernel import load_kernel
@@ -83,7 +86,7 @@ def paged_variant(name: str, s_q: int, n_head: int) -> registry.Variant:
     if not isinstance(name, str):
         raise TypeError(f"variant must be a name, got {name!r}")
     if name == "auto":
-        name = "mma16" if s_q * n_head <= 16 else "mma32"
+        name = auto_name(s_q, n_head, facts)
     known = ", ".join(["auto", *paged_variant_names()])
     if name in registry.PAGED_ONLY_VARIANTS:   # wgmma64: the sm_90a kernel, paged only
         return registry.PAGED_ONLY_VARIANTS[name]
@@ -158,7 +161,9 @@ class PagedDecodeStep:
                                                     wv_b, scale=scale, causal=causal)
         sh = self.shape
         self.causal = bool(causal)
-        self.variant = var = paged_variant(variant, sh.s_q, sh.n_head)
+        # "auto" here is the device-free choice; it is refined below once the device is known
+        # (both choices are CUDA variants: the checks of this block hold for either)
+        var = paged_variant(variant, sh.s_q, sh.n_head)
         self.page_shift = None
         if var.is_cuda:
             self.page_shift = check_page_size(sh.page_size)
@@ -171,6 +176,11 @@ class PagedDecodeStep:
             {"q": q, "kv_cache": kv_cache, "block_table": block_table,
              "cache_seqlens": cache_seqlens, "wv_b": wv_b})
         self.device_id = self.caller.device_id
+        if isinstance(variant, str) and variant == "auto" and merge_in_attn is not True:
+            # (merge_in_attn=True asks for the mma kernels' own merge: the device-free choice)
+            var = paged_variant(variant, sh.s_q, sh.n_head,
+                                AutoFacts.of(sh, device_info(self.device_id).arch))
+        self.variant = var
         self._stream = None   # the capture stream while capture() runs
         self.guard = PhaseGuard(var.name, sync_check=sync_check)
         self.pdl = bool(pdl)

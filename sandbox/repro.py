@@ -48,6 +48,7 @@ from .geometry import theoretical_blocks_per_sm
 from .kernels import blocks_per_sm, device_info
 from .limits import check_problem
 from .chunks import plan_chunks
+from .auto_variant import AutoFacts
 from .paged_api import check_page_size, paged_variant
 from .paged_inputs import parse_lengths
 from .repro_template import (ENGINE_WRAPPER, HELPERS, NO_ENGINE, PAGED_TEMPLATE, TEMPLATE,
@@ -449,22 +450,26 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
         raise ValueError(f"s_q must be an integer >= 1, got {s_q!r}")
     lens = tuple(int(n) for n in parse_lengths(lengths, batch, seed))
     check_page_size(page_size)
-    var = paged_variant(variant, s_q, dims.n_head)
-    if not var.is_cuda:
-        raise ValueError("the paged repro reproduces the CUDA kernels; the cublas engine has "
-                         "no paged kernel of its own")
     if cache not in ("f16", "bf16"):
         raise ValueError(f"cache dtype must be f16 or bf16, got {cache!r}")
     q = cache if q == "cache" else q
     if q not in ("f32", cache):
         raise ValueError(f"q dtype must be f32 or the cache dtype ({cache}), got {q!r}")
+    if arch is not None:
+        check_arch(arch, "arch")
+    # "auto" as decode_paged would pick it on the target: the given arch, else this GPU's,
+    # else the H200 the plan below models
+    target = arch or (toolkit.arch_of_device() if toolkit.device_available()[0] else "sm_90")
+    var = paged_variant(variant, s_q, dims.n_head,
+                        AutoFacts.of_lengths(lens, page_size, q, cache, target))
+    if not var.is_cuda:
+        raise ValueError("the paged repro reproduces the CUDA kernels; the cublas engine has "
+                         "no paged kernel of its own")
     chunks = None
     if splits not in ("auto", None):
         if isinstance(splits, bool) or int(splits) != splits or splits < 1:
             raise ValueError(f"splits must be 'auto' or an integer >= 1, got {splits!r}")
         chunks = int(splits)
-    if arch is not None:
-        check_arch(arch, "arch")
     attn, _ = _paged_instances(var, cache, q, not negative_control)
     need = None if arch is None else instance_needs(arch, attn)
     if need:

@@ -162,7 +162,7 @@ class TensorParallelStep:
 
         from .kernels import blocks_per_sm, device_info
         from .paged import check_paged_inputs
-        from .paged_api import PagedDecodeStep
+        from .paged_api import PagedDecodeStep, paged_variant
 
         self.xp = cupy
         shape, _ = check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b,
@@ -170,6 +170,9 @@ class TensorParallelStep:
         dev = cupy.cuda.Device().id
         facts = self._facts(variant, shape.cache_dtype, shape.q_dtype, blocks_per_sm)
         chunks = self._chunks(variant, splits, facts, device_info(dev).num_sms)
+        if isinstance(variant, str) and variant == "auto":
+            # the device-free choice the band's plan above was made for
+            variant = paged_variant(variant, self.s_q, self.band.heads).name
         self.step = PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b,
                                     causal=causal, variant=variant, splits=chunks,
                                     scale=scale, sync_check=sync_check)

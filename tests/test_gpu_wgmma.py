@@ -320,3 +320,29 @@ def test_wgmma64_refuses_an_f32_q():
     inp = _inputs(Case("wgmma64", 16, (10,), cache="bf16", q="f32"), fresh_seed())
     with pytest.raises(ValueError, match="q in the cache dtype"):
         mla.decode_paged(**inp.decode_args(), variant="wgmma64")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("lengths, q, want", [
+    ((16384,), "bf16", "wgmma64"),   # 128 rows x 16384 of room: 2^21 row-positions
+    ((8192,), "bf16", "mma32"),      # 2^20: below the measured crossover
+    ((16384,), "f32", "mma32"),      # wgmma64 takes q in the cache dtype only
+])
+def test_auto_runs_wgmma64_where_this_device_has_it_and_the_step_is_large(lengths, q, want):
+    # the same words as the named variant's step: auto runs that kernel, not another one
+    # that also passes the reference
+    import cupy as cp
+
+    import mlasandbox as mla
+
+    inp = _inputs(Case("wgmma64", 128, lengths, page_size=64, cache="bf16", q=q),
+                  fresh_seed())
+    auto = mla.PagedDecodeStep(**inp.decode_args())
+    named = mla.PagedDecodeStep(**inp.decode_args(), variant=want)
+    assert auto.variant.name == want and auto.attn_inst == named.attn_inst
+    res = auto.run()
+    got = [cp.asnumpy(res.latent), cp.asnumpy(res.lse)]
+    res = named.run()
+    assert np.array_equal(got[0], cp.asnumpy(res.latent))
+    assert np.array_equal(got[1], cp.asnumpy(res.lse))

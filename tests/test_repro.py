@@ -356,6 +356,19 @@ def test_the_paged_negative_control_needs_a_split_request(paged_registry):
     assert case.negative_control and case.plan["max_chunks"] == 4
 
 
+def test_a_paged_repro_of_auto_pins_what_decode_paged_runs_on_its_target(paged_registry):
+    # the target: --arch, else this GPU, else the H200 the plan models; the table is the one
+    # the script builds (room for the longest request)
+    big = dict(batch=4, lengths="4096", heads=128, q="cache")
+    here = toolkit.arch_of_device() if HAVE_GPU else "sm_90"
+    want = "wgmma64" if here == "sm_90" else "mma32"
+    assert repro.make_paged_case("auto", **big).variant == want
+    assert repro.make_paged_case("auto", arch="sm_90", **big).variant == "wgmma64"
+    assert repro.make_paged_case("auto", arch="sm_80", **big).variant == "mma32"
+    assert repro.make_paged_case("auto", **{**big, "q": "f32"}).variant == "mma32"
+    assert repro.make_paged_case("auto", **{**big, "lengths": "2048"}).variant == "mma32"
+
+
 @pytest.mark.parametrize("kw,words", [
     ({"variant": "per_head"}, "batch 1"), ({"page_size": 32}, "page_size"),
     ({"lengths": "-3"}, "outside 0.."), ({"variant": "cublas"}, "cublas"), ({"s_q": 0}, "s_q"),

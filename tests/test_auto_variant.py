@@ -1,0 +1,69 @@
+"""`variant="auto"` of the paged step (sandbox/auto_variant.py): the rule, on the shapes its
+thresholds were measured at (no GPU needed; test_gpu_wgmma.py runs it on the device)."""
+from __future__ import annotations
+
+import pytest
+
+from mlasandbox.auto_variant import (WGMMA_MIN_LENGTH, WGMMA_MIN_WORK, AutoFacts, auto_name)
+from mlasandbox.dims import Dims
+from mlasandbox.paged import PagedShape
+
+
+def h200(batch, max_len, q16=True):
+    return AutoFacts("sm_90", q16, batch, max_len)
+
+
+# (batch, room, heads, s_q) -> what won on the H200 (the module docstring's figures)
+@pytest.mark.parametrize("batch, room, heads, s_q, want", [
+    (1, 16384, 128, 1, "wgmma64"),    # 42.2 / 36.2 us
+    (4, 4096, 128, 1, "wgmma64"),     # 43.5 / 35.6
+    (128, 4096, 128, 1, "wgmma64"),   # 807 / 255
+    (128, 4096, 128, 2, "wgmma64"),   # s_q 2
+    (1, 131072, 64, 1, "wgmma64"),    # 115.9 / 66.8
+    (1, 131072, 32, 1, "wgmma64"),    # 71.7 / 64.4
+    (1, 8192, 128, 1, "mma32"),       # 29.9 / 30.5
+    (2, 4096, 128, 1, "mma32"),       # 31.5 / 31.1
+    (1, 16384, 64, 1, "mma32"),       # 31.7 / 33.7
+    (1, 32768, 32, 1, "mma32"),       # 34.4 / 36.4
+    (32, 512, 128, 1, "mma32"),       # 41.2 / 54.1: short requests
+    (8, 1024, 128, 1, "mma32"),       # 31.4 / 32.5
+    (1, 131072, 16, 1, "mma16"),      # 16 rows: mma16 whatever the size
+    (128, 4096, 4, 4, "mma16"),
+])
+def test_auto_picks_what_won_on_the_h200(batch, room, heads, s_q, want):
+    assert auto_name(s_q, heads, h200(batch, room)) == want
+
+
+def test_auto_keeps_the_mma_kernels_where_wgmma64_cannot_run():
+    big = (128, 4096)
+    assert auto_name(1, 128, h200(*big)) == "wgmma64"          # the control: it would
+    assert auto_name(1, 128, h200(*big, q16=False)) == "mma32"  # f32 q
+    for arch in ("sm_80", "sm_89", "sm_100"):                 # no wgmma.mma_async
+        assert auto_name(1, 128, AutoFacts(arch, True, *big)) == "mma32", arch
+    assert auto_name(1, 128) == "mma32"                        # no device facts
+
+
+def test_the_thresholds_are_inclusive_and_both_bind():
+    rows = 128
+    at = WGMMA_MIN_WORK // rows                  # room of one request at the work threshold
+    assert at >= WGMMA_MIN_LENGTH
+    assert auto_name(1, rows, h200(1, at)) == "wgmma64"
+    assert auto_name(1, rows, h200(1, at - 64)) == "mma32"
+    # the length threshold alone: a batch whose work is far over, requests too short
+    short = WGMMA_MIN_LENGTH - 64
+    assert rows * short * 1000 >= WGMMA_MIN_WORK
+    assert auto_name(1, rows, h200(1000, short)) == "mma32"
+    assert auto_name(1, rows, h200(1000, WGMMA_MIN_LENGTH)) == "wgmma64"
+
+
+def test_facts_from_a_shape_and_from_host_lengths():
+    shape = PagedShape(batch=3, s_q=1, num_pages=10, page_size=64, max_pages=70,
+                       dims=Dims(n_head=128), cache_dtype="bf16", q_dtype="bf16",
+                       has_wv_b=False)
+    assert AutoFacts.of(shape, "sm_90") == AutoFacts("sm_90", True, 3, 70 * 64)
+    f32 = PagedShape(**{**shape.__dict__, "q_dtype": "f32"})
+    assert not AutoFacts.of(f32, "sm_90").q_in_cache_dtype
+    # the table make_paged_inputs builds: room for the longest request, at least a page
+    assert AutoFacts.of_lengths([100, 4097, 0], 64, "f16", "f16") == \
+        AutoFacts("sm_90", True, 3, 65 * 64)
+    assert AutoFacts.of_lengths([0, 0], 16, "f32", "f16").max_len == 16
