@@ -5,32 +5,38 @@
 
 * At most 16 query rows (s_q x heads): `mma16`. It beats wgmma64, whose 64-row tile would be
   three quarters padding, at every measured context (docs/wgmma-deep-dive.md).
-* Otherwise `wgmma64` where it can run and the step is large enough to pay for its start:
-  an sm_90 device (wgmma.mma_async is sm_90a only), q in the cache dtype (the kernel's only
-  q), every request's room in the table (max_pages x page_size) at least
-  WGMMA_MIN_LENGTH positions, and rows x that room x batch at least WGMMA_MIN_WORK.
-  Else `mma32`.
+* A small step, rows x each request's room in the table (max_pages x page_size) x batch
+  below LARGE_STEP, with q in the cache dtype: `mma16` too, its 16-row blocks several to a
+  head group. There every block is a few tiles of latency, and more, smaller blocks finish
+  first.
+* A large step: `wgmma64` where it can run and pays for its start: an sm_90 device
+  (wgmma.mma_async is sm_90a only), q in the cache dtype (the kernel's only q) and a room of
+  at least WGMMA_MIN_LENGTH positions. Else `mma32`, which reads each tile for 32 rows
+  where mma16 reads it for 16.
 
-The thresholds are the crossover measured on the H200 (2026-12-04,
-results/h200-2026-12-04-ef6b5c5, `cross_*` and `depth_*`; latent graphs, us, mma32 /
-wgmma64, B x context x heads): at 2^20 row-positions the two tie or mma32 leads (1 x 8192 x
-128: 29.9 / 30.5; 2 x 4096 x 128: 31.5 / 31.1; 1 x 16384 x 64: 31.7 / 33.7; 1 x 32768 x 32:
-34.4 / 36.4), at 2^21 wgmma64 leads (1 x 16384 x 128: 42.2 / 36.2; 4 x 4096 x 128: 43.5 /
-35.6; 1 x 131072 x 32: 71.7 / 64.4), and far above it by up to 3x (128 x 4096 x 128: 807 at
-3b79d36 / 255 at bec552f, docs/results.md); short requests keep mma32 ahead whatever the
-batch (32 x 512 x 128: 41.2 / 54.1). The room in the table stands for the lengths: they live
-on the device and change between replays of one graph, and the step is planned for that
-room.
+The thresholds are the crossovers measured on the H200 (2026-12-04,
+results/h200-2026-12-04-ef6b5c5, `short_*`, `cross_*` and `depth_*`; latent graphs, us,
+mma16 / mma32 / wgmma64, B x context x heads, q in the cache dtype; mma16 and mma32 side by
+side in `short_*`, wgmma64 from the `cross_*` and `depth_*` runs): up to 2^20
+row-positions mma16 leads or ties (1 x 64 x 128: 11.8 / 18.4 / 22.5; 1 x 4096 x 128: 23.1 /
+24.3 / 30.7; 1 x 8192 x 128: 30.5 / 30.4 / 30.5; 2 x 4096 x 128: 29.7 / 31.4 / 31.1; 8 x
+1024 x 128: 30.5 / 30.9 / 32.5; 1 x 16384 x 64: 29.6 / 31.9 / 33.7; 1 x 32768 x 32: 30.7 /
+34.4 / 36.4); at 2^21 wgmma64 leads (1 x 16384 x 128: 45.2 / 42.2 / 36.2; 4 x 4096 x 128:
+mma32 43.5 / wgmma64 35.6; 1 x 131072 x 32: mma32 71.7 / wgmma64 64.4), and far above it by up to 3x (128 x
+4096 x 128: mma16 970, mma32 800, wgmma64 255 at bec552f), but short requests keep mma32
+ahead (32 x 512 x 128: 45.4 / 41.1 / 54.1). An f32 q was not measured: it keeps mma32. The
+room in the table stands for the lengths: they live on the device and change between replays
+of one graph, and the step is planned for that room.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AutoFacts", "auto_name", "WGMMA_MIN_LENGTH", "WGMMA_MIN_WORK", "WGMMA_ARCH"]
+__all__ = ["AutoFacts", "auto_name", "LARGE_STEP", "WGMMA_MIN_LENGTH", "WGMMA_ARCH"]
 
 WGMMA_ARCH = "sm_90"          # the devices wgmma64 runs on (built for sm_90a)
-WGMMA_MIN_LENGTH = 4096       # positions of room a request, at least
-WGMMA_MIN_WORK = 1 << 21      # query rows x positions of room x batch, at least
+LARGE_STEP = 1 << 21          # query rows x positions of room x batch: a large step from here
+WGMMA_MIN_LENGTH = 4096       # positions of room a request, at least, for wgmma64
 
 
 @dataclass(frozen=True)
@@ -63,8 +69,10 @@ def auto_name(s_q: int, n_head: int, facts: AutoFacts | None = None) -> str:
     rows = s_q * n_head
     if rows <= 16:
         return "mma16"
-    if (facts is not None and facts.arch == WGMMA_ARCH and facts.q_in_cache_dtype
-            and facts.max_len >= WGMMA_MIN_LENGTH
-            and rows * facts.max_len * facts.batch >= WGMMA_MIN_WORK):
+    if facts is None or not facts.q_in_cache_dtype:
+        return "mma32"
+    if rows * facts.max_len * facts.batch < LARGE_STEP:
+        return "mma16"
+    if facts.arch == WGMMA_ARCH and facts.max_len >= WGMMA_MIN_LENGTH:
         return "wgmma64"
     return "mma32"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlasandbox.auto_variant import (WGMMA_MIN_LENGTH, WGMMA_MIN_WORK, AutoFacts, auto_name)
+from mlasandbox.auto_variant import LARGE_STEP, WGMMA_MIN_LENGTH, AutoFacts, auto_name
 from mlasandbox.dims import Dims
 from mlasandbox.paged import PagedShape
 
@@ -13,20 +13,23 @@ def h200(batch, max_len, q16=True):
     return AutoFacts("sm_90", q16, batch, max_len)
 
 
-# (batch, room, heads, s_q) -> what won on the H200 (the module docstring's figures)
+# (batch, room, heads, s_q) -> what won on the H200 (the module docstring's figures, us,
+# mma16 / mma32 / wgmma64)
 @pytest.mark.parametrize("batch, room, heads, s_q, want", [
-    (1, 16384, 128, 1, "wgmma64"),    # 42.2 / 36.2 us
-    (4, 4096, 128, 1, "wgmma64"),     # 43.5 / 35.6
-    (128, 4096, 128, 1, "wgmma64"),   # 807 / 255
+    (1, 64, 128, 1, "mma16"),         # 11.8 / 18.4 / 22.5
+    (1, 4096, 128, 1, "mma16"),       # 23.1 / 24.3 / 30.7
+    (1, 8192, 128, 1, "mma16"),       # 30.5 / 30.4 / 30.5: a tie
+    (2, 4096, 128, 1, "mma16"),       # 29.7 / 31.4 / 31.1
+    (8, 1024, 128, 1, "mma16"),       # 30.5 / 30.9 / 32.5
+    (1, 16384, 64, 1, "mma16"),       # 29.6 / 31.9 / 33.7
+    (1, 32768, 32, 1, "mma16"),       # 30.7 / 34.4 / 36.4
+    (1, 16384, 128, 1, "wgmma64"),    # 45.2 / 42.2 / 36.2
+    (4, 4096, 128, 1, "wgmma64"),     # - / 43.5 / 35.6
+    (128, 4096, 128, 1, "wgmma64"),   # 970 / 800 / 255
     (128, 4096, 128, 2, "wgmma64"),   # s_q 2
-    (1, 131072, 64, 1, "wgmma64"),    # 115.9 / 66.8
-    (1, 131072, 32, 1, "wgmma64"),    # 71.7 / 64.4
-    (1, 8192, 128, 1, "mma32"),       # 29.9 / 30.5
-    (2, 4096, 128, 1, "mma32"),       # 31.5 / 31.1
-    (1, 16384, 64, 1, "mma32"),       # 31.7 / 33.7
-    (1, 32768, 32, 1, "mma32"),       # 34.4 / 36.4
-    (32, 512, 128, 1, "mma32"),       # 41.2 / 54.1: short requests
-    (8, 1024, 128, 1, "mma32"),       # 31.4 / 32.5
+    (1, 131072, 64, 1, "wgmma64"),    # - / 115.9 / 66.8
+    (1, 131072, 32, 1, "wgmma64"),    # - / 71.7 / 64.4
+    (32, 512, 128, 1, "mma32"),       # 45.4 / 41.1 / 54.1: large, short requests
     (1, 131072, 16, 1, "mma16"),      # 16 rows: mma16 whatever the size
     (128, 4096, 4, 4, "mma16"),
 ])
@@ -40,18 +43,20 @@ def test_auto_keeps_the_mma_kernels_where_wgmma64_cannot_run():
     assert auto_name(1, 128, h200(*big, q16=False)) == "mma32"  # f32 q
     for arch in ("sm_80", "sm_89", "sm_100"):                 # no wgmma.mma_async
         assert auto_name(1, 128, AutoFacts(arch, True, *big)) == "mma32", arch
+        assert auto_name(1, 128, AutoFacts(arch, True, 1, 64)) == "mma16", arch
     assert auto_name(1, 128) == "mma32"                        # no device facts
+    assert auto_name(1, 128, h200(1, 64, q16=False)) == "mma32"  # f32 q: not measured
 
 
 def test_the_thresholds_are_inclusive_and_both_bind():
     rows = 128
-    at = WGMMA_MIN_WORK // rows                  # room of one request at the work threshold
+    at = LARGE_STEP // rows                      # room of one request at the large step
     assert at >= WGMMA_MIN_LENGTH
     assert auto_name(1, rows, h200(1, at)) == "wgmma64"
-    assert auto_name(1, rows, h200(1, at - 64)) == "mma32"
-    # the length threshold alone: a batch whose work is far over, requests too short
+    assert auto_name(1, rows, h200(1, at - 64)) == "mma16"
+    # the length threshold alone: a batch far over the large step, requests too short
     short = WGMMA_MIN_LENGTH - 64
-    assert rows * short * 1000 >= WGMMA_MIN_WORK
+    assert rows * short * 1000 >= LARGE_STEP
     assert auto_name(1, rows, h200(1000, short)) == "mma32"
     assert auto_name(1, rows, h200(1000, WGMMA_MIN_LENGTH)) == "wgmma64"
 

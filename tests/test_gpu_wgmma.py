@@ -325,11 +325,12 @@ def test_wgmma64_refuses_an_f32_q():
 @gpu
 @sm90
 @pytest.mark.parametrize("lengths, q, want", [
-    ((16384,), "bf16", "wgmma64"),   # 128 rows x 16384 of room: 2^21 row-positions
-    ((8192,), "bf16", "mma32"),      # 2^20: below the measured crossover
-    ((16384,), "f32", "mma32"),      # wgmma64 takes q in the cache dtype only
+    ((16384,), "bf16", "wgmma64"),      # 128 rows x 16384 of room: 2^21 row-positions
+    ((8192,), "bf16", "mma16"),         # 2^20: a small step
+    ((500,) * 32, "bf16", "mma32"),     # 128 x 512 x 32 = 2^21, requests too short for wgmma64
+    ((16384,), "f32", "mma32"),         # wgmma64 takes q in the cache dtype only
 ])
-def test_auto_runs_wgmma64_where_this_device_has_it_and_the_step_is_large(lengths, q, want):
+def test_auto_runs_the_kernel_its_rule_names_on_this_device(lengths, q, want):
     # the same words as the named variant's step: auto runs that kernel, not another one
     # that also passes the reference
     import cupy as cp

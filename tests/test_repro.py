@@ -366,7 +366,9 @@ def test_a_paged_repro_of_auto_pins_what_decode_paged_runs_on_its_target(paged_r
     assert repro.make_paged_case("auto", arch="sm_90", **big).variant == "wgmma64"
     assert repro.make_paged_case("auto", arch="sm_80", **big).variant == "mma32"
     assert repro.make_paged_case("auto", **{**big, "q": "f32"}).variant == "mma32"
-    assert repro.make_paged_case("auto", **{**big, "lengths": "2048"}).variant == "mma32"
+    assert repro.make_paged_case("auto", **{**big, "lengths": "2048"}).variant == "mma16"
+    assert repro.make_paged_case("auto", **{**big, "batch": 32, "lengths": "512"}).variant \
+        == "mma32"
 
 
 @pytest.mark.parametrize("kw,words", [
