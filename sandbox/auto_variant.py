@@ -14,19 +14,11 @@
   at least WGMMA_MIN_LENGTH positions. Else `mma32`, which reads each tile for 32 rows
   where mma16 reads it for 16.
 
-The thresholds are the crossovers measured on the H200 (2026-12-04,
-results/h200-2026-12-04-ef6b5c5, `short_*`, `cross_*` and `depth_*`; latent graphs, us,
-mma16 / mma32 / wgmma64, B x context x heads, q in the cache dtype; mma16 and mma32 side by
-side in `short_*`, wgmma64 from the `cross_*` and `depth_*` runs): up to 2^20
-row-positions mma16 leads or ties (1 x 64 x 128: 11.8 / 18.4 / 22.5; 1 x 4096 x 128: 23.1 /
-24.3 / 30.7; 1 x 8192 x 128: 30.5 / 30.4 / 30.5; 2 x 4096 x 128: 29.7 / 31.4 / 31.1; 8 x
-1024 x 128: 30.5 / 30.9 / 32.5; 1 x 16384 x 64: 29.6 / 31.9 / 33.7; 1 x 32768 x 32: 30.7 /
-34.4 / 36.4); at 2^21 wgmma64 leads (1 x 16384 x 128: 45.2 / 42.2 / 36.2; 4 x 4096 x 128:
-mma32 43.5 / wgmma64 35.6; 1 x 131072 x 32: mma32 71.7 / wgmma64 64.4), and far above it by up to 3x (128 x
-4096 x 128: mma16 970, mma32 800, wgmma64 255 at bec552f), but short requests keep mma32
-ahead (32 x 512 x 128: 45.4 / 41.1 / 54.1). An f32 q was not measured: it keeps mma32. The
-room in the table stands for the lengths: they live on the device and change between replays
-of one graph, and the step is planned for that room.
+The thresholds are the crossovers measured on the H200, kernel against kernel on the same
+steps: docs/wgmma-deep-dive.md, "The batch-1 depth curve beside FlashMLA, and what `auto`
+runs". An f32 q was not measured: it keeps mma32. The room in the table stands for the
+lengths: they live on the device and change between replays of one graph, and the step is
+planned for that room.
 """
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from . import metrics, registry
+from .auto_variant import AutoFacts
 from .bench import SCHEMA as _DEPTH_SCHEMA
 from .bench import ControlPhase, aa_floor
 from .bench_config import check_dtypes_and_splits, q_dtype_of
@@ -37,7 +38,6 @@ from .chunks import CHUNK_CAP, plan_chunks
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .noise import control_report, verdict
-from .auto_variant import AutoFacts
 from .paged_api import PAGE_SIZES, paged_variant
 from .paged_inputs import parse_lengths
 from .peers import PEER_NAMES, PeerUnavailable

@@ -76,8 +76,8 @@ def paged_variant_names() -> list[str]:
 def paged_variant(name: str, s_q: int, n_head: int,
                   facts: AutoFacts | None = None) -> registry.Variant:
     """The Variant of `name` for the paged step: "auto" is auto_variant.auto_name's choice
-    (mma16 for at most 16 query rows; wgmma64 on an sm_90 device where `facts` say the step
-    is large enough; else mma32); "batched" is batched<DEFAULT_BATCHED_HPB>."""
+    for the rows and, where given, the device and step `facts`; "batched" is
+    batched<DEFAULT_BATCHED_HPB>."""
     if getattr(name, "family", None) == "user" or (isinstance(name, str) and name.split(
             ":", 1)[0].endswith(".cu")):   # a user kernel (sandbox/user_kernel.py)
         from .user_kernel import load_kernel

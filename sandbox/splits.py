@@ -121,12 +121,11 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
                 min_tiles: int = MIN_TILES_PER_SPLIT, tile: int = ATTN_TILE) -> SplitPlan:
     """The split plan for one step. `split=False` is per_head: always one slice.
     `min_ctx`: the split gate; None for default_gate(heads_per_block)."""
-    for name, value, low in (("n_ctx", n_ctx, 1), ("n_head", n_head, 1),
-                             ("heads_per_block", heads_per_block, 1), ("num_sms", num_sms, 1),
-                             ("blocks_per_sm", blocks_per_sm, 1), ("cap", cap, 1),
-                             ("min_tiles", min_tiles, 1), ("tile", tile, 1)):
-        if isinstance(value, bool) or int(value) != value or value < low:
-            raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+    n_ctx, n_head, heads_per_block, num_sms, blocks_per_sm, cap, min_tiles, tile = (
+        check_int(name, value, 1) for name, value in (
+            ("n_ctx", n_ctx), ("n_head", n_head), ("heads_per_block", heads_per_block),
+            ("num_sms", num_sms), ("blocks_per_sm", blocks_per_sm), ("cap", cap),
+            ("min_tiles", min_tiles), ("tile", tile)))
     check_problem(n_ctx=n_ctx, splits=splits)  # the kernels' int32 and grid limits
     head_blocks = -(-n_head // heads_per_block)
     slots = blocks_per_sm * num_sms

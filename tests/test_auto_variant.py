@@ -13,8 +13,8 @@ def h200(batch, max_len, q16=True):
     return AutoFacts("sm_90", q16, batch, max_len)
 
 
-# (batch, room, heads, s_q) -> what won on the H200 (the module docstring's figures, us,
-# mma16 / mma32 / wgmma64)
+# (batch, room, heads, s_q) -> what won on the H200 (docs/wgmma-deep-dive.md's crossover
+# table, us, mma16 / mma32 / wgmma64)
 @pytest.mark.parametrize("batch, room, heads, s_q, want", [
     (1, 64, 128, 1, "mma16"),         # 11.8 / 18.4 / 22.5
     (1, 4096, 128, 1, "mma16"),       # 23.1 / 24.3 / 30.7
