@@ -170,11 +170,23 @@ def test_every_split_count_matches_one_reference(variant, splits):
 
 @gpu
 def test_split_is_at_least_as_accurate_as_unsplit_at_20000():
-    """Lecture 2.1: per-slice partials are effectively pairwise summation."""
+    """Lecture 2.1: per-slice partials are effectively pairwise summation.
+
+    per_head's four warps each add a latent column over a quarter of the positions (a 5000-
+    term f32 chain) and merge; split(64)'s chains are 78 terms, then the four warps' merge and
+    the 64-term combine. An f32 chain's rms error grows like the square root of its length,
+    so the accumulation error alone would fall ~sqrt(5000 / 146) = 5.9x (mla_attn_rows.cu);
+    the scores' rounding, the same in both, dilutes that. Measured on the H200 (2026-12-04,
+    8a5b0f4, seeds 70000-70119 of this test's inputs): the gain unsplit / split had median
+    4.03, 2.5% of seeds below 3.16 and the lowest 2.83 (relL2 medians 7.5e-7 against 1.9e-7).
+    So every seed must be at least as accurate (a gain >= 1: the lecture's claim) and the
+    median of five must reach 2.5, which a split no better than unsplit (gain ~1) cannot: with
+    none of 120 seeds below 2.8, at most ~2.5% of seeds fall below 2.5 (the 95% bound from
+    0 of 120), and three of five do so at most 10 x 0.025^3 = 1.6e-4 of runs."""
     from mlasandbox.api import DecodeStep
 
     ratios = []
-    for _ in range(3):
+    for _ in range(5):
         inp, seed = device_inputs(Dims(n_head=16), 20000, "f16", "f32")
         ref = reference.decode(**inp.decode_args())
         errs = {}
@@ -185,7 +197,8 @@ def test_split_is_at_least_as_accurate_as_unsplit_at_20000():
         print(f"seed {seed}: relL2(latent) unsplit {errs['unsplit']:.3e}, "
               f"split(64) {errs['split']:.3e}")
         ratios.append(errs["unsplit"] / errs["split"])
-    assert np.median(ratios) >= 1.0, f"split less accurate than unsplit: ratios {ratios}"
+    assert min(ratios) >= 1.0, f"split less accurate than unsplit on a seed: ratios {ratios}"
+    assert np.median(ratios) >= 2.5, f"no pairwise-summation gain: ratios {ratios}"
 
 
 @gpu
