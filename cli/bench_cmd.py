@@ -13,7 +13,9 @@ With `--batch B` (or `--serving PRESET`): one serving step instead, B requests o
 in a paged cache (`--page-size`, `--s-q`, `--causal`), per variant (default mma16, mma32,
 split, batched16) and per `--peers` implementation: step µs, tokens/s, GB/s, TFLOP/s against
 the ceilings, the CUDA-graph replay of the whole step, the A/A floor and the control phase.
-Without a GPU: the chunk plan of the batch per variant.
+Without a GPU: the chunk plan of the batch per variant. `--variants auto` is the paged API's
+default, resolved for the batch on this device (sm_90 without one) and said: "auto ->
+wgmma64: why", rows "auto (wgmma64)"; the batch-1 depth bench refuses it (exit 2).
 
 Exit status: 0, or 1 when a variant fails its correctness check (its timings are not
 results) or a requested output could not be written; 2 on bad input.
@@ -47,7 +49,7 @@ from .options import (NoGpu, arch_option, cache_option, ctx_option, deliver_json
                       q_option, splits_option, stderr_console, timing_options, variants_option,
                       write_json)
 from .regs_cmd import regs_rows
-from .render import Column, FitTable
+from .render import Column, FitTable, variant_label
 from .tp_cmd import run_tp_cli, tp_engine_option, tp_option
 
 __all__ = ["bench"]
@@ -210,7 +212,7 @@ def _run_paged_bench(**opts):
 PAGED_CSV_COLUMNS = ("variant", "kind", "phase", "cache", "q", "median_us", "p10_us", "p90_us",
                      "mad_us", "n", "mode", "tokens_per_s", "flops", "ideal_bytes",
                      "issued_bytes", "GBps_ideal", "frac_copy_ideal", "TFLOPs", "roof",
-                     "frac_roof", "max_chunks", "control_label", "check_ok")
+                     "frac_roof", "max_chunks", "control_label", "check_ok", "asked")
 
 
 def _fmt(v, spec):
@@ -231,7 +233,7 @@ def _paged_plan_table(rep: dict) -> FitTable:
                Column("merge", drop=6, fold=True),
                Column("FLOPs", "right", drop=4),
                Column("bytes (ideal)", "right", drop=5), Column("how", drop=1, fold=True))
-    cells = [(r["variant"], str(r["rows_per_block"]), str(r["tile"]), str(tuple(r["grid"])),
+    cells = [(variant_label(r), str(r["rows_per_block"]), str(r["tile"]), str(tuple(r["grid"])),
               f"{r['chunks_min']}..{r['chunks_max']}", f"{r['programs_run']} of {r['programs']}",
               _waves(r["waves"]), r["merge"], f"{r['flops']:.3e}",
               f"{r['ideal_bytes'] / 1e6:,.1f} MB",
@@ -257,7 +259,7 @@ def _paged_table(result: dict) -> FitTable:
     for r in result["rows"]:
         if r["variant"] == "-":
             continue
-        cells.append((r["variant"] + (" (peer)" if r["kind"] == "peer" else ""), r["phase"],
+        cells.append((variant_label(r) + (" (peer)" if r["kind"] == "peer" else ""), r["phase"],
                       f"{r['median_us']:,.1f}", f"{r['p10_us']:,.1f}..{r['p90_us']:,.1f}",
                       _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("GBps_ideal"), ",.0f"),
                       _fmt(r.get("frac_copy_ideal"), ".0%"), _fmt(r.get("TFLOPs"), ",.1f"),
@@ -269,6 +271,14 @@ def _paged_table(result: dict) -> FitTable:
                           f"H={cfg['dims']['n_head']}, s_q={cfg['s_q']}"
                           f"{' causal' if cfg['causal'] else ''}, page {cfg['page_size']}, cache "
                           f"{cfg['cache_dtype']}")
+
+
+def _auto_line(pick: dict, device: str = "") -> str:
+    """What `auto` resolved to on `device` (the pick's arch if not given) and why; the variant
+    it names runs once, asked by name too or not."""
+    also = (f"; {pick['variant']} was asked by name too: it runs once"
+            if pick["also_asked"] else "")
+    return f"auto -> {pick['variant']} on {device or pick['arch']}: {pick['why']}{also}"
 
 
 def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
@@ -289,6 +299,9 @@ def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
         if not deliver_json(data, json_out, err):
             con.print(f"[bold]No GPU here, so no timings of the paged step.[/bold] "
                       f"{escape(why)}")
+            if rep["auto"]:
+                pick = rep["auto"]
+                con.print(escape(_auto_line(pick, f"{pick['arch']}, the H200 the plans model")))
             con.print(_paged_plan_table(rep))
             if cfg.peers:
                 con.print(f"peers {', '.join(cfg.peers)}: loaded and timed on a GPU only")
@@ -316,12 +329,14 @@ def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
         if explain:
             plans = {"plans": list(result["plans"].values())}
             con.print(lab_render.explain_text([_paged_cost(cfg, plans)]), markup=False)
+        if result["auto"]:
+            con.print(escape(_auto_line(result["auto"])))
         con.print(_paged_table(result))
         nf = result["noise_floor"]
         con.print(f"A/A floor: {_fmt(nf['floor'], '.1%')} ({escape(nf['how'])})")
         if result["fastest"]:
             f = result["fastest"]
-            con.print(f"fastest step: {f['variant']} ({f['phase']}, {f['median_us']:,.1f} us)"
+            con.print(f"fastest step: {variant_label(f)} ({f['phase']}, {f['median_us']:,.1f} us)"
                       + (f"; within the floor: {', '.join(f['ties'])}" if f["ties"] else ""))
         if result.get("like_for_like"):
             f = result["like_for_like"]
@@ -346,7 +361,8 @@ def _paged_cost(cfg, rep):
     if p is not None:
         n_chunks, _ = request_chunks(cfg.lengths, p["max_chunks"], p["tile"], p["min_chunk"],
                                      p["target"])
-    return metrics.paged_step_cost(cfg.variants[0], cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
+    name = (p or {}).get("variant", cfg.variants[0])   # the plan's: what auto resolved to
+    return metrics.paged_step_cost(name, cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
                                    cfg.cache_dtype, q_dtype_of(cfg.q_dtype, cfg.cache_dtype),
                                    n_chunks, p["grid"][0] if p else 1)
 
@@ -399,7 +415,9 @@ def _print_no_gpu(data, arch, why) -> None:
 @heads_option()
 @ctx_option(DEFAULT_CONTEXTS, dest="contexts")
 @variants_option(help="Variants, comma-separated (default: all, the cuBLAS engine included); "
-                 "with --batch also user kernels, FILE.cu (docs/byok.md).", user_kernels=True)
+                 "with --batch also auto (the paged step's choice for the batch on this "
+                 "device) and user kernels, FILE.cu (docs/byok.md).", user_kernels=True,
+                 auto=True)
 @click.option("--hpb", "hpbs", callback=int_list, default=None,
               help="Heads-per-block values of the batched family to run (1 is split).")
 @cache_option(multiple=True)
@@ -468,6 +486,11 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
         if given:
             raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
                                    "--batch B or --serving PRESET (the paged step)")
+        if "auto" in (variants or ()):
+            raise click.BadParameter(
+                "auto is the paged step's choice (mma16, mma32 or wgmma64 by the batch's rows "
+                "and size): give --batch B or --serving PRESET to bench it, or name the "
+                "variants of the depth bench", param_hint="'--variants'")
     else:
         return _paged_bench(locals())
     try:

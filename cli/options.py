@@ -214,11 +214,13 @@ def q_of(q_dtype: str, cache: str) -> str:
     return cache if q_dtype == "cache" else q_dtype
 
 
-def variants_option(choices=None, default=None, help=None, user_kernels: bool = False):
+def variants_option(choices=None, default=None, help=None, user_kernels: bool = False,
+                    auto: bool = False):
     """`--variants`: a comma-separated list of registry variants (by default every one, the
-    paged-only ones included: the command that runs them refuses what it cannot serve), and
-    with user_kernels, user kernel files (docs/byok.md)."""
+    paged-only ones included: the command that runs them refuses what it cannot serve), with
+    auto, the paged step's "auto", and with user_kernels, user kernel files (docs/byok.md)."""
     choices = tuple(choices or (*registry.variant_names(), *registry.PAGED_ONLY_VARIANTS))
+    choices += ("auto",) if auto else ()
     return click.option("--variants", "variants", callback=str_list(choices, user_kernels),
                         default=None if default is None else ",".join(default),
                         show_default=default is not None,

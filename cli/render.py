@@ -17,7 +17,7 @@ from rich.table import Table
 
 __all__ = ["console", "emit_json", "jsonable", "kv_table", "regs_table", "grid_table",
            "accuracy_table", "fmt_bytes", "fmt_sci", "Column", "FitTable", "gpu_checks_table",
-           "escape"]
+           "escape", "variant_label"]
 
 
 def console() -> Console:
@@ -98,6 +98,12 @@ class FitTable:
 
     def __rich_console__(self, console, options):
         yield self.fitted(options.max_width, console)
+
+
+def variant_label(row: dict) -> str:
+    """A row's variant, after the name asked where that differs: "auto (wgmma64)"."""
+    asked = row.get("asked") or row["variant"]
+    return row["variant"] if asked == row["variant"] else f"{asked} ({row['variant']})"
 
 
 def fmt_bytes(n) -> str:

@@ -23,8 +23,10 @@ __all__ = ["repro"]
 
 @click.command("repro")
 @click.option("--variant", "variant_name", required=True,
-              type=click.Choice([*registry.variant_names(), *registry.PAGED_ONLY_VARIANTS]),
-              help="The variant to reproduce (wgmma64: with --batch).")
+              type=click.Choice([*registry.variant_names(), *registry.PAGED_ONLY_VARIANTS,
+                                 "auto"]),
+              help="The variant to reproduce (wgmma64, and auto: the paged step's choice for "
+                   "the case on --arch, else this GPU, pinned in the script: with --batch).")
 @preset_option()
 @heads_option()
 @ctx_option(REPRO_CONTEXTS, dest="contexts")
@@ -68,6 +70,10 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
         if len(sys.argv) > 1 and sys.argv[1] == "repro" else ""
     if rank is not None and tp is None:
         raise click.UsageError("--rank needs --tp N")
+    if batch is None and variant_name == "auto":
+        raise click.BadParameter("auto is the paged step's choice (by the batch's rows and "
+                                 "size): give --batch B (the batched paged case), or name the "
+                                 "variant", param_hint="'--variant'")
     if batch is None and variant_name in registry.PAGED_ONLY_VARIANTS:
         raise click.UsageError(f"variant {variant_name} serves the paged step only: give "
                                "--batch B (the batched paged case)")
@@ -100,9 +106,9 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
 
 
 def _write_and_say(case, write, output, json_out, facts: dict, summary: str,
-                   runs_on: str = "") -> None:
-    """Write the script, then its facts as JSON or two lines of text. `runs_on` names the
-    arch the script's kernel needs, where it needs one."""
+                   runs_on: str = "", chosen: str = "") -> None:
+    """Write the script, then its facts as JSON or lines of text. `runs_on` names the
+    arch the script's kernel needs, where it needs one; `chosen`, what auto resolved to."""
     try:
         path = write(case, output)
     except OSError as exc:
@@ -114,6 +120,8 @@ def _write_and_say(case, write, output, json_out, facts: dict, summary: str,
     if deliver_json(info, json_out, stderr_console()):
         return
     con = render.console()
+    if chosen:
+        con.print(escape(f"{chosen} (pinned in the script)"))
     con.print(escape(f"wrote {path}"))
     con.print(escape(f"  {case.variant}, H={case.dims.n_head}, cache {case.cache_dtype}, q "
                      f"{case.q_dtype}, seed {case.seed}; {summary}"))
@@ -132,8 +140,9 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
     if ctx.get_parameter_source("preset") != click.core.ParameterSource.COMMANDLINE:
         preset = "dsv3"
     # wgmma takes q in the cache dtype only (registry.wgmma_instance): that is its default,
-    # as bench --batch's; an explicit --q f32 is refused by name
-    if (registry.variant(variant).family == "wgmma"
+    # as bench --batch's; an explicit --q f32 is refused by name. auto's default is bench
+    # --batch's too, so that it resolves to the kernel that bench timed.
+    if ((variant == "auto" or registry.variant(variant).family == "wgmma")
             and ctx.get_parameter_source("q_dtype") != click.core.ParameterSource.COMMANDLINE):
         q_dtype = "cache"
     try:
@@ -145,9 +154,10 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     _write_and_say(case, write_paged_script, output, json_out,
-                   {"batch": len(case.lengths), "lengths": list(case.lengths), "s_q": case.s_q,
+                   {"asked": variant, "chosen": case.chosen or None, "batch": len(case.lengths),
+                    "lengths": list(case.lengths), "s_q": case.s_q,
                     "causal": case.causal, "page_size": case.page_size, "plan": case.plan,
                     "plan_from": case.plan_from, "attn_merges": case.attn_merges},
                    f"paged: B={len(case.lengths)}, s_q={case.s_q}"
                    f"{' causal' if case.causal else ''}, page {case.page_size}; chunk plan "
-                   f"{case.plan}", runs_on=paged_runs_on(case))
+                   f"{case.plan}", runs_on=paged_runs_on(case), chosen=case.chosen)

@@ -16,7 +16,7 @@ from mlasandbox.tp_comm import visible_gpus
 
 from . import render
 from .options import NoGpu, deliver_json, progress_bar, stderr_console
-from .render import Column, FitTable
+from .render import Column, FitTable, variant_label
 
 __all__ = ["tp_option", "tp_engine_option", "run_tp_cli", "grid_tp_table", "band_heads"]
 
@@ -54,7 +54,8 @@ def _plan_table(rep: dict) -> FitTable:
                Column("heads"), Column("head blocks", "right", drop=3), Column("grid"),
                Column("programs", "right", drop=2), Column("of slots", "right"),
                Column("how", drop=1, fold=True))
-    cells = [(r["variant"], r["budget"], str(r["rank"]), f"{r['heads'][0]}..{r['heads'][1] - 1}",
+    cells = [(variant_label(r), r["budget"], str(r["rank"]),
+              f"{r['heads'][0]}..{r['heads'][1] - 1}",
               str(r["head_blocks"]), str(tuple(r["grid"])), str(r["programs"]),
               f"{r['fill']:.0%}", escape(r["reason"])) for r in rep["ranks"]]
     return FitTable(columns, cells, title=f"TP {rep['tp']}: every rank's chunk plan, B="

@@ -2,6 +2,7 @@
 
     auto_name(s_q, n_head)                                   # no device facts: mma16 / mma32
     auto_name(s_q, n_head, AutoFacts.of(shape, "sm_90"))     # what PagedDecodeStep passes
+    auto_choice(s_q, n_head, facts)                          # (that name, the reason)
 
 * At most 16 query rows (s_q x heads): `mma16`. It beats wgmma64, whose 64-row tile would be
   three quarters padding, at every measured context (docs/wgmma-deep-dive.md).
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AutoFacts", "auto_name", "LARGE_STEP", "WGMMA_MIN_LENGTH", "WGMMA_ARCH"]
+__all__ = ["AutoFacts", "auto_name", "auto_choice", "LARGE_STEP", "WGMMA_MIN_LENGTH", "WGMMA_ARCH"]
 
 WGMMA_ARCH = "sm_90"          # the devices wgmma64 runs on (built for sm_90a)
 LARGE_STEP = 1 << 21          # query rows x positions of room x batch: a large step from here
@@ -58,13 +59,27 @@ class AutoFacts:
 def auto_name(s_q: int, n_head: int, facts: AutoFacts | None = None) -> str:
     """The registry name `auto` resolves to (module docstring); without facts, the rule of a
     device wgmma64 cannot run on."""
+    return auto_choice(s_q, n_head, facts)[0]
+
+
+def auto_choice(s_q: int, n_head: int, facts: AutoFacts | None = None) -> tuple[str, str]:
+    """(auto_name's choice, the rule's reason for it in a line), for the front ends that say
+    what `auto` ran."""
     rows = s_q * n_head
     if rows <= 16:
-        return "mma16"
-    if facts is None or not facts.q_in_cache_dtype:
-        return "mma32"
-    if rows * facts.max_len * facts.batch < LARGE_STEP:
-        return "mma16"
-    if facts.arch == WGMMA_ARCH and facts.max_len >= WGMMA_MIN_LENGTH:
-        return "wgmma64"
-    return "mma32"
+        return "mma16", f"{rows} query rows, at most 16 (a 64-row wgmma64 tile: most padding)"
+    if facts is None:
+        return "mma32", f"{rows} query rows and no device facts"
+    if not facts.q_in_cache_dtype:
+        return "mma32", (f"{rows} query rows, q not in the cache dtype (wgmma64 takes only "
+                         "that q; an f32 q was not measured)")
+    step = rows * facts.max_len * facts.batch
+    size = f"{rows} rows x {facts.max_len} positions of room x batch {facts.batch} = {step:,}"
+    if step < LARGE_STEP:
+        return "mma16", f"a small step: {size} < {LARGE_STEP:,}"
+    large = f"a large step ({size} >= {LARGE_STEP:,})"
+    if facts.arch != WGMMA_ARCH:
+        return "mma32", f"{large} on {facts.arch}, where wgmma64 cannot run"
+    if facts.max_len < WGMMA_MIN_LENGTH:
+        return "mma32", f"{large}, but under {WGMMA_MIN_LENGTH} positions of room a request"
+    return "wgmma64", f"{large}, at least {WGMMA_MIN_LENGTH} positions of room a request"

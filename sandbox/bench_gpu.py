@@ -289,6 +289,14 @@ class CupyBackend:
         return out
 
 
+def _refuse_auto(variants) -> None:
+    """The paged backend takes the variants a run resolved: on the check's cut of the batch
+    (fewer heads and requests) `auto` could pick another kernel than the one timed."""
+    if "auto" in variants:
+        raise ValueError("the paged backend takes concrete variants: resolve auto for the "
+                         "batch first (bench_paged.resolve_auto)")
+
+
 class PagedBackend(CupyBackend):
     """The paged bench's device side (bench_paged.run_paged_bench): one batch's inputs,
     PagedDecodeSteps per variant (two per variant for the A/A), the peers, and the control
@@ -303,7 +311,7 @@ class PagedBackend(CupyBackend):
         self._skipped: list = []
 
     def prepare_paged(self, cfg) -> None:
-
+        _refuse_auto(cfg.variants)
         qd = "f32" if cfg.q_dtype == "f32" else cfg.cache_dtype
         self.prepare(cfg.dims, self.CONTROL_ROWS, cfg.cache_dtype, qd, cfg.seed)
         self.cfg = cfg
@@ -415,6 +423,7 @@ class PagedBackend(CupyBackend):
         The peers run on q rounded to the cache dtype, and are checked against the reference
         of that q. rescale=False runs the negative control's combine."""
 
+        _refuse_auto(cfg.variants)
         cupy = self.cupy
         qd = "f32" if cfg.q_dtype == "f32" else cfg.cache_dtype
         host = make_paged_inputs(cfg.check_dims(), cfg.check_lengths(), s_q=cfg.s_q,

@@ -5,6 +5,11 @@ per variant and per peer, with the same instruments as the depth bench.
     result = run_paged_bench(config=cfg)                # on a GPU (bench_gpu.PagedBackend)
     plan_report(cfg)                                    # without one: the chunk plans
 
+`auto` among the variants is resolved once per run, for this batch on the device's arch
+(sm_90 without one, the H200 the plans model), and the variant it names is what is checked,
+timed and planned; its rows carry both names ("asked": auto, "variant": the one run), and
+the variant asked by name as well is timed once.
+
 What one run does, in order:
 
 1. ceilings of this device (copy bandwidth, f16 GEMM, f32 FMA);
@@ -25,12 +30,12 @@ What one run does, in order:
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from . import metrics, registry
-from .auto_variant import AutoFacts
+from .auto_variant import WGMMA_ARCH, AutoFacts, auto_choice
 from .bench import SCHEMA as _DEPTH_SCHEMA
 from .bench import ControlPhase, aa_floor
 from .bench_config import check_dtypes_and_splits, q_dtype_of
@@ -44,7 +49,7 @@ from .peers import PEER_NAMES, PeerUnavailable
 from .timing import Timing
 
 __all__ = ["SCHEMA", "SERVING_PRESETS", "DEFAULT_PAGED_VARIANTS", "PAGED_PHASES",
-           "PagedBenchConfig", "make_paged_config", "plan_report",
+           "PagedBenchConfig", "make_paged_config", "plan_report", "resolve_auto",
            "run_paged_bench", "paged_work", "serving_help", "fastest_step", "like_for_like"]
 
 SCHEMA = _DEPTH_SCHEMA.replace("bench/", "bench-paged/")
@@ -193,26 +198,49 @@ def make_paged_config(*, batch=None, lengths=None, s_q=None, causal=None, page_s
 
 
 def paged_work(cfg: PagedBenchConfig) -> int:
-    """Units of work of a run (the progress bar's total)."""
+    """Units of work of a run (the progress bar's total; `auto` resolved as on an sm_90)."""
+    n_var = len(resolve_auto(cfg)[0])
     n = 1 + 1 + 2 * cfg.aa_rounds + 1
     if cfg.check:
-        n += len(cfg.variants) + len(cfg.peers)
-    n += len(cfg.variants) * (1 + len(PAGED_PHASES)) + 2 * len(cfg.peers)
+        n += n_var + len(cfg.peers)
+    n += n_var * (1 + len(PAGED_PHASES)) + 2 * len(cfg.peers)
     return n
+
+
+def resolve_auto(cfg: PagedBenchConfig, arch: str = WGMMA_ARCH) -> tuple[tuple, dict | None]:
+    """(the variants a run checks and times, the pick). `auto` is replaced by the variant it
+    resolves to for this batch on a device of `arch`, with the facts of the table
+    make_paged_inputs builds (what PagedDecodeStep would take), and every variant comes
+    once: a variant asked by name and through auto is timed once. The pick: {"asked":
+    "auto", "variant", "why", "arch", "also_asked": whether it was asked by name too}, None
+    where auto was not asked."""
+    if "auto" not in cfg.variants:
+        return cfg.variants, None
+    qd = q_dtype_of(cfg.q_dtype, cfg.cache_dtype)
+    facts = AutoFacts.of_lengths(cfg.lengths, cfg.page_size, qd, cfg.cache_dtype, arch)
+    name, why = auto_choice(cfg.s_q, cfg.dims.n_head, facts)
+    names = tuple(dict.fromkeys(name if v == "auto" else v for v in cfg.variants))
+    return names, {"asked": "auto", "variant": name, "why": why, "arch": arch,
+                   "also_asked": name in cfg.variants}
+
+
+def _asked(name: str, pick: dict | None) -> str:
+    """The name the user gave for the variant `name` runs: auto where auto resolved to it."""
+    return pick["asked"] if pick and pick["variant"] == name else name
 
 
 def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None) -> dict:
     """What runs without a GPU: per variant its instance's rows per block and tile (from the
     registry), the chunk plan of the batch (chunks.plan_chunks with `num_sms` and the
     occupancy model's blocks/SM, or `blocks_per_sm`), and the chunks each request runs.
-    A variant whose facts cannot be had (no compiler, no paged instance) says why."""
+    A variant whose facts cannot be had (no compiler, no paged instance) says why. `auto`
+    is resolved as on the device this report models (an H200: sm_90, num_sms SMs)."""
     rows, problems = [], []
     n_rows = cfg.s_q * cfg.dims.n_head
     qd = q_dtype_of(cfg.q_dtype, cfg.cache_dtype)
-    # "auto" as on the device this report models (an H200: sm_90, num_sms SMs)
-    facts = AutoFacts.of_lengths(cfg.lengths, cfg.page_size, qd, cfg.cache_dtype)
-    for name in cfg.variants:
-        v = paged_variant(name, cfg.s_q, cfg.dims.n_head, facts)
+    names, pick = resolve_auto(cfg)
+    for name in names:
+        v = paged_variant(name, cfg.s_q, cfg.dims.n_head)
         try:
             inst = registry.attention_instance(v, cfg.cache_dtype, qd)
             bps = blocks_per_sm
@@ -226,7 +254,8 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
             n_chunks, chunk_len = plan.for_lengths(cfg.lengths)
             cost = metrics.paged_step_cost(v.name, cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
                                            cfg.cache_dtype, qd, n_chunks, plan.head_blocks)
-            rows.append({"variant": v.name, "rows_per_block": inst.heads,
+            rows.append({"variant": v.name, "asked": _asked(name, pick),
+                         "rows_per_block": inst.heads,
                          "tile": inst.tile_rows, "grid": list(plan.grid),
                          "max_chunks": plan.max_chunks, "min_chunk": plan.min_chunk,
                          "target": plan.target,
@@ -248,13 +277,15 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
                                             "mean": float(lens.mean()), "max": int(lens.max()),
                                             "sum": int(lens.sum())},
             "s_q": cfg.s_q, "causal": cfg.causal, "page_size": cfg.page_size,
-            "heads": cfg.dims.n_head, "num_sms": num_sms, "plans": rows, "problems": problems}
+            "heads": cfg.dims.n_head, "num_sms": num_sms, "auto": pick, "plans": rows,
+            "problems": problems}
 
 
 # ---------------------------------------------------------------------------- the run
 
-def _row(cfg, name, phase, t: Timing, cost, ceilings, kind="variant", plan=None):
-    r = {"variant": name, "kind": kind, "phase": phase, "cache": cfg.cache_dtype,
+def _row(cfg, name, phase, t: Timing, cost, ceilings, kind="variant", plan=None, asked=None):
+    r = {"variant": name, "asked": asked or name, "kind": kind, "phase": phase,
+         "cache": cfg.cache_dtype,
          "q": q_dtype_of(cfg.q_dtype, cfg.cache_dtype), **t.as_dict(),
          "flops": cost.flops if cost else None,
          "ideal_bytes": cost.ideal_bytes if cost else None,
@@ -273,14 +304,18 @@ def _row(cfg, name, phase, t: Timing, cost, ceilings, kind="variant", plan=None)
 def run_paged_bench(*, backend=None, progress=None, log=None,
                     config: PagedBenchConfig | None = None, **options) -> dict:
     """Run the paged bench; return a JSON-serialisable dict (see the module docstring).
-    backend: bench_gpu.PagedBackend (default) or a fake with the same methods."""
-    cfg = config or make_paged_config(**options)
+    backend: bench_gpu.PagedBackend (default) or a fake with the same methods and `arch`."""
+    asked = config or make_paged_config(**options)
     log = log or (lambda text: None)
     progress = progress or (lambda label, advance=1: None)
     if backend is None:
         from .bench_gpu import PagedBackend  # imports CuPy: only on a GPU run
 
         backend = PagedBackend()
+    names, pick = resolve_auto(asked, backend.arch)
+    # the backend checks, plans and times the resolved variants: auto's check must be of the
+    # kernel timed, not of what auto would pick on the check's cut of the batch
+    cfg = replace(asked, variants=names)
     t_start = time.perf_counter()
     warnings: list[str] = []
     meta = backend.meta()
@@ -339,7 +374,7 @@ def run_paged_bench(*, backend=None, progress=None, log=None,
             t = backend.time_paged(v, ph, timing_kw)
             cost = (costs[True] if ph in _WHOLE_STEP else
                     costs[False] if ph in _LATENT_STEP else None)
-            rows.append(_row(cfg, v, ph, t, cost, ceilings, plan=plan))
+            rows.append(_row(cfg, v, ph, t, cost, ceilings, plan=plan, asked=_asked(v, pick)))
             progress(f"{v} {ph}", 1)
         backend.release_steps()
     for p in backend.available_peers():
@@ -368,8 +403,8 @@ def run_paged_bench(*, backend=None, progress=None, log=None,
     # ok: none of OUR variants failed its check; a peer that fails is a warning above
     ours_failed = failed & set(cfg.variants)
     return {"schema": SCHEMA, "ok": not ours_failed, "harness_stable": ctl.stable, "meta": meta,
-            "config": cfg.as_dict(), "ceilings": ceilings, "rows": rows, "plans": plans,
-            "checks": checks, "skipped_peers": skipped,
+            "config": asked.as_dict(), "auto": pick, "ceilings": ceilings, "rows": rows,
+            "plans": plans, "checks": checks, "skipped_peers": skipped,
             "noise_floor": {"floor": floor, "runs": [aa],
                             "how": "p90 of paired |a - b| / b of two steps of the same "
                                    "variant on the same inputs (identical code), at least "
@@ -385,8 +420,8 @@ def _fastest(best: dict, floor) -> dict | None:
     win = min(best.values(), key=lambda r: r["median_us"])
     ties = [n for n, r in best.items() if r is not win and floor is not None
             and not verdict(r["median_us"], win["median_us"], floor).measurable]
-    return {"variant": win["variant"], "phase": win["phase"], "median_us": win["median_us"],
-            "ties": ties}
+    return {"variant": win["variant"], "asked": win.get("asked", win["variant"]),
+            "phase": win["phase"], "median_us": win["median_us"], "ties": ties}
 
 
 def _passed(r) -> bool:

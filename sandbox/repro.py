@@ -48,7 +48,7 @@ from .geometry import theoretical_blocks_per_sm
 from .kernels import blocks_per_sm, device_info
 from .limits import check_problem
 from .chunks import plan_chunks
-from .auto_variant import AutoFacts
+from .auto_variant import AutoFacts, auto_choice
 from .paged_api import check_page_size, paged_variant
 from .paged_inputs import parse_lengths
 from .repro_template import (ENGINE_WRAPPER, HELPERS, NO_ENGINE, PAGED_TEMPLATE, TEMPLATE,
@@ -406,6 +406,9 @@ class PagedReproCase:
     # False, the combine's one-kernel form, which also projects (project_kind None).
     attn_merges: bool = False
     project_kind: str | None = None
+    # Where `variant` is what "auto" resolved to at generation: "auto -> V on ARCH: why" (the
+    # script pins V, so it runs the same kernel on any device); "" where V was asked by name.
+    chosen: str = ""
 
     def instances(self):
         return _paged_instances(registry.variant(self.variant), self.cache_dtype, self.q_dtype,
@@ -442,7 +445,9 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
                     command: str = "") -> PagedReproCase:
     """Resolve a batched paged case (ValueError naming any bad value). The chunk plan is
     fixed now (chunks.plan_chunks with the device's, or the given / modelled, SMs and
-    blocks/SM) and pinned in the script: the result does not depend on it, the launch does."""
+    blocks/SM) and pinned in the script: the result does not depend on it, the launch does.
+    So is `variant` "auto": resolved for the case on `arch` (else this GPU's, else sm_90),
+    the variant it names pinned, what and why in `chosen`."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     dims = PRESETS[preset] if heads is None else PRESETS[preset].with_heads(int(heads))
@@ -460,8 +465,12 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
     # "auto" as decode_paged would pick it on the target: the given arch, else this GPU's,
     # else the H200 the plan below models
     target = arch or (toolkit.arch_of_device() if toolkit.device_available()[0] else "sm_90")
-    var = paged_variant(variant, s_q, dims.n_head,
-                        AutoFacts.of_lengths(lens, page_size, q, cache, target))
+    chosen = ""
+    if isinstance(variant, str) and variant == "auto":
+        variant, why = auto_choice(s_q, dims.n_head,
+                                   AutoFacts.of_lengths(lens, page_size, q, cache, target))
+        chosen = f"auto -> {variant} on {target}: {why}"
+    var = paged_variant(variant, s_q, dims.n_head)
     if not var.is_cuda:
         raise ValueError("the paged repro reproduces the CUDA kernels; the cublas engine has "
                          "no paged kernel of its own")
@@ -495,7 +504,7 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
               "rows_per_block": attn.heads, "target": plan.target,
               "programs": plan.programs_per_block},
         plan_from=f"{plan.reason}; {how}", seed=int(seed), scale=dims.default_scale,
-        negative_control=bool(negative_control), command=command,
+        negative_control=bool(negative_control), command=command, chosen=chosen,
         **_merge_form(var, plan.max_chunks, cache, q, len(lens) * int(s_q), dims.n_head, sms))
 
 
@@ -570,6 +579,8 @@ def render_paged_script(case: PagedReproCase, filename: str | None = None) -> st
                                     else ""))
     stamp = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     header = (f"Generated on {stamp}" + (f":\n    {case.command}" if case.command else ".")
+              + (f"\n{textwrap.fill(case.chosen + '; this script pins it.', 92)}"
+                 if case.chosen else "")
               + f"\nChunk plan: {case.plan_from}.\n" + textwrap.fill(tolerance_says, 92)
               + "\n" + _merge_says(case))
     values = {

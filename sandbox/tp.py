@@ -125,9 +125,10 @@ def unsharded_chunks(batch: int, s_q: int, n_head: int, facts, *, num_sms: int) 
 def rank_plans(batch: int, s_q: int, n_head: int, tp: int, facts, *, num_sms: int,
                budget: str = "band", splits: int | None = None) -> list[RankPlan]:
     """Every rank's chunk plan. `facts(heads)` -> (rows per block, tile, blocks/SM) of the
-    attention instance a step of that many heads runs ("auto" picks by the rows, so a band
-    may run another instance than all heads would). `splits` overrides both budgets (every
-    rank, every request up to that many chunks), as on one GPU."""
+    attention instance a step of that many heads runs ("auto" picks by the rows as well as
+    the step's facts, so a band may run another instance than all heads would). `splits`
+    overrides both budgets (every rank, every request up to that many chunks), as on one
+    GPU."""
     if budget not in BUDGETS:
         raise ValueError(f"budget must be one of {', '.join(BUDGETS)}, got {budget!r}")
     inherited = None

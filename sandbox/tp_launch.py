@@ -229,7 +229,8 @@ def run_rank(job: TPJob, rank: int, world: int, port: int, status, barrier,
                                        "max_chunks": step.plan.max_chunks,
                                        "programs": step.plan.programs,
                                        "slots": step.plan.slots, "reason": step.plan.reason,
-                                       "kernel": step.attn_launch.kernel}
+                                       "kernel": step.attn_launch.kernel,
+                                       "variant": step.variant}
             if job.fault_rank == rank and i == 0:
                 step.plant_fault()
             out, y = step.run(job.forms)

@@ -4,6 +4,7 @@ collectives.
     step = mla.TensorParallelStep(comm, q_band, kv_cache, block_table, cache_seqlens,
                                   wv_b_band, w_o_band, n_head=H)
     out, y = step.run()      # out [B, s_q, H, v_head] (all-gathered), y [B, s_q, d_model]
+    step.variant             # the variant the band runs ("auto" resolved)
 
 The two ways an engine combines head bands, both here:
 
@@ -22,6 +23,10 @@ that will never come, and the failure is reported as that rank's phase.
 
 Executors: "gpu" (PagedDecodeStep on the rank's device, CuPy arrays) and "schedule" (the
 float32 NumPy model of the same chunk plan, sandbox/schedule_paged.py, for the CPU suite).
+`variant="auto"` is resolved as PagedDecodeStep resolves it on one GPU, by the rows and the
+step's facts (auto_variant.AutoFacts.of: the batch, the table's room, q's dtype) on the
+rank's device, or on the H200 (sm_90) the schedule executor models: a band takes the variant
+a single-GPU step of its heads would, and the unsharded budget the one of all heads.
 """
 from __future__ import annotations
 
@@ -146,13 +151,15 @@ class TensorParallelStep:
                                     f"with all {self.n_head} heads on one GPU, on "
                                     f"{self.batch} requests x {plan.head_blocks} head blocks")
 
-    def _facts(self, variant, cache_dt, q_dt, blocks_per_sm):
+    def _facts(self, variant, shape, auto, blocks_per_sm):
+        """facts(heads) of tp.rank_plans: the instance a step of that many heads runs, `auto`
+        (AutoFacts) resolving "auto"."""
         from . import registry
         from .paged_api import paged_variant
 
         def facts(heads):
-            inst = registry.paged_attention_instance(paged_variant(variant, self.s_q, heads),
-                                                     cache_dt, q_dt)
+            inst = registry.paged_attention_instance(
+                paged_variant(variant, self.s_q, heads, auto), shape.cache_dtype, shape.q_dtype)
             return inst.heads, inst.tile_rows, blocks_per_sm(inst)
         return facts
 
@@ -160,6 +167,7 @@ class TensorParallelStep:
                    causal, scale, sync_check):
         import cupy
 
+        from .auto_variant import AutoFacts
         from .kernels import blocks_per_sm, device_info
         from .paged import check_paged_inputs
         from .paged_api import PagedDecodeStep, paged_variant
@@ -168,15 +176,18 @@ class TensorParallelStep:
         shape, _ = check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b,
                                       scale=scale, causal=causal)
         dev = cupy.cuda.Device().id
-        facts = self._facts(variant, shape.cache_dtype, shape.q_dtype, blocks_per_sm)
-        chunks = self._chunks(variant, splits, facts, device_info(dev).num_sms)
+        info = device_info(dev)
+        auto = AutoFacts.of(shape, info.arch)
+        facts = self._facts(variant, shape, auto, blocks_per_sm)
+        chunks = self._chunks(variant, splits, facts, info.num_sms)
         if isinstance(variant, str) and variant == "auto":
-            # the device-free choice the band's plan above was made for
-            variant = paged_variant(variant, self.s_q, self.band.heads).name
+            # pinned: the band's step runs the variant its plan was made for
+            variant = paged_variant(variant, self.s_q, self.band.heads, auto).name
         self.step = PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b,
                                     causal=causal, variant=variant, splits=chunks,
                                     scale=scale, sync_check=sync_check)
         self.guard, self.device_id = self.step.guard, dev
+        self.variant = self.step.variant.name
         self.plan = self._say_budget(self.step.plan, chunks, splits)
         self.attn_launch = self.step.launches()[0]
         self._alloc(cupy, w_o)
@@ -184,6 +195,7 @@ class TensorParallelStep:
     def _setup_schedule(self, q, kv_cache, block_table, cache_seqlens, wv_b, w_o, variant,
                         splits, causal, scale, num_sms, blocks_per_sm):
         from . import registry
+        from .auto_variant import WGMMA_ARCH, AutoFacts
         from .paged import check_paged_inputs
         from .paged_api import paged_variant, plan_for
 
@@ -192,15 +204,16 @@ class TensorParallelStep:
                            cache_seqlens=cache_seqlens, wv_b=wv_b, causal=causal, scale=scale)
         shape, _ = check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b,
                                       scale=scale, causal=causal)
-        var = paged_variant(variant, self.s_q, self.band.heads)
+        auto = AutoFacts.of(shape, WGMMA_ARCH)   # the H200 this executor models
+        var = paged_variant(variant, self.s_q, self.band.heads, auto)
         inst = registry.paged_attention_instance(var, shape.cache_dtype, shape.q_dtype)
-        facts = self._facts(variant, shape.cache_dtype, shape.q_dtype,
-                            lambda inst: blocks_per_sm)
+        facts = self._facts(variant, shape, auto, lambda inst: blocks_per_sm)
         chunks = self._chunks(variant, splits, facts, num_sms)
         self.plan = self._say_budget(plan_for(shape, inst, num_sms=num_sms,
                                               blocks_per_sm=blocks_per_sm, splits=chunks),
                                      chunks, splits)
         self.guard, self.device_id = HostGuard(var.name, sync_check=True), None
+        self.variant = var.name
         self.attn_launch = Launch(inst.name, self.plan.grid, (inst.threads, 1, 1),
                                   inst.smem_bytes)
         self.result = None

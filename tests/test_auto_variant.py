@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlasandbox.auto_variant import LARGE_STEP, WGMMA_MIN_LENGTH, AutoFacts, auto_name
+from mlasandbox.auto_variant import (LARGE_STEP, WGMMA_MIN_LENGTH, AutoFacts, auto_choice,
+                                     auto_name)
 from mlasandbox.dims import Dims
 from mlasandbox.paged import PagedShape
 
@@ -72,3 +73,20 @@ def test_facts_from_a_shape_and_from_host_lengths():
     assert AutoFacts.of_lengths([100, 4097, 0], 64, "f16", "f16") == \
         AutoFacts("sm_90", True, 3, 65 * 64)
     assert AutoFacts.of_lengths([0, 0], 16, "f32", "f16").max_len == 16
+
+
+def test_the_reason_names_the_branch_that_chose():
+    # what the CLI prints after "auto -> NAME": the condition that decided, with its numbers
+    big = (128, 4096)
+    for facts, want, words in (
+            (None, "mma32", "no device facts"),
+            (h200(*big), "wgmma64", f"batch 128 = 67,108,864 >= {LARGE_STEP:,}"),
+            (h200(*big, q16=False), "mma32", "q not in the cache dtype"),
+            (AutoFacts("sm_80", True, *big), "mma32", "on sm_80, where wgmma64 cannot run"),
+            (h200(1000, WGMMA_MIN_LENGTH - 64), "mma32", f"under {WGMMA_MIN_LENGTH} positions"),
+            (h200(1, 64), "mma16", f"a small step: 128 rows x 64 positions of room x batch 1 "
+                                   f"= 8,192 < {LARGE_STEP:,}")):
+        name, why = auto_choice(1, 128, facts)
+        assert (name, name) == (want, auto_name(1, 128, facts)) and words in why, (facts, why)
+    assert auto_choice(2, 8, h200(*big)) == ("mma16", "16 query rows, at most 16 (a 64-row "
+                                                      "wgmma64 tile: most padding)")

@@ -4,17 +4,19 @@ a fake backend (A/A, control phase, checks, peers skipped), and the CLI's paged 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 from gpu_support import gpu
 
-from mlasandbox import metrics, toolkit
+from mlasandbox import bench_gpu, metrics, toolkit
+from mlasandbox.auto_variant import AutoFacts, auto_name
 from mlasandbox.bench_gpu import PagedBackend
 from mlasandbox.bench_paged import (DEFAULT_PAGED_VARIANTS, PAGED_PHASES, SERVING_PRESETS,
                                     make_paged_config, paged_work, plan_report,
-                                    run_paged_bench)
+                                    resolve_auto, run_paged_bench)
 from mlasandbox.cli import bench_cmd
 from mlasandbox.cli.main import main as cli
 from mlasandbox.dims import PRESETS
@@ -140,6 +142,35 @@ def test_plan_report_runs_the_chunk_rule_per_variant():
     assert mma16["merge"] == "merge kernel"    # 176 chunk slots a request: past 16
 
 
+def test_plan_report_resolves_auto_as_on_the_h200_and_plans_each_variant_once():
+    # 128 rows x 4096 of room x 4 requests: a large step, q f16: wgmma64 on the sm_90 modelled
+    cfg = make_paged_config(batch=4, lengths="4096", heads=128,
+                            variants=("auto", "wgmma64", "mma32"))
+    rep = plan_report(cfg, num_sms=132, blocks_per_sm=1)
+    assert [(r["asked"], r["variant"]) for r in rep["plans"]] == [("auto", "wgmma64"),
+                                                                 ("mma32", "mma32")]
+    assert rep["auto"]["variant"] == "wgmma64" and rep["auto"]["also_asked"]
+    assert rep["plans"][0]["rows_per_block"] == 64
+    # the same batch with an f32 q: mma32, which wgmma64 cannot take
+    f32 = make_paged_config(batch=4, lengths="4096", heads=128, variants=("auto",),
+                            q_dtype="f32")
+    (row,) = plan_report(f32, num_sms=132, blocks_per_sm=1)["plans"]
+    assert (row["asked"], row["variant"], row["rows_per_block"]) == ("auto", "mma32", 32)
+    assert plan_report(f32, blocks_per_sm=1)["auto"]["also_asked"] is False
+
+
+def test_resolve_auto_follows_the_device_arch_and_keeps_named_variants():
+    cfg = make_paged_config(batch=4, lengths="4096", heads=128, variants=("auto", "mma16"))
+    names, pick = resolve_auto(cfg, "sm_90")
+    assert names == ("wgmma64", "mma16") and "large step" in pick["why"]
+    names, pick = resolve_auto(cfg, "sm_80")   # no wgmma there
+    assert names == ("mma32", "mma16") and pick["arch"] == "sm_80"
+    facts = AutoFacts.of_lengths(cfg.lengths, cfg.page_size, "f16", "f16", "sm_80")
+    assert pick["variant"] == auto_name(1, 128, facts)
+    plain = make_paged_config(batch=4, heads=128, variants=("mma16", "split"))
+    assert resolve_auto(plain) == (("mma16", "split"), None)
+
+
 @pytest.mark.parametrize("batch,q,merge", [
     (32, "cache", "attention kernel"),          # 9 chunk slots, q f16: the kernel merges
     (32, "f32", "merge kernel"),                # the f32-q kernels are built without it
@@ -165,8 +196,9 @@ def test_plan_report_says_which_waves_the_lengths_take(lengths, waves):
 # ---------------------------------------------------------------------------- a fake run
 
 class FakePagedBackend:
-    def __init__(self, fail=(), skipped=(), aa_differs=False):
+    def __init__(self, fail=(), skipped=(), aa_differs=False, arch="sm_90"):
         self.fail, self.skipped, self.aa_differs = set(fail), list(skipped), aa_differs
+        self.arch = arch   # the device's, which "auto" is resolved for
         self.calls = []
 
     def meta(self):
@@ -176,6 +208,7 @@ class FakePagedBackend:
         return {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0, "fma_TFLOPs": 65.0}
 
     def prepare_paged(self, cfg):
+        bench_gpu._refuse_auto(cfg.variants)   # as PagedBackend
         self.cfg = cfg
         self.calls.append("prepare")
 
@@ -255,6 +288,37 @@ def test_a_run_times_every_phase_and_peer_with_the_instruments():
     assert paged_work(cfg) >= len([c for c in be.calls if c != "prepare"])
 
 
+def test_auto_is_checked_timed_and_labelled_as_the_variant_it_resolves_to():
+    cfg = make_paged_config(batch=4, lengths="4096", heads=128, aa_rounds=2,
+                            variants=("auto", "wgmma64", "mma16"))
+    be = FakePagedBackend()
+    res = run_paged_bench(backend=be, config=cfg)
+    # the backend never sees "auto", and wgmma64, asked twice, is checked and timed once
+    assert be.cfg.variants == ("wgmma64", "mma16")
+    timed = [c for c in be.calls if isinstance(c, tuple) and c[1] == "attn"]
+    assert timed == [("wgmma64", "attn"), ("mma16", "attn")]
+    assert [c["variant"] for c in res["checks"]] == ["wgmma64", "mma16"]
+    ours = [r for r in res["rows"] if r["variant"] != "-"]
+    assert {(r["asked"], r["variant"]) for r in ours} == {("auto", "wgmma64"),
+                                                          ("mma16", "mma16")}
+    assert res["auto"] == {"asked": "auto", "variant": "wgmma64", "arch": "sm_90",
+                           "also_asked": True, "why": res["auto"]["why"]}
+    assert res["config"]["variants"] == ["auto", "wgmma64", "mma16"]   # as asked
+    assert res["noise_floor"]["runs"][0]["variant"] == "wgmma64"
+    assert paged_work(cfg) >= len([c for c in be.calls if c != "prepare"])
+    # the device decides: on an sm_80 the same batch runs mma32
+    be80 = FakePagedBackend(arch="sm_80")
+    res80 = run_paged_bench(backend=be80, config=replace(cfg, variants=("auto", "mma16")))
+    assert be80.cfg.variants == ("mma32", "mma16")
+    assert res80["auto"]["variant"] == "mma32" and not res80["auto"]["also_asked"]
+
+
+def test_the_paged_backend_refuses_an_unresolved_auto():
+    with pytest.raises(ValueError, match="resolve auto"):
+        bench_gpu._refuse_auto(("mma16", "auto"))
+    bench_gpu._refuse_auto(("mma16", "wgmma64"))
+
+
 def test_like_for_like_needs_a_timed_peer_and_a_passing_check():
     cfg = make_paged_config(batch=2, heads=16, aa_rounds=2, variants=("mma16", "split"))
     assert run_paged_bench(backend=FakePagedBackend(), config=cfg)["like_for_like"] is None
@@ -305,6 +369,27 @@ def test_cli_without_gpu_prints_the_chunk_plans(monkeypatch):
     assert r.exit_code == 0 and "No GPU here" in r.output and "chunk plans" in r.output
 
 
+def test_cli_without_gpu_says_what_auto_resolves_to(monkeypatch):
+    _no_gpu(monkeypatch)
+    args = ["bench", "--batch", "4", "--lengths", "4096", "--heads", "128", "--variants"]
+    r = CliRunner(env={"COLUMNS": "100"}).invoke(cli, [*args, "auto"])
+    assert r.exit_code == 0, r.output
+    assert "auto -> wgmma64 on sm_90" in r.output and "auto (wgmma64)" in r.output
+    r = CliRunner().invoke(cli, [*args, "auto,wgmma64", "--json"])
+    data = json.loads(r.output)
+    assert data["plan"]["auto"]["variant"] == "wgmma64" and data["plan"]["auto"]["also_asked"]
+    assert [(p["asked"], p["variant"]) for p in data["plan"]["plans"]] == [("auto", "wgmma64")]
+    r = CliRunner().invoke(cli, [*args, "auto", "--q", "f32"])
+    assert r.exit_code == 0 and "auto -> mma32" in r.output and "auto (mma32)" in r.output
+
+
+def test_cli_depth_bench_refuses_auto_naming_batch(monkeypatch):
+    _no_gpu(monkeypatch)
+    r = CliRunner().invoke(cli, ["bench", "--variants", "split,auto"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "'--variants'" in r.output and "--batch" in r.output and "auto" in r.output
+
+
 @pytest.mark.parametrize("args,words", [
     (["--csv", "{tmp}/p.csv"], "--csv needs timings"), (["--require-gpu"], "--require-gpu"),
     (["--tp", "2", "--require-gpu"], "--require-gpu")])
@@ -351,6 +436,24 @@ def test_cli_on_a_gpu_renders_the_run(monkeypatch, tmp_path):
     assert np.isfinite(float(lines[1].split(",")[5]))
 
 
+def test_cli_on_a_gpu_says_and_labels_what_auto_ran(monkeypatch, tmp_path):
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, ""))
+
+    def fake_run(config, progress, log):
+        return run_paged_bench(backend=FakePagedBackend(), config=config)
+    monkeypatch.setattr(bench_cmd, "_run_paged_bench", fake_run)
+    out = tmp_path / "p.csv"
+    r = CliRunner(env={"COLUMNS": "120"}).invoke(
+        cli, ["bench", "--batch", "4", "--heads", "128", "--variants", "auto,wgmma64",
+              "--aa-rounds", "2", "--csv", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "auto -> wgmma64 on sm_90" in r.output and "it runs once" in r.output
+    assert "auto (wgmma64)" in r.output and "fastest step: auto (wgmma64)" in r.output
+    lines = out.read_text().splitlines()
+    asked = lines[0].split(",").index("asked")
+    assert {ln.split(",")[asked] for ln in lines[1:] if ln.startswith("wgmma64,")} == {"auto"}
+
+
 # ---------------------------------------------------------------------------- on a GPU
 
 @gpu
@@ -377,6 +480,34 @@ def test_gpu_paged_bench_checks_times_and_replays_every_variant():
         {s["name"] for s in res["skipped_peers"]}
     assert named == {"torch", "flashmla"}
     assert all(s["reason"] for s in res["skipped_peers"])
+
+
+@gpu
+def test_gpu_paged_bench_checks_and_times_what_auto_resolves_to_on_this_device():
+    import cupy
+
+    from mlasandbox.paged_api import PagedDecodeStep
+    from mlasandbox.paged_inputs import make_paged_inputs
+
+    # 128 rows x 4096 x 4 requests, q f16: a large step, wgmma64 on an H200 (sm_90)
+    cfg = make_paged_config(batch=4, lengths="4096", heads=128, aa_rounds=2, target_ms=5.0,
+                            max_repeats=20, min_repeats=3, copy_bytes=64 << 20, gemm_n=2048)
+    arch = toolkit.arch_of_device()
+    want = auto_name(1, 128, AutoFacts.of_lengths(cfg.lengths, 64, "f16", "f16", arch))
+    if arch == "sm_90":
+        assert want == "wgmma64"
+    res = run_paged_bench(backend=PagedBackend(), config=replace(cfg, variants=("auto", want)))
+    assert res["auto"]["variant"] == want and res["auto"]["also_asked"]
+    assert res["ok"] and [c["variant"] for c in res["checks"]] == [want]
+    assert res["plans"][want]["variant"] == want          # the step built and timed
+    ours = [r for r in res["rows"] if r["variant"] != "-"]
+    assert ours and all((r["asked"], r["variant"]) == ("auto", want) for r in ours)
+    # the bench's resolution is the step's own on this device
+    host = make_paged_inputs(cfg.dims, cfg.lengths, page_size=64, cache_dtype="f16",
+                             q_dtype="f16", seed=0)
+    dev = {k: cupy.asarray(v) if hasattr(v, "shape") else v
+           for k, v in host.decode_args().items()}
+    assert PagedDecodeStep(**dev, variant="auto").variant.name == want
 
 
 @gpu

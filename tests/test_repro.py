@@ -408,6 +408,40 @@ def test_repro_cli_batch(tmp_path, paged_registry):
         assert r.exit_code == 2 and words in r.output, r.output
 
 
+def test_repro_cli_auto_says_what_it_resolved_to_and_pins_it(tmp_path):
+    out = tmp_path / "a.py"
+    base = ["repro", "--variant", "auto", "--batch", "4", "--lengths", "4096", "--heads",
+            "128", "--blocks-per-sm", "1"]
+    # 128 rows x 4096 x 4, q in the cache dtype (auto's default, as bench --batch's): wgmma64
+    r = CliRunner().invoke(main, [*base, "--arch", "sm_90", "-o", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert (info["asked"], info["variant"], info["q"]) == ("auto", "wgmma64", "f16")
+    assert info["chosen"].startswith("auto -> wgmma64 on sm_90: a large step")
+    text = out.read_text()
+    assert "VARIANT = 'wgmma64'" in text and "VARIANT = 'auto'" not in text
+    assert "auto -> wgmma64 on sm_90" in text and "this script pins it" in text
+    # the same case for an sm_80 target: mma32 (no wgmma there), said the same way
+    r = CliRunner().invoke(main, [*base, "--arch", "sm_80", "-o", str(tmp_path / "b.py")])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.output.split())
+    assert "auto -> mma32 on sm_80" in said and "(pinned in the script)" in said
+    assert "VARIANT = 'mma32'" in (tmp_path / "b.py").read_text()
+    # a named variant says nothing of auto
+    r = CliRunner().invoke(main, ["repro", "--variant", "mma16", "--batch", "2", "--heads",
+                                  "4", "--blocks-per-sm", "1", "-o", str(tmp_path / "c.py"),
+                                  "--json"])
+    assert r.exit_code == 0 and json.loads(r.output)["chosen"] is None, r.output
+
+
+def test_repro_cli_auto_without_batch_is_bad_input_naming_batch(tmp_path):
+    r = CliRunner().invoke(main, ["repro", "--variant", "auto", "--ctx", "4096", "-o",
+                                  str(tmp_path / "no.py")])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "'--variant'" in r.output and "--batch" in r.output
+    assert not (tmp_path / "no.py").exists()
+
+
 # ---------------------------------------------------------------------------- wgmma64 (sm_90a)
 
 WGMMA = dict(batch=4, lengths="4097,0,1,300", s_q=2, causal=True, heads=16, blocks_per_sm=1,

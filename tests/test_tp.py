@@ -11,7 +11,7 @@ from mlasandbox import geometry
 from mlasandbox.chunks import plan_chunks
 from mlasandbox.tp import (check_tp, fixed_facts, head_bands, rank_grids, rank_plans,
                            unsharded_chunks)
-from mlasandbox.tp_bench import check_y, summarize_tp
+from mlasandbox.tp_bench import check_y, out_tolerance, summarize_tp
 from mlasandbox.tp_comm import (NO_MULTICAST_ENV, FakeCommunicator, make_communicator,
                                 resolve_engine, start_method)
 from mlasandbox.tp_rank import assemble_gathered, make_w_o
@@ -296,3 +296,20 @@ def test_summary_scaling_collective_share_and_budget_effect():
     assert s["tp8/band"]["collective_share"] == pytest.approx(50 / 200)
     assert s["tp1/band"]["attn_efficiency"] == pytest.approx(1.0)
     assert s["budget_effect_attn"] == pytest.approx(135 / 125 - 1)
+
+
+def test_the_out_tolerance_is_that_of_the_loosest_variant_a_rank_ran():
+    from mlasandbox.compare import DEFAULT_TOLERANCE
+    from mlasandbox.registry import ROUND_P_RELL2_BOUND
+    from mlasandbox.tp_launch import TPRun
+
+    def run(*variants):   # one report per rank, its plans under both budgets
+        return TPRun(len(variants), "fake", [{"plans": {"band": {"variant": v},
+                                                        "unsharded": {"variant": v}}}
+                                             for v in variants], 0.0)
+    f32_kernels = run("mma16", "mma16")
+    assert out_tolerance([f32_kernels], "f16") == DEFAULT_TOLERANCE.out
+    # TP 1 ran wgmma64 (p rounded to f16), the bands mma16: the looser bound holds for both
+    assert out_tolerance([run("wgmma64"), f32_kernels], "f16") == ROUND_P_RELL2_BOUND["f16"]
+    assert ROUND_P_RELL2_BOUND["f16"] > DEFAULT_TOLERANCE.out
+    assert out_tolerance([run()], "bf16") == DEFAULT_TOLERANCE.out   # no plans reported

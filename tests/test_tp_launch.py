@@ -180,6 +180,40 @@ def test_the_rank_step_checks_its_band():
                                executor="schedule")
 
 
+def test_auto_on_a_rank_is_what_one_gpu_picks_for_the_band_and_for_all_heads():
+    from mlasandbox import registry
+    from mlasandbox.paged_api import paged_variant
+    from mlasandbox.tp import fixed_facts, unsharded_chunks
+    from mlasandbox.tp_comm import FakeCommunicator
+    from mlasandbox.tp_rank import band_view
+
+    # 128 heads over 2 ranks: a band of 64 heads, q f16, 4 requests of 8192, so 64 rows x
+    # 8192 of room x 4 = 2^21, a large step: wgmma64 on the H200 the schedule executor
+    # models, as on one GPU (the rows alone would say mma32)
+    j = TPJob(dims=Dims(n_head=128), lengths=(8192,) * 4, q_dtype="f16", seed=0,
+              engine="fake", executor="schedule")
+    host = j.host_inputs()
+    q, wv_b, _ = band_view(head_bands(128, 2)[0], host["q"], host["wv_b"])
+
+    def rank0(q, budget="band"):
+        return mla.TensorParallelStep(FakeCommunicator(0, 2, None, "/nonexistent"), q,
+                                      host["kv_cache"], host["block_table"],
+                                      host["cache_seqlens"], wv_b, n_head=128, budget=budget,
+                                      executor="schedule")
+    step = rank0(q, "unsharded")
+    assert step.guard.variant == "wgmma64" and "wgmma" in step.attn_launch.kernel
+
+    # the unsharded budget: the chunks of wgmma64 at all 128 heads (2 head blocks of 64
+    # rows), not those of mma32 (4 of 32)
+    def budget(name):
+        inst = registry.paged_attention_instance(paged_variant(name, 1, 128), "f16", "f16")
+        return unsharded_chunks(4, 1, 128, fixed_facts(inst.heads, inst.tile_rows, 1),
+                                num_sms=132)
+    assert step.plan.max_chunks == budget("wgmma64") != budget("mma32")
+    # an f32 q, which wgmma64 does not take: mma32
+    assert rank0(q.astype(np.float32)).guard.variant == "mma32"
+
+
 # ---- the CLI ----------------------------------------------------------------------------
 
 def cli(*args):
@@ -229,6 +263,23 @@ def test_bench_tp_without_a_gpu_shows_every_ranks_plan():
     assert all(x["max_chunks"] > y["max_chunks"] for x, y in zip(band, flat))
     table = cli("bench", "--batch", "4", "--heads", "128", "--tp", "8").output
     assert "every rank's chunk plan" in table and "unsharded" in table
+
+
+def test_tp_plans_resolve_auto_for_the_batch_as_the_paged_plans_do():
+    from mlasandbox.bench_paged import make_paged_config
+    from mlasandbox.tp_bench import tp_plan_report
+
+    def ranks(tp, **kw):
+        cfg = make_paged_config(batch=4, lengths="131072", heads=128, variants=("auto",), **kw)
+        return tp_plan_report(cfg, tp, blocks_per_sm=1)["ranks"]
+    # all 128 heads, q f16, a large step: wgmma64 on the modelled H200; f32 q: mma32
+    assert {(r["asked"], r["variant"]) for r in ranks(1)} == {("auto", "wgmma64")}
+    assert {r["variant"] for r in ranks(1, q_dtype="f32")} == {"mma32"}
+    # a band of 16 heads runs mma16; its unsharded budget is wgmma64's at all heads
+    tp8 = [r for r in ranks(8) if r["budget"] == "unsharded"]
+    assert {r["variant"] for r in tp8} == {"mma16"}
+    assert {r["max_chunks"] for r in tp8} == {ranks(1)[0]["max_chunks"]} != \
+        {r["max_chunks"] for r in ranks(8, q_dtype="f32") if r["budget"] == "unsharded"}
 
 
 def test_grid_tp_shows_every_rank():
