@@ -24,9 +24,10 @@ from mlasandbox.noise import NO_DIFFERENCE
 from . import render
 from .lab_render import fmt_us
 from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
-                      paged_options, paged_step_config, preset_option, progress_bar, q_of,
-                      q_option, refuse_paged_options, require_gpu, splits_option,
-                      stderr_console, variants_option)
+                      lengths_file, paged_options, paged_step_config, preset_option,
+                      progress_bar, q_of, q_option, refuse_overwrites, refuse_paged_options,
+                      require_gpu, seed_option, splits_option, stderr_console,
+                      variants_option)
 from .render import Column, FitTable
 
 __all__ = ["ablate"]
@@ -90,7 +91,7 @@ def ablate_table(rows: list[dict], title: str) -> FitTable:
 @splits_option()
 @click.option("--rounds", type=click.IntRange(min=2), default=5, show_default=True,
               help="Interleaved rounds (A A' B) per variant.")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
+@seed_option()
 @paged_options(SERVING_PRESETS, serving_help())
 @json_option
 def ablate(variants, n_ctx, preset, heads, cache, q_dtype, splits, rounds, seed, batch,
@@ -103,6 +104,7 @@ def ablate(variants, n_ctx, preset, heads, cache, q_dtype, splits, rounds, seed,
     in the cache dtype unless --q says).
     """
     ctx = click.get_current_context()
+    refuse_overwrites([("--lengths", lengths_file(lengths_spec))], [("--json", json_out)])
     cfg = None
     if batch is not None or serving is not None:
         if ctx.get_parameter_source("variants") != click.core.ParameterSource.COMMANDLINE:

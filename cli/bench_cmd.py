@@ -43,11 +43,12 @@ from mlasandbox.splits import default_gate, plan_splits
 
 from . import lab_render, render
 from .check_cmd import cpu_accuracy
-from .options import (NoGpu, arch_option, cache_option, ctx_option, deliver_json,
-                      heads_option, int_list, json_option, non_empty_path,
-                      output_option, paged_options, peers_option, preset_option, progress_bar,
-                      q_option, splits_option, stderr_console, timing_options, variants_option,
-                      write_json)
+from .options import (FiniteFloatRange, NoGpu, arch_option, cache_option, ctx_option,
+                      deliver_json, given_options, heads_option, hpb_list, json_option,
+                      lengths_file, non_empty_path, output_option, paged_options,
+                      peers_option, preset_option, progress_bar, q_option, refuse_overwrites,
+                      refuse_paged_options, splits_option, stderr_console, timing_options,
+                      variants_option, write_json)
 from .regs_cmd import regs_rows
 from .render import Column, FitTable, variant_label
 from .tp_cmd import run_tp_cli, tp_engine_option, tp_option
@@ -166,17 +167,30 @@ def _render(result, details, cmp):
         con.print(f"[bold yellow]warning:[/bold yellow] {escape(w)}")
 
 
+def _refuse(opts: list[str], one: str, several: str) -> None:
+    """click.UsageError: the options `opts`, then `one` (one option) or `several`."""
+    if opts:
+        raise click.UsageError(f"{', '.join(opts)} {one if len(opts) == 1 else several}")
+
+
+# What the tensor-parallel bench does not use: it times the sharded step with --warmup and
+# --repeats on every rank, always checks its output, and writes no file but --json.
+TP_IGNORED = ("csv_out", "explain", "peers", "min_repeats", "target_ms", "graph", "aa_rounds",
+              "check", "check_heads")
+
+
 def _paged_bench(o: dict):
     """The paged branch of `bench`: options validated here, the run in paged_bench_view."""
     ctx = click.get_current_context()
-    depth_only = [p.opts[0] for p in ctx.command.params
-                  if p.name in ("contexts", "hpbs", "aa_ctx", "graph_max_ctx", "check_ctx",
-                                "vs_path", "plot_out", "budget_s")
-                  and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
-    if depth_only:
-        raise click.UsageError(f"{', '.join(depth_only)} belong"
-                               f"{'s' if len(depth_only) == 1 else ''} to the depth bench, not "
-                               "the paged step (--batch)")
+    _refuse(given_options(ctx, ("contexts", "hpbs", "aa_ctx", "graph_max_ctx", "check_ctx",
+                                "vs_path", "plot_out", "budget_s", "details", "arch")),
+            "belongs to the depth bench, not the paged step (--batch)",
+            "belong to the depth bench, not the paged step (--batch)")
+    if o["tp"] is not None:
+        tp_does = ("the tensor-parallel bench (--tp) times every rank with --warmup and "
+                   "--repeats, always checks its output, and writes no file but --json")
+        _refuse(given_options(ctx, TP_IGNORED), f"is not taken with --tp: {tp_does}",
+                f"are not taken with --tp: {tp_does}")
     if len(o["caches"]) != 1:
         raise click.UsageError("the paged step takes one --cache dtype")
     preset = o["preset"] if ctx.get_parameter_source("preset") == \
@@ -418,8 +432,9 @@ def _print_no_gpu(data, arch, why) -> None:
                  "with --batch also auto (the paged step's choice for the batch on this "
                  "device) and user kernels, FILE.cu (docs/byok.md).", user_kernels=True,
                  auto=True)
-@click.option("--hpb", "hpbs", callback=int_list, default=None,
-              help="Heads-per-block values of the batched family to run (1 is split).")
+@click.option("--hpb", "hpbs", callback=hpb_list, default=None,
+              help="Heads-per-block values of the batched family to run (1 is split): "
+                   "alone, the family narrowed to them; with --variants, added to those.")
 @cache_option(multiple=True)
 @q_option()
 @splits_option(help="'auto' (the split rule) or S (1..65535; with --batch, every request's "
@@ -443,7 +458,7 @@ def _print_no_gpu(data, arch, why) -> None:
 @click.option("--check-heads", type=click.IntRange(1, limits.MAX_HEADS), default=16,
               show_default=True,
               help="Heads of the correctness spot check.")
-@click.option("--budget-s", type=click.FloatRange(min=1), default=480.0, show_default=True,
+@click.option("--budget-s", type=FiniteFloatRange(min=1), default=480.0, show_default=True,
               help="Time budget of the timed work; the per-measurement target shrinks to fit.")
 @json_option
 @output_option("--csv", dest="csv_out", help="Write the timed rows as CSV (needs a GPU).")
@@ -478,19 +493,25 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
     """
     as_json = json_out == "-"
     paged = batch is not None or serving is not None
+    ctx = click.get_current_context()
+    kernels = [v for v in variants or () if v.split(":", 1)[0].endswith(".cu")]
+    refuse_overwrites([("--lengths", lengths_file(lengths_spec)), ("--vs", vs_path),
+                       *(("--variants", k.split(":", 1)[0]) for k in kernels)],
+                      [("--json", json_out), ("--csv", csv_out), ("--plot", plot_out)])
+    if tp is None:
+        _refuse(given_options(ctx, ("tp_engine",)), "needs --tp N (the tensor-parallel bench)", "")
     if not paged:
-        given = [o for o, v in (("--lengths", lengths_spec), ("--s-q", s_q),
-                                ("--causal", causal), ("--peers", peers), ("--tp", tp))
-                 if v is not None]
-        given += [v for v in variants or () if v.split(":", 1)[0].endswith(".cu")]
-        if given:
-            raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
-                                   "--batch B or --serving PRESET (the paged step)")
+        refuse_paged_options(lengths_spec, s_q, causal, also=[
+            *(o for o, v in (("--peers", peers), ("--tp", tp)) if v is not None), *kernels])
         if "auto" in (variants or ()):
             raise click.BadParameter(
                 "auto is the paged step's choice (mma16, mma32 or wgmma64 by the batch's rows "
                 "and size): give --batch B or --serving PRESET to bench it, or name the "
                 "variants of the depth bench", param_hint="'--variants'")
+        if variants and hpbs:
+            variants = tuple(dict.fromkeys((*variants,
+                                            *(registry.variant_for_hpb(h) for h in hpbs))))
+            hpbs = None
     else:
         return _paged_bench(locals())
     try:

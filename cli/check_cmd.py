@@ -25,6 +25,15 @@ __all__ = ["check", "cpu_accuracy", "CHECK_CTXS", "CHECK_SEEDS"]
 CHECK_CTXS = (1, 4095, 4096, 4097, 12287, 12288, 12289, 20000)
 CHECK_SEEDS = 3
 STUDY_PRESET = "h96-tp8"  # 12 heads: a tensor-parallel shard, the study's default dims
+# The study passes only where the split is at least as accurate as the unsplit walk in the
+# median (schedule.judge_study), and a split's f32 sums are shorter only when its slices
+# are long enough: with one position a slice (S >= n_ctx: empty slices past it) the split is
+# the combine alone, an n_ctx-term sum like the walk plus a rescale per term, 0.75-0.83x as
+# accurate on the model; with two the gain straddles 1 (0.84-1.19x), with three it dips to
+# 0.88x; from four positions on it was 1.09x or more at n_ctx 100, 1000, 4096 and 12289,
+# five seeds each. Shorter slices make a correct combine fail the study, so --splits must
+# leave every context that splits slices of at least this many positions.
+MIN_SLICE = 4
 
 
 def cpu_accuracy(ctxs, seeds, splits="auto", preset: str | None = None,
@@ -52,6 +61,19 @@ def cpu_accuracy(ctxs, seeds, splits="auto", preset: str | None = None,
             hint = "give a context of at least 2 positions"
         raise ValueError(f"--ctx: no context splits into two or more non-empty slices ({given}), "
                          f"so the split path and its negative control would not run; {hint}")
+    short = [n for n, s in counts.items()
+             if schedule.splits_with_power(n, s) and -(-n // s) < MIN_SLICE]
+    if short:
+        most = min(-(-n // (MIN_SLICE - 1)) - 1 for n in short)
+        fix = (f"give --splits <= {most}" if most >= 2 else
+               f"leave out the contexts under {2 * MIN_SLICE - 1} positions, which cannot "
+               f"split into slices of {MIN_SLICE}")
+        raise ValueError(
+            f"--splits {splits} leaves slices of fewer than {MIN_SLICE} positions at --ctx "
+            f"{', '.join(map(str, short))}: there splitting shortens the f32 sums too little to "
+            "beat the unsplit walk (one position a slice makes the split the combine alone, "
+            "an n_ctx-term sum), so the study's accuracy-gain test can fail a correct "
+            f"combine; {fix} ('auto' splits into slices of a tile or more)")
     raw = schedule.accuracy_study(list(ctxs), list(range(seeds)), splits=splits, dims=dims,
                                   cache_dtype=cache)
     verdict = schedule.judge_study(raw)

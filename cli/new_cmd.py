@@ -8,7 +8,7 @@ import click
 from mlasandbox.user_new import TEMPLATES, new_kernel_source
 
 from . import render
-from .options import bad_input, json_option, output_problem, write_json
+from .options import bad_input, json_option, output_problem, refuse_overwrites, write_json
 
 
 @click.command("new")
@@ -24,6 +24,7 @@ def new(name, template, force, json_out):
     stem = os.path.splitext(os.path.basename(path))[0]
     if os.path.exists(path) and not force:
         bad_input(f"{path} exists; pass --force to overwrite it")
+    refuse_overwrites([], [("NAME", path), ("--json", json_out)])
     problem = output_problem(path)  # a missing folder, a directory, a device, read-only
     if problem:
         bad_input(f"NAME {name}: {problem}")

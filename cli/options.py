@@ -6,6 +6,7 @@ Every value is checked when click parses it, so a bad input exits 2 before any w
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 
@@ -23,7 +24,8 @@ from .render import emit_json, jsonable
 __all__ = ["int_list", "str_list", "auto_or_int", "OutputFile", "json_option", "write_json",
            "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
            "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
-           "non_empty_path",
+           "non_empty_path", "refuse_overwrites", "lengths_file", "seed_option", "SEED",
+           "FiniteFloatRange", "given_options",
            "arch_option", "timing_options", "preset_option", "q_option", "variants_option",
            "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of",
            "paged_options", "peers_option"]
@@ -50,16 +52,24 @@ def int_list(ctx, param, value):
 
 
 def str_list(choices, user_kernels: bool = False):
-    """A comma-separated list among `choices` (and, with user_kernels, FILE.cu[:NAME=V])."""
+    """A comma-separated list among `choices` (and, with user_kernels, FILE.cu[:NAME=V]),
+    each value once, in the order given."""
     def cb(ctx, param, value):
         if value is None:
             return None
-        out = tuple(p.strip() for p in str(value).split(",") if p.strip())
+        out = tuple(dict.fromkeys(p.strip() for p in str(value).split(",") if p.strip()))
+        if not out:
+            raise click.BadParameter(f"give at least one value, among {', '.join(choices)}")
         bad = [p for p in out if p not in choices
                and not (user_kernels and p.split(":", 1)[0].endswith(".cu"))]
-        if bad or not out:
+        if user_kernels and any("=" in p for p in bad):
+            # FILE.cu:A=1,B=2 splits at the comma into FILE.cu:A=1 and a variant "B=2"
             raise click.BadParameter(
-                f"{', '.join(bad) or 'nothing'} not among {', '.join(choices)}")
+                f"{', '.join(bad)} is not a variant: a user kernel's parameters follow its "
+                "file, colon-separated (FILE.cu:NAME=V:NAME=V); to time several values, "
+                "name the file once per value (FILE.cu:NAME=4,FILE.cu:NAME=8)")
+        if bad:
+            raise click.BadParameter(f"{', '.join(bad)} not among {', '.join(choices)}")
         return out
     return cb
 
@@ -87,6 +97,31 @@ def _splits(value):
     return v
 
 
+# numpy's generators take any integer >= 0 and raise at the first draw for a negative one,
+# after the work began (or in a written repro script); the int64 cap keeps a seed one
+# machine integer wherever it is stored or passed on (JSON results, scripts, child argv).
+MAX_SEED = 2**63 - 1
+SEED = click.IntRange(0, MAX_SEED)
+
+
+def seed_option(default=0, help="Seed of the inputs."):
+    """`--seed`: an integer in 0..2**63-1, checked when parsed."""
+    return click.option("--seed", type=SEED, default=default,
+                        show_default=default is not None, help=help)
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf (nan passes every comparison a range
+    makes, and an infinite time or budget never ends)."""
+
+    def convert(self, value, param, ctx):
+        v = super().convert(value, param, ctx)
+        if not math.isfinite(v):
+            self.fail(f"{value!r} is not a finite number; give one in {self._describe_range()}",
+                      param, ctx)
+        return v
+
+
 def timing_options(target_ms: float):
     """--repeats, --min-repeats, --target-ms and --seed of the timed commands."""
     def deco(f):
@@ -96,12 +131,11 @@ def timing_options(target_ms: float):
             click.option("--min-repeats", type=click.IntRange(min=1), default=10,
                          show_default=True,
                          help="Fewest timed runs per measurement (long phases stop here)."),
-            click.option("--target-ms", type=click.FloatRange(min=0.1), default=target_ms,
+            click.option("--target-ms", type=FiniteFloatRange(min=0.1), default=target_ms,
                          show_default=True,
                          help="GPU time each measurement aims for (sets the runs between "
                               "the two)."),
-            click.option("--seed", type=int, default=0, show_default=True,
-                         help="Seed of the inputs."),
+            seed_option(),
         )):
             f = opt(f)
         return f
@@ -115,7 +149,8 @@ def hpb_list(ctx, param, value):
         if h not in registry.HPB_VALUES:
             raise click.BadParameter(f"heads per block must be among "
                                      f"{', '.join(map(str, registry.HPB_VALUES))} (the "
-                                     f"instantiated values), got {h}")
+                                     f"instantiated heads_per_block values; 1 is split), "
+                                     f"got {h}")
     return vals
 
 
@@ -238,8 +273,11 @@ class OutputFile(click.Path):
         super().__init__(dir_okay=False, allow_dash=allow_dash)
 
     def convert(self, value, param, ctx):
-        if self.allow_dash and value == "-":
-            return value
+        if value == "-":
+            if self.allow_dash:
+                return value
+            self.fail("'-' (stdout) is not taken here; give a file path (./- for a file "
+                      "named '-')", param, ctx)
         path = os.fspath(value)
         if not path:
             self.fail("an empty path; give a file path", param, ctx)
@@ -286,6 +324,44 @@ def output_problem(path: str, directory: bool = False) -> str | None:
     return None
 
 
+def _file_key(path: str):
+    """What identifies the file `path` names: device and inode where it exists (hard links
+    and symlinks included), else its resolved path."""
+    try:
+        st = os.stat(path)
+        return ("inode", st.st_dev, st.st_ino)
+    except OSError:
+        return ("path", os.path.realpath(path))
+
+
+def refuse_overwrites(inputs, outputs) -> None:
+    """Exit 2 (naming the output option) where an output file is one of the command's input
+    files, or two outputs are one file: the second write would destroy the first file's
+    contents. `inputs` and `outputs` are (option, path) pairs; None and '-' (stdout) are
+    skipped, and one option's own files are not compared with each other."""
+    seen: dict = {}
+    for opt, path in inputs:
+        if path not in (None, "-"):
+            seen.setdefault(_file_key(path), ("input", opt, path))
+    for opt, path in outputs:
+        if path in (None, "-"):
+            continue
+        key = _file_key(path)
+        if key in seen and seen[key][1] != opt:
+            kind, other, other_path = seen[key]
+            named = "" if other_path == path else f" ({other_path})"
+            why = (f"{path} is the input file of {other}{named}: writing it would destroy it"
+                   if kind == "input" else
+                   f"{path} is also written by {other}{named}: one would overwrite the other")
+            raise click.BadParameter(f"{why}; give another path", param_hint=f"'{opt}'")
+        seen.setdefault(key, ("output", opt, path))
+
+
+def lengths_file(spec) -> str | None:
+    """The file of a `--lengths @FILE` spec, None for the other forms."""
+    return spec[1:] if isinstance(spec, str) and spec.startswith("@") else None
+
+
 def output_option(*names, help: str, dest: str | None = None):
     decls = list(names) + ([dest] if dest else [])
     return click.option(*decls, type=OutputFile(), default=None, metavar="FILE", help=help)
@@ -324,6 +400,14 @@ def require_gpu(what: str) -> str:
     if not ok:
         raise NoGpu(f"{what}: {why}")
     return why
+
+
+def given_options(ctx, names) -> list[str]:
+    """The options among the parameters `names` that the command line gave, as
+    '--opt' ('--flag/--no-flag' for a switch)."""
+    return ["/".join(p.opts + p.secondary_opts) for p in ctx.command.params
+            if p.name in names
+            and ctx.get_parameter_source(p.name) == click.core.ParameterSource.COMMANDLINE]
 
 
 def bad_input(msg: str):
@@ -427,13 +511,16 @@ def paged_step_config(o: dict, ctx, variants, heads=None, preset: str = "dsv3"):
     return cfg, q_of(q, o["cache"])
 
 
-def refuse_paged_options(lengths_spec, s_q, causal) -> None:
-    """--lengths, --s-q, --causal without --batch / --serving: click.UsageError."""
+def refuse_paged_options(lengths_spec, s_q, causal, *, also=(),
+                         needs: str = "--batch B or --serving PRESET (the paged step)") -> None:
+    """--lengths, --s-q, --causal, --page-size (and the options named in `also`) without the
+    paged step: click.UsageError naming them."""
     given = [f"--{n.replace('_', '-')}" for n, v in (("lengths", lengths_spec), ("s_q", s_q),
                                                       ("causal", causal)) if v is not None]
+    given += given_options(click.get_current_context(), ("page_size",)) + list(also)
     if given:
         raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
-                               "--batch B or --serving PRESET (the paged step)")
+                               f"{needs}")
 
 
 def peers_option(choices):

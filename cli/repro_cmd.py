@@ -9,14 +9,16 @@ from rich.markup import escape
 
 from mlasandbox import registry
 from mlasandbox.dims import PRESETS
-from mlasandbox.repro import (REPRO_CONTEXTS, make_case, make_paged_case, paged_runs_on,
-                              write_paged_script, write_script)
+from mlasandbox.repro import (REPRO_CONTEXTS, default_filename, default_paged_filename,
+                              make_case, make_paged_case, paged_runs_on, write_paged_script,
+                              write_script)
 
 from . import render
 from .tp_cmd import band_heads, tp_option
 from .options import (OutputFile, arch_option, auto_or_int, cache_option, ctx_option,
-                      deliver_json, heads_option, json_option, paged_options, preset_option,
-                      q_option, splits_option, stderr_console)
+                      deliver_json, heads_option, json_option, lengths_file, paged_options,
+                      preset_option, q_option, refuse_overwrites, refuse_paged_options,
+                      seed_option, splits_option, stderr_console)
 
 __all__ = ["repro"]
 
@@ -33,7 +35,7 @@ __all__ = ["repro"]
 @cache_option()
 @q_option()
 @splits_option(help="'auto' (resolved now, pinned in the script) or S (1..65535).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
+@seed_option()
 @click.option("--negative-control", is_flag=True,
               help="Merge without the rescale (the combine's, or the attention kernel's "
                    "own merge where it merges): the script must FAIL.")
@@ -68,6 +70,7 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
     """
     command = "mlasandbox repro " + " ".join(shlex.quote(a) for a in sys.argv[2:]) \
         if len(sys.argv) > 1 and sys.argv[1] == "repro" else ""
+    _refuse_overwrites(output, json_out, lengths_spec)
     if rank is not None and tp is None:
         raise click.UsageError("--rank needs --tp N")
     if batch is None and variant_name == "auto":
@@ -86,11 +89,7 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
         return _paged_repro(variant_name, batch, lengths_spec, s_q, causal, page_size, preset,
                             heads, cache, q_dtype, splits, seed, negative_control, sms, bps,
                             arch, output, json_out, command)
-    given = [o for o, v in (("--lengths", lengths_spec), ("--s-q", s_q), ("--causal", causal))
-             if v is not None]
-    if given:
-        raise click.UsageError(f"{', '.join(given)} need{'s' if len(given) == 1 else ''} "
-                               "--batch B (the batched paged case)")
+    refuse_paged_options(lengths_spec, s_q, causal, needs="--batch B (the batched paged case)")
     try:
         case = make_case(variant_name, preset=preset, heads=heads, contexts=contexts,
                          cache=cache, q=q_dtype, splits=splits, seed=seed,
@@ -98,17 +97,24 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
                          arch=arch, command=command)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    _write_and_say(case, write_script, output, json_out,
+    _write_and_say(case, write_script, output or default_filename(case), json_out,
                    {"contexts": list(case.contexts),
                     "splits": {str(k): v for k, v in case.splits.items()},
                     "splits_from": case.splits_from},
                    f"splits {case.splits} ({case.splits_from})")
 
 
+def _refuse_overwrites(output, json_out, lengths_spec) -> None:
+    """The script and --json FILE: neither over the lengths file, nor over each other."""
+    refuse_overwrites([("--lengths", lengths_file(lengths_spec))],
+                      [("--output", output), ("--json", json_out)])
+
+
 def _write_and_say(case, write, output, json_out, facts: dict, summary: str,
                    runs_on: str = "", chosen: str = "") -> None:
     """Write the script, then its facts as JSON or lines of text. `runs_on` names the
     arch the script's kernel needs, where it needs one; `chosen`, what auto resolved to."""
+    _refuse_overwrites(output, json_out, getattr(case, "lengths_spec", None))
     try:
         path = write(case, output)
     except OSError as exc:
@@ -153,7 +159,7 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
                                num_sms=sms, blocks_per_sm=bps, arch=arch, command=command)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    _write_and_say(case, write_paged_script, output, json_out,
+    _write_and_say(case, write_paged_script, output or default_paged_filename(case), json_out,
                    {"asked": variant, "chosen": case.chosen or None, "batch": len(case.lengths),
                     "lengths": list(case.lengths), "s_q": case.s_q,
                     "causal": case.causal, "page_size": case.page_size, "plan": case.plan,

@@ -8,7 +8,6 @@ the block's instructions against its share of the block's stall samples.
 """
 from __future__ import annotations
 
-import gzip
 import os
 
 import click
@@ -22,15 +21,22 @@ from mlasandbox.bench_paged import SERVING_PRESETS, serving_help
 from mlasandbox.ncu import NcuError, PagedSpec, profile_attention
 
 from . import render
-from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
-                      non_empty_path, output_problem, paged_options, paged_step_config, q_of,
-                      q_option, refuse_paged_options, require_gpu, splits_option,
+from .options import (cache_option, ctx_option, deliver_json, given_options, heads_option,
+                      json_option, lengths_file, non_empty_path, output_problem, paged_options,
+                      paged_step_config, q_of, q_option, refuse_overwrites,
+                      refuse_paged_options, require_gpu, seed_option, splits_option,
                       stderr_console)
 
 __all__ = ["stalls"]
 
 CUDA_VARIANTS = tuple(n for n in registry.variant_names() if registry.variant(n).is_cuda) + \
     tuple(registry.PAGED_ONLY_VARIANTS)
+# What describes a profile to run; --from reads one made earlier, so none of them applies.
+PROFILE_OPTIONS = ("variant", "heads", "n_ctx", "cache", "q_dtype", "splits", "seed",
+                   "ncu_path", "save_dir", "batch", "lengths_spec", "page_size", "s_q",
+                   "causal", "serving")
+# The files ncu's run leaves in --save DIR (mlasandbox.ncu.profile_attention).
+SAVED_FILES = ("stalls.ncu-rep", "raw.csv", "source.csv")
 # An opcode "waits" when its share of a block's samples is at least this many times its share
 # of the block's instructions (and it holds at least MIN_WAIT_SHARE of the samples).
 WAIT_RATIO = 2.0
@@ -44,35 +50,12 @@ def _profile(**opts):
 
 
 def _read_saved(path: str) -> tuple[str, str | None]:
-    """(source page CSV, raw page CSV or None) of a --save directory (its source.csv may be
-    gzipped), or of a source page CSV file (gzipped if its name ends in .gz)."""
-    if os.path.isdir(path):
-        source, raw = os.path.join(path, "source.csv"), os.path.join(path, "raw.csv")
-        if not os.path.exists(source) and os.path.exists(source + ".gz"):
-            source += ".gz"
-    else:
-        source, raw = path, None
-    if not os.path.exists(source):
-        raise click.BadParameter(f"{source} does not exist (--from takes a directory written "
-                                 "by --save, or ncu's per-SASS CSV)", param_hint="'--from'")
-    opener = gzip.open if source.endswith(".gz") else open
+    """(source page CSV, raw page CSV or None) of --from PATH (mlasandbox.stalls.read_saved),
+    a file it cannot read named as bad input."""
     try:
-        with opener(source, "rt", encoding="utf-8") as f:
-            source_text = f.read()
-    except (OSError, EOFError, UnicodeDecodeError) as exc:
-        # gzip.BadGzipFile is an OSError; a truncated stream is an EOFError
-        kind = "a gzip-compressed" if source.endswith(".gz") else "a UTF-8"
-        raise click.BadParameter(f"{source} is not {kind} ncu CSV ({exc})",
-                                 param_hint="'--from'") from None
-    raw_text = None
-    if raw and os.path.exists(raw):
-        try:
-            with open(raw, encoding="utf-8") as f:
-                raw_text = f.read()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise click.BadParameter(f"{raw} is not a UTF-8 ncu raw page ({exc})",
-                                     param_hint="'--from'") from None
-    return source_text, raw_text
+        return st.read_saved(path)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--from'") from None
 
 
 def short_name(kernel: str) -> str:
@@ -148,7 +131,7 @@ def _paged_spec(o: dict, ctx) -> tuple[PagedSpec, int, str]:
 @cache_option()
 @q_option()
 @splits_option()
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the inputs.")
+@seed_option()
 @click.option("--blocks", "top_blocks", type=click.IntRange(min=1), default=4, show_default=True,
               help="How many of the hottest instruction blocks to show.")
 @click.option("--opcodes", "top_opcodes", type=click.IntRange(min=1), default=8,
@@ -177,11 +160,24 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
     def fail(msg, usage=False):
         raise (click.UsageError if usage else click.ClickException)(msg)
 
+    ctx = click.get_current_context()
+    if from_path:
+        ignored = given_options(ctx, PROFILE_OPTIONS)
+        if ignored:
+            raise click.UsageError(
+                f"{', '.join(ignored)} describe{'s' if len(ignored) == 1 else ''} a profile to "
+                "run; --from reads a saved one (with it, only --blocks, --opcodes and --json "
+                "apply)")
+    inputs = [("--lengths", lengths_file(lengths_spec))]
+    if from_path:
+        inputs += [("--from", f) for f in st.saved_files(from_path) if f]
+    refuse_overwrites(inputs, [("--json", json_out), *(
+        ("--save", os.path.join(save_dir, f)) for f in (SAVED_FILES if save_dir else ()))])
     err = stderr_console()
     q = q_of(q_dtype, cache)
     paged = None
     if batch is not None or serving is not None:
-        paged, heads, q = _paged_spec(locals(), click.get_current_context())
+        paged, heads, q = _paged_spec(locals(), ctx)
     elif variant in registry.PAGED_ONLY_VARIANTS:
         raise click.UsageError(f"variant {variant} serves the paged step only: give --batch B "
                                "(or --serving PRESET)")

@@ -20,9 +20,9 @@ from mlasandbox.toolkit import ToolkitError
 from . import render
 from .lab_render import paged_sweep_table, sweep_table
 from .options import (arch_option, cache_option, ctx_option, deliver_json, heads_option, hpb_list,
-                      json_option, paged_options, paged_step_config, preset_option,
-                      progress_bar, q_option, refuse_paged_options, splits_option,
-                      stderr_console, timing_options)
+                      json_option, lengths_file, paged_options, paged_step_config,
+                      preset_option, progress_bar, q_option, refuse_overwrites,
+                      refuse_paged_options, splits_option, stderr_console, timing_options)
 
 __all__ = ["sweep"]
 
@@ -69,6 +69,7 @@ def sweep(ctx, n_ctx, preset, heads, hpbs, cache, q_dtype, splits, arch, sms, re
     tensor-core families included (their attention phase, the chunk plan instead of S).
     """
     hpbs = hpbs or registry.HPB_VALUES
+    refuse_overwrites([("--lengths", lengths_file(lengths_spec))], [("--json", json_out)])
     if min_repeats > repeats:
         raise click.UsageError(f"--min-repeats {min_repeats} exceeds --repeats {repeats}")
     use_gpu = False if no_gpu else toolkit.device_available()[0]

@@ -23,7 +23,7 @@ from mlasandbox.user_kernel import UserCompileError, compile_report, load_kernel
 
 from . import render
 from .options import (JsonAwareException, OutputFile, bad_input, int_list, json_option,
-                      write_json)
+                      lengths_file, refuse_overwrites, require_gpu, seed_option, write_json)
 
 
 def _params(values) -> dict:
@@ -233,17 +233,19 @@ def _run(path, opts, say):
 @click.option("--no-time", "no_time", is_flag=True, help="Check only, no timing.")
 @click.option("--repeats", type=click.IntRange(5, 100000), default=200, show_default=True,
               help="Timed repeats per measurement, at most.")
-@click.option("--seed", type=int, default=None, help="Battery seed (default: a fresh one).")
+@seed_option(None, help="Battery seed (default: a fresh one).")
 @click.option("--arch", default=None, help="Compile report arch (default: the device's, "
               "else sm_90).")
 @json_option
 def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_time, repeats,
          seed, arch, json_out):
     """Compile, check, time and sweep a user kernel FILE.cu (docs/byok.md)."""
-    if not os.path.isfile(file):
+    if not os.path.exists(file):
         bad_input(f"FILE {file}: no such file")
     if lengths is not None and batch is None:
         bad_input("--lengths needs --batch")
+    refuse_overwrites([("FILE", file), ("--lengths", lengths_file(lengths))],
+                      [("--repro", repro), ("--json", json_out)])
     for opt, vals, low in (("--heads", heads, 1), ("--ctx", ctx, 0)):
         if vals and min(vals) < low:
             bad_input(f"{opt} must be integers >= {low}, got {min(vals)}")
@@ -267,6 +269,8 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
             lens = [int(x) for x in parse_lengths(lengths, batch, 0)]
         except ValueError as exc:
             bad_input(f"--lengths: {exc}")
+    if sanitize:
+        _sanitizer_ready()
     opts = {"params": _params(params), "heads": heads, "ctx": ctx, "batch": batch,
             "lengths": lens, "lengths_spec": lengths, "sanitize": sanitize, "repro": repro,
             "time": not no_time and not watch, "repeats": repeats, "seed": seed, "arch": arch,
@@ -283,6 +287,17 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
     if json_out == "-":
         render.emit_json(data)
     say(_verdict(data))
+
+
+def _sanitizer_ready() -> None:
+    """--sanitize runs compute-sanitizer over the kernel on a GPU: without either, exit 2
+    before any work rather than report a check that never ran."""
+    from mlasandbox.battery import sanitizer_path
+
+    require_gpu("--sanitize runs the kernel under compute-sanitizer on a GPU")
+    if sanitizer_path() is None:
+        bad_input("--sanitize: compute-sanitizer is not installed here (not on PATH nor in "
+                  "/usr/local/cuda/bin); install it (the CUDA toolkit's) or leave --sanitize out")
 
 
 def _verdict(data) -> str:

@@ -14,8 +14,10 @@ Pure Python: tested on the CPU.
 from __future__ import annotations
 
 import json
+import math
 import statistics
 
+from .limits import read_input_text
 from .noise import NO_DIFFERENCE, verdict
 
 __all__ = ["load_result", "compare_runs", "SchemaError"]
@@ -25,22 +27,79 @@ class SchemaError(ValueError):
     """The file is not a saved `mlasandbox bench` result."""
 
 
+# A saved bench result is a few MB at most: rows of variants x contexts x phases
+MAX_BASELINE_BYTES = 64 << 20
+
+
 def load_result(path) -> dict:
+    """The saved `bench --json` result at `path` (the file of `bench --vs`), checked as deep
+    as compare_runs reads it, so that a bad baseline is refused before anything runs.
+    SchemaError naming --vs and what is wrong."""
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise SchemaError(f"cannot read baseline {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise SchemaError(f"baseline {path} is not JSON: {exc}") from None
+        text = read_input_text(path, "baseline", MAX_BASELINE_BYTES)
+    except ValueError as exc:   # missing, not a regular file, oversize, not UTF-8
+        raise SchemaError(f"--vs: {exc}") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser
+        raise SchemaError(f"--vs: baseline {str(path)!r} is not JSON: "
+                          f"{exc or type(exc).__name__}") from None
     schema = data.get("schema") if isinstance(data, dict) else None
     if not (isinstance(schema, str) and schema.startswith("mlasandbox.bench/")):
-        raise SchemaError(f"baseline {path} is not a saved `mlasandbox bench --json` result "
-                          f"(schema {schema!r})")
-    for key in ("rows", "noise_floor", "control"):
-        if key not in data:
-            raise SchemaError(f"baseline {path} lacks {key!r}")
+        raise SchemaError(f"--vs: baseline {str(path)!r} is not a saved `mlasandbox bench "
+                          f"--json` result (schema {schema!r})")
+    problem = _run_problem(data)
+    if problem:
+        raise SchemaError(f"--vs: baseline {str(path)!r} {problem}")
     return data
+
+
+def _real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _positive(v) -> bool:
+    return _real(v) and v > 0
+
+
+def _run_problem(data: dict) -> str | None:
+    """What in a saved result compare_runs could not read, or None."""
+    for key, kind in (("rows", list), ("noise_floor", dict), ("control", dict)):
+        if key not in data:
+            return f"lacks {key!r}"
+        if not isinstance(data[key], kind):
+            return f"has {key!r} of type {type(data[key]).__name__}, not {kind.__name__}"
+    for key in ("meta", "config"):
+        if not isinstance(data.get(key, {}), dict):
+            return f"has {key!r} of type {type(data[key]).__name__}, not dict"
+    floor = data["noise_floor"].get("floor")
+    if floor is not None and not (_real(floor) and floor >= 0):
+        return f"has a noise floor of {floor!r}, not a number >= 0 or null"
+    series = data["control"].get("series", [])
+    if not isinstance(series, list):
+        return "has a control series that is not a list"
+    for i, s in enumerate(series):
+        if not (isinstance(s, dict) and _positive(s.get("median_us"))):
+            return f"has control series entry {i} without a median_us > 0: {s!r:.80}"
+    for i, r in enumerate(data["rows"]):
+        if not isinstance(r, dict):
+            return f"has rows[{i}] that is not an object: {r!r:.80}"
+        if not isinstance(r.get("phase"), str):
+            return f"has rows[{i}] without a phase"
+        if r["phase"] == "q_absorb":   # the control's rows: compare_runs reads the series
+            continue
+        for key, ok, want in (
+                ("variant", lambda v: isinstance(v, str), "a name"),
+                ("cache", lambda v: isinstance(v, str), "a dtype"),
+                ("q", lambda v: v is None or isinstance(v, str), "a dtype or null"),
+                ("n_ctx", lambda v: v is None or isinstance(v, int) and not isinstance(v, bool),
+                 "an integer or null"),
+                ("median_us", _positive, "a number > 0")):
+            if key not in r and key != "q":   # compare_runs reads q with .get
+                return f"has rows[{i}] without {key!r}"
+            if not ok(r.get(key)):
+                return f"has rows[{i}] whose {key!r} is {r.get(key)!r:.40}, not {want}"
+    return None
 
 
 def _key(r):

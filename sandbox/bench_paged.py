@@ -42,6 +42,7 @@ from .bench_config import check_dtypes_and_splits, q_dtype_of
 from .chunks import CHUNK_CAP, plan_chunks
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
+from .limits import check_s_q
 from .noise import control_report, verdict
 from .paged_api import PAGE_SIZES, paged_variant
 from .paged_inputs import parse_lengths
@@ -153,9 +154,6 @@ def make_paged_config(*, batch=None, lengths=None, s_q=None, causal=None, page_s
         raise ValueError(f"batch must be an integer >= 1, got {batch!r}")
     spec = str(base.get("lengths", "4096"))
     lens = parse_lengths(spec, int(batch), seed)
-    s_q = int(base.get("s_q", 1))
-    if s_q < 1:
-        raise ValueError(f"s_q must be >= 1, got {s_q}")
     if page_size not in PAGE_SIZES:
         raise ValueError(f"page size must be one of {', '.join(map(str, PAGE_SIZES))}, got "
                          f"{page_size}")
@@ -167,6 +165,10 @@ def make_paged_config(*, batch=None, lengths=None, s_q=None, causal=None, page_s
         if int(h) != h or h < 1:
             raise ValueError(f"heads must be an integer >= 1, got {h!r}")
         dims = dims.with_heads(int(h))
+    # before any work that grows with s_q (the cost model, the inputs)
+    s_q = check_s_q(base.get("s_q", 1), dims.n_head, int(batch))
+    splits = check_dtypes_and_splits((cache_dtype,), q_dtype, splits)
+    qd = q_dtype_of(q_dtype, cache_dtype)
     names = tuple(dict.fromkeys(variants or DEFAULT_PAGED_VARIANTS))
     for n in names:
         v = paged_variant(n, s_q, dims.n_head)   # ValueError for per_head, tiled16, unknown
@@ -174,11 +176,15 @@ def make_paged_config(*, batch=None, lengths=None, s_q=None, causal=None, page_s
             raise ValueError(f"variant {n} is the cuBLAS engine: it reads the lengths to the "
                              "host and cannot be captured; the paged bench times the CUDA "
                              "variants")
+        # the dtypes each kernel is built for (wgmma64: q in the cache dtype only)
+        if v.family == "user":
+            v.instance(cache_dtype, qd)
+        else:
+            registry.paged_attention_instance(v, cache_dtype, qd)
     peers = tuple(dict.fromkeys(peers or ()))
     for p in peers:
         if p not in PEER_NAMES:
             raise ValueError(f"unknown peer {p!r}; known: {', '.join(PEER_NAMES)}")
-    splits = check_dtypes_and_splits((cache_dtype,), q_dtype, splits)
     if splits != "auto" and splits > CHUNK_CAP:
         raise ValueError(f"splits (every request's chunk cap in the paged step) must be at "
                          f"most {CHUNK_CAP}, got {splits}")

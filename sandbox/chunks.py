@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .limits import MAX_SPLITS, check_int
+from .limits import INT32_MAX, MAX_SPLITS, check_int, check_int_array, check_int_at_most
 
 __all__ = ["CHUNK_CAP", "CHUNK_SKEW", "COMBINE_TILE_MAX", "MIN_TILES_PER_CHUNK", "ChunkPlan",
            "plan_chunks", "batch_chunk_unit", "single_request_unit", "request_chunks",
@@ -72,6 +72,37 @@ COMBINE_TILE_MAX = 64    # chunk partials the combine merges in one step, at mos
 
 def _positive_int(name, value):
     return check_int(name, value, 1)
+
+
+# The rule's arguments as the kernels take them: int32 (the device's cache_seqlens too).
+_SEQLEN_WHY = "cache_seqlens is int32 on the device"
+
+
+def _kernel_int(name, value, low=1):
+    return check_int_at_most(name, value, low, INT32_MAX, "the kernels take it as int32")
+
+
+def _length(length):
+    return check_int_at_most("length", length, 0, INT32_MAX, _SEQLEN_WHY)
+
+
+def _lengths(lengths):
+    return check_int_array("lengths", lengths, 0, INT32_MAX, _SEQLEN_WHY)
+
+
+def _sizes(tile, min_chunk, target):
+    """(tile, min_chunk, target), checked: a chunk is at least one tile, so the rule's unit
+    (min_chunk // tile tiles at the least) is never 0, even for a batch of empty requests."""
+    tile = _kernel_int("tile", tile)
+    return tile, _kernel_int("min_chunk", min_chunk, tile), _kernel_int("target", target)
+
+
+def _rule_args(lengths, max_chunks, tile, min_chunk, target):
+    """(lengths [B], tiles [B], max_chunks, tile, min_chunk, target), checked once at the
+    entry points: the search below them runs on these without checking again."""
+    tile, min_chunk, target = _sizes(tile, min_chunk, target)
+    n = _lengths(lengths)
+    return n, -(-n // tile), _kernel_int("max_chunks", max_chunks), tile, min_chunk, target
 
 
 @dataclass(frozen=True)
@@ -119,19 +150,22 @@ class ChunkPlan:
     def combine_tile(self) -> int:
         return min(COMBINE_TILE_MAX, 1 << (self.max_chunks - 1).bit_length())
 
+    def _batch_lengths(self, lengths):
+        lengths = _lengths(lengths)
+        if lengths.size != self.batch:
+            raise ValueError(f"lengths: the plan is for a batch of {self.batch}, got "
+                             f"{lengths.size} lengths")
+        return lengths
+
     def for_lengths(self, lengths):
         """(n_chunks [B], chunk_len [B]) for these lengths: what each request runs."""
-        n = np.asarray(lengths).reshape(-1).size
-        if n != self.batch:
-            raise ValueError(f"lengths: the plan is for a batch of {self.batch}, got {n} "
-                             "lengths")
-        return request_chunks(lengths, self.max_chunks, self.tile, self.min_chunk, self.target,
-                              programs=self.programs_per_block)
+        return request_chunks(self._batch_lengths(lengths), self.max_chunks, self.tile,
+                              self.min_chunk, self.target, programs=self.programs_per_block)
 
     def waves_taken(self, lengths) -> int:
         """The waves of chunk programs these lengths run on the plan's grid (two_waves)."""
-        return 2 if two_waves(lengths, self.max_chunks, self.tile, self.min_chunk, self.target,
-                              programs=self.programs_per_block) else 1
+        return 2 if two_waves(self._batch_lengths(lengths), self.max_chunks, self.tile,
+                              self.min_chunk, self.target, programs=self.programs_per_block) else 1
 
     def program_chunks(self, lengths):
         """(request [P], chunk [P]) of each chunk program p of a row block, -1 past the last
@@ -192,20 +226,13 @@ def offers_two_waves(batch: int, target: int) -> bool:
     return 2 <= batch < target <= 4 * batch
 
 
-def _tiles(lengths, tile):
-    tile = _positive_int("tile", tile)
-    n = np.asarray(lengths, dtype=np.int64).reshape(-1)
-    if (n < 0).any():
-        raise ValueError(f"lengths must be >= 0, got {int(n.min())}")
-    return n, -(-n // tile)
-
-
 def single_request_unit(length: int, tile: int, min_chunk: int, target: int) -> int:
     """u of a batch of one request, in closed form (the kernels' locate_chunk takes this
     path): lo = max(min_tiles, ceil(t / target)) has count(lo) <= ceil(t / ceil(t / target))
     <= target, so the search ends at lo."""
-    tile, target = _positive_int("tile", tile), _positive_int("target", target)
-    return max(min_chunk // tile, -(-(-(-int(length) // tile)) // target))
+    length = _length(length)
+    tile, min_chunk, target = _sizes(tile, min_chunk, target)
+    return max(min_chunk // tile, -(-(-(-length // tile)) // target))
 
 
 def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target: int) -> int:
@@ -213,10 +240,15 @@ def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target
     candidates lo + floor(k d / 4) (k = 1..3, d = hi - lo) a step, the first that fits (or
     hi) bounding the next range (a batch of one request ends it at single_request_unit,
     which the kernels compute directly)."""
-    target, max_chunks = _positive_int("target", target), _positive_int("max_chunks", max_chunks)
-    _, t = _tiles(lengths, tile)
+    _, t, max_chunks, tile, min_chunk, target = _rule_args(lengths, max_chunks, tile,
+                                                          min_chunk, target)
+    return _unit(t, max_chunks, tile, min_chunk, target)
+
+
+def _unit(t, max_chunks: int, tile: int, min_chunk: int, target: int) -> int:
+    """batch_chunk_unit on checked arguments, `t` the requests' tiles."""
     total, busy = int(t.sum()), int((t > 0).sum())
-    max_t = int(t.max()) if t.size else 0
+    max_t = int(t.max())
     lo = max(min_chunk // tile, -(-total // target))
     hi = max_t if target <= busy else min(max_t, -(-total // (target - busy)))
     hi = max(lo, hi)
@@ -238,23 +270,24 @@ def batch_chunk_unit(lengths, max_chunks: int, tile: int, min_chunk: int, target
     return lo
 
 
-def _unit_and_waves(lengths, max_chunks: int, tile: int, min_chunk: int, target: int,
+def _unit_and_waves(t, max_chunks: int, tile: int, min_chunk: int, target: int,
                     programs: int) -> tuple[int, int]:
     """(u, waves) on a grid of `programs` chunk programs a row block: two waves (u on
     2 target) where the grid offers them (programs >= 2 target, 2 <= B < target) and one
-    wave's unit is over 5/2 of two waves'; else one (the kernels' locate_chunk)."""
-    u1 = batch_chunk_unit(lengths, max_chunks, tile, min_chunk, target)
-    if not (programs >= 2 * target and 2 <= len(lengths) < target):
+    wave's unit is over 5/2 of two waves'; else one (the kernels' locate_chunk). Checked
+    arguments, `t` the requests' tiles."""
+    u1 = _unit(t, max_chunks, tile, min_chunk, target)
+    if not (programs >= 2 * target and 2 <= len(t) < target):
         return u1, 1
-    u2 = batch_chunk_unit(lengths, max_chunks, tile, min_chunk, 2 * target)
+    u2 = _unit(t, max_chunks, tile, min_chunk, 2 * target)
     return (u2, 2) if 2 * u1 > 5 * u2 else (u1, 1)
 
 
 def two_waves(lengths, max_chunks: int, tile: int, min_chunk: int, target: int,
               programs: int) -> bool:
     """Whether a batch on a grid of `programs` chunk programs a row block runs two waves."""
-    n, _ = _tiles(lengths, tile)
-    return _unit_and_waves(n, max_chunks, tile, min_chunk, target, programs)[1] == 2
+    _, t, *args = _rule_args(lengths, max_chunks, tile, min_chunk, target)
+    return _unit_and_waves(t, *args, _kernel_int("programs", programs, 0))[1] == 2
 
 
 def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: int, *,
@@ -262,8 +295,10 @@ def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: 
     """(n_chunks, chunk_len) per request of the batch `lengths`, in the kernels' integer
     arithmetic (the module docstring), on a grid of `programs` chunk programs a row block
     (0: max(target, B), one wave). Vectorized over the batch."""
-    n, t = _tiles(lengths, tile)
-    u, _ = _unit_and_waves(n, max_chunks, tile, min_chunk, target, programs)
+    n, t, max_chunks, tile, min_chunk, target = _rule_args(lengths, max_chunks, tile,
+                                                           min_chunk, target)
+    u, _ = _unit_and_waves(t, max_chunks, tile, min_chunk, target,
+                           _kernel_int("programs", programs, 0))
     want = np.minimum(max_chunks, -(-t // u))                  # 0 for an empty request
     chunk_len = np.maximum(-(-t // np.maximum(want, 1)), 1) * tile
     return -(-n // chunk_len), chunk_len
@@ -271,6 +306,7 @@ def request_chunks(lengths, max_chunks: int, tile: int, min_chunk: int, target: 
 
 def chunk_bounds(length: int, chunk_len: int, c: int) -> tuple[int, int]:
     """[start, end) of chunk c of a request; empty (start == end) past its last chunk."""
-    chunk_len, c = _positive_int("chunk_len", chunk_len), check_int("c", c, 0)
+    length, c = _length(length), _kernel_int("c", c, 0)
+    chunk_len = _kernel_int("chunk_len", chunk_len)
     start = min(c * chunk_len, length)
     return start, min(length, start + chunk_len)

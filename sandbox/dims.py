@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .limits import check_problem
+from .limits import check_problem, check_real
 
 __all__ = ["Dims", "PRESETS", "preset", "DTYPES", "dtype_name", "check_inputs"]
 
@@ -148,6 +148,8 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
             f"cache must be [N_alloc, kv_lora+rope={dims.key_dim}] (the width of q's rows), "
             f"got {tuple(cache.shape)}"
         )
+    if int(wv_b.shape[1]) < 1:
+        raise ValueError(f"wv_b must be [n_head, v_head >= 1, kv_lora], got {tuple(wv_b.shape)}")
     if tuple(int(x) for x in wv_b.shape) != (dims.n_head, dims.v_head, dims.kv_lora):
         raise ValueError(
             f"wv_b must be [n_head={dims.n_head}, v_head={dims.v_head}, "
@@ -163,13 +165,7 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
     if not 1 <= n_ctx <= n_alloc:
         raise ValueError(f"n_ctx must be in 1..N_alloc={n_alloc}, got {n_ctx}")
     check_problem(n_ctx=n_ctx, n_head=n_head)
-    if scale is None:
-        scale = dims.default_scale
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number, got {scale!r}")
-    scale = float(scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = dims.default_scale if scale is None else check_real("scale", scale)
     q_dt, cache_dt, wv_dt = dtype_name(q), dtype_name(cache), dtype_name(wv_b)
     if cache_dt == "f32":
         raise TypeError("cache must be float16 or bfloat16 (the f32 cache is not a contract dtype)")

@@ -205,6 +205,16 @@ def step_cost(variant: str, dims: Dims, n_ctx: int, cache_dtype: str = "f16",
                      " + ".join(f"{p.phase} {p.flops:,}" for p in parts), terms)
 
 
+def _visible_sum(n: int, s_q: int, causal: bool) -> int:
+    """Positions the s_q queries of a request of length n see in all: s_q x n, or under
+    `causal` n + (n - 1) + ... over the min(n, s_q) queries that see any, in closed form
+    (the cost of a step must not grow with s_q)."""
+    if not causal:
+        return s_q * n
+    m = min(n, s_q)
+    return m * n - m * (m - 1) // 2
+
+
 def paged_step_cost(variant: str, dims: Dims, lengths, s_q: int = 1, causal: bool = False,
                     cache_dtype: str = "f16", q_dtype: str = "f32", n_chunks=None,
                     head_blocks: int = 1, with_wv_b: bool = True) -> PhaseCost:
@@ -235,8 +245,7 @@ def paged_step_cost(variant: str, dims: Dims, lengths, s_q: int = 1, causal: boo
     if len(chunks) != B:
         raise ValueError(f"n_chunks must have one entry per request ({B}), got {len(chunks)}")
     tokens = sum(lengths)
-    seen = sum(H * max(0, n - (s_q - 1 - i) if causal else n)
-               for n in lengths for i in range(s_q))
+    seen = H * sum(_visible_sum(n, s_q, causal) for n in lengths)
     wv_flops = 2 * B * rows * V * L if with_wv_b else 0
     flops = 2 * seen * (K + L) + wv_flops
     flops_formula = (f"2 x visible row-positions {seen:,} x ({K} + {L})"

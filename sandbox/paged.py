@@ -20,14 +20,13 @@ NumPy, CuPy and torch arrays alike, before anything launches. Value checks
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .dims import Dims, dtype_name
-from .limits import check_int
+from .limits import check_int, check_real
 
 __all__ = ["PagedShape", "PagedResult", "check_paged_inputs", "check_paged_values",
            "visible_lengths", "pages_needed", "INVALID_PAGE", "MAX_SEQLEN"]
@@ -121,6 +120,8 @@ def check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
     _int_dtype("block_table", block_table)
     _int_dtype("cache_seqlens", cache_seqlens)
     v_head = _shape("wv_b", wv_b, (3,))[1] if wv_b is not None else Dims().v_head
+    if v_head < 1:
+        raise ValueError(f"wv_b must be [n_head, v_head >= 1, kv_lora], got {tuple(wv_b.shape)}")
     if cache_dim <= kv_lora:
         raise ValueError(f"kv_cache rows ({cache_dim}) must be longer than the latent width "
                          f"kv_lora={kv_lora} (the rest is rope)")
@@ -133,14 +134,7 @@ def check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
                          f"{tuple(wv_b.shape)}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    if scale is None:
-        scale = dims.default_scale
-    try:
-        scale = float(scale)
-    except (TypeError, ValueError):
-        raise TypeError(f"scale must be a number, got {scale!r}") from None
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be finite, got {scale}")
+    scale = dims.default_scale if scale is None else check_real("scale", scale)
     q_dt, cache_dt = _dtype("q", q), _dtype("kv_cache", kv_cache)
     if cache_dt == "f32":
         raise TypeError("kv_cache must be float16 or bfloat16, got float32")

@@ -48,6 +48,7 @@ from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
 from .cublas_engine import cublas_paged_attention, cublas_projection
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
+from .limits import check_s_q
 from .pdl import supported as pdl_supported
 from .paged import (PagedResult, PagedShape, check_paged_inputs, check_paged_values,
                     pages_needed, visible_lengths)
@@ -170,6 +171,7 @@ class PagedDecodeStep:
             registry.check_cuda_dims(sh.dims.kv_lora, sh.dims.rope)
             if sh.batch > MAX_GRID_Z:
                 raise ValueError(f"batch {sh.batch} exceeds the grid's z limit {MAX_GRID_Z}")
+            check_s_q(sh.s_q, sh.n_head, sh.batch if sh.has_wv_b else None)
         elif splits not in (None, "auto"):
             raise ValueError("the cublas engine does not split; splits must be None")
         self.caller, arrs = interop.from_caller(

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .bf16 import BF16_NAN_BITS, to_storage
 from .dims import Dims, preset
-from .limits import check_int
+from .limits import check_int, host_memory_bytes, read_input_text
 from .paged import INVALID_PAGE, MAX_SEQLEN, pages_needed
 
 __all__ = ["PagedInputs", "make_paged_inputs", "parse_lengths", "as_lengths",
@@ -68,16 +67,8 @@ def as_lengths(values) -> np.ndarray:
     return out
 
 
-def _lengths_file(path: Path) -> list:
-    try:
-        if path.stat().st_size > MAX_LENGTHS_FILE_BYTES:
-            raise ValueError(f"lengths file {str(path)!r} is larger than "
-                             f"{MAX_LENGTHS_FILE_BYTES >> 20} MiB")
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ValueError(f"lengths file {str(path)!r}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"lengths file {str(path)!r} is not text") from None
+def _lengths_file(path: str) -> list:
+    text = read_input_text(path, "lengths file", MAX_LENGTHS_FILE_BYTES)
     values = []
     for i, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -93,14 +84,25 @@ def _lengths_file(path: Path) -> list:
     return values
 
 
+def _to_batch(lengths: np.ndarray, batch: int, what: str) -> np.ndarray:
+    """`lengths` cycled to the batch; more lengths than requests is an error, not a cut."""
+    if lengths.size > batch:
+        raise ValueError(f"{what}: {lengths.size} given for a batch of {batch}; give at most "
+                         f"{batch} (fewer are cycled to the batch)")
+    return np.resize(lengths, batch)
+
+
 def parse_lengths(spec, batch: int, seed: int = 0) -> np.ndarray:
     """Request lengths from a spec: an int (every request), a list of ints or 'N,N,...'
     (cycled to the batch), 'normal:MEAN:STD' (drawn from the seed, rounded, clipped at 0),
     or '@FILE' (one length per line; blank lines and lines starting with '#' skipped, cycled
-    to the batch). Each length is in 0..MAX_SEQLEN. ValueError naming what is wrong."""
+    to the batch). A list or file of more lengths than the batch is refused. Each length is
+    in 0..MAX_SEQLEN. ValueError naming what is wrong."""
     batch = check_int("batch", batch, 1)
+    seed = check_int("seed", seed, 0)
     if isinstance(spec, str) and spec.startswith("@"):
-        return np.resize(as_lengths(_lengths_file(Path(spec[1:]))), batch)
+        path = spec[1:]
+        return _to_batch(as_lengths(_lengths_file(path)), batch, f"lengths file {path!r}")
     if isinstance(spec, str) and spec.startswith("normal:"):
         try:
             _, mean, std = spec.split(":")
@@ -120,7 +122,22 @@ def parse_lengths(spec, batch: int, seed: int = 0) -> np.ndarray:
         except ValueError:
             raise ValueError(f"lengths spec {spec!r}: expected N, N,N,..., normal:MEAN:STD "
                              "or @FILE") from None
-    return np.resize(as_lengths(spec), batch)
+    return _to_batch(as_lengths(spec), batch, "lengths")
+
+
+def _check_inputs_fit(batch, s_q, n_head, key_dim, num_pages, page_size, dims) -> None:
+    """ValueError, before anything is allocated, where the inputs cannot fit in this
+    machine's memory: each array is drawn in float32 (4 B a value) and kept in its storage
+    dtype (at most 4 B more)."""
+    have = host_memory_bytes()
+    q = batch * s_q * n_head * key_dim
+    cache = num_pages * page_size * key_dim
+    need = 8 * (q + cache + n_head * dims.v_head * dims.kv_lora)
+    if have is not None and need > have:
+        raise ValueError(
+            f"the paged inputs need about {need / 2**30:,.1f} GiB of host memory (q: batch "
+            f"{batch} x s_q {s_q} x {n_head} heads x {key_dim}; cache: {num_pages:,} pages x "
+            f"page_size {page_size} x {key_dim}); this machine has {have / 2**30:,.1f} GiB")
 
 
 def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
@@ -148,6 +165,7 @@ def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
     need = pages_needed(lengths, page_size)
     max_pages = max(1, int(need.max()))
     num_pages = int(need.sum()) + int(spare_pages) + 1   # never zero pages
+    _check_inputs_fit(batch, s_q, H, D, num_pages, page_size, dims)
     rng = np.random.default_rng(seed)
 
     def normal(shape, std=1.0):

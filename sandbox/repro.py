@@ -46,7 +46,7 @@ from .archs import check_arch, instance_needs, variant_needs
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .kernels import blocks_per_sm, device_info
-from .limits import check_problem
+from .limits import check_problem, check_s_q
 from .chunks import plan_chunks
 from .auto_variant import AutoFacts, auto_choice
 from .paged_api import check_page_size, paged_variant
@@ -451,9 +451,8 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     dims = PRESETS[preset] if heads is None else PRESETS[preset].with_heads(int(heads))
-    if int(s_q) != s_q or s_q < 1:
-        raise ValueError(f"s_q must be an integer >= 1, got {s_q!r}")
     lens = tuple(int(n) for n in parse_lengths(lengths, batch, seed))
+    s_q = check_s_q(s_q, dims.n_head, len(lens))
     check_page_size(page_size)
     if cache not in ("f16", "bf16"):
         raise ValueError(f"cache dtype must be f16 or bf16, got {cache!r}")

@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .limits import check_int, check_problem
+from .limits import MAX_CTX, MAX_SPLITS, check_bool, check_int, check_problem, is_int_in
 from .registry import ATTN_TILE
 
 __all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "FIXED_TILES", "MERGE_TILES",
@@ -102,8 +102,14 @@ class SplitPlan:
 
 
 def slice_bounds(n_ctx: int, splits: int, s: int) -> tuple[int, int]:
-    """[start, end) of slice s, exactly as the kernel computes it."""
-    splits = check_int("splits", splits, 1)
+    """[start, end) of slice s, exactly as the kernel computes it; empty (start == end) past
+    the last slice."""
+    # plain ints in range skip the full checks: the schedule model calls this once a slice
+    if not (is_int_in(n_ctx, 1, MAX_CTX) and is_int_in(splits, 1, MAX_SPLITS)
+            and is_int_in(s, 0, math.inf)):
+        n_ctx, splits = check_int("n_ctx", n_ctx, 1), check_int("splits", splits, 1)
+        s = check_int("s", s, 0)
+        check_problem(n_ctx=n_ctx, splits=splits)  # the kernels' int32 and grid limits
     length = -(-n_ctx // splits)
     start = min(s * length, n_ctx)
     return start, min(n_ctx, start + length)
@@ -127,6 +133,9 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
             ("num_sms", num_sms), ("blocks_per_sm", blocks_per_sm), ("cap", cap),
             ("min_tiles", min_tiles), ("tile", tile)))
     check_problem(n_ctx=n_ctx, splits=splits)  # the kernels' int32 and grid limits
+    split = check_bool("split", split)
+    if min_ctx is not None:
+        min_ctx = check_int("min_ctx", min_ctx, 0)
     head_blocks = -(-n_head // heads_per_block)
     slots = blocks_per_sm * num_sms
 

@@ -17,19 +17,26 @@ This module turns those rows into the table that says why a kernel is slow:
   heads, 131072 context).
 
 Also the kernel-wide figures of ncu's raw page (issue active, warp instructions, stalls per
-issue). Reads text only: no GPU, no ncu (mlasandbox.ncu runs ncu).
+issue). Reads text only: no GPU, no ncu (mlasandbox.ncu runs ncu); `read_saved` reads the
+files of `stalls --from`.
 """
 from __future__ import annotations
 
 import csv
+import gzip
+import io
 import math
+import os
 import re
+import zlib
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 
+from .limits import MAX_INPUT_FILE_BYTES, read_input_bytes, size_text
+
 __all__ = ["SassLine", "OpcodeShare", "Block", "StallReport", "NcuFormatError",
            "read_source_csv", "summarize", "read_raw_csv", "KERNEL_METRICS", "STALL_REASONS",
-           "stall_metric"]
+           "stall_metric", "saved_files", "read_saved", "MAX_PAGE_BYTES"]
 
 # The reasons of ncu's warp-state sampling, as the source page names its columns
 # ("stall_<reason>"; the "(Not Issued)" copies are skipped).
@@ -214,3 +221,52 @@ def read_raw_csv(text: str) -> dict:
         elif "__" in name:
             out[name] = _number(value)
     return out
+
+
+# A kernel's per-SASS page is a few MB (tiled16's: 0.7 MB, 2,160 instructions); this
+# bounds the text read, a gzipped page's after decompression.
+MAX_PAGE_BYTES = MAX_INPUT_FILE_BYTES
+
+
+def saved_files(path: str) -> tuple[str, str | None]:
+    """(source page CSV, raw page CSV or None) that `stalls --from PATH` reads: a --save
+    directory's (its source.csv may be gzipped), or PATH itself, a source page CSV."""
+    if os.path.isdir(path):
+        source, raw = os.path.join(path, "source.csv"), os.path.join(path, "raw.csv")
+        if not os.path.exists(source) and os.path.exists(source + ".gz"):
+            source += ".gz"
+        return source, raw
+    return path, None
+
+
+def _page_text(data: bytes, path: str, page: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not a UTF-8 ncu {page} ({exc})") from None
+
+
+def read_saved(path: str) -> tuple[str, str | None]:
+    """(source page CSV, raw page CSV or None) of a --save directory or a source page CSV
+    file (gzipped if its name ends in .gz), each a regular file read up to MAX_PAGE_BYTES.
+    ValueError naming the file and what is wrong."""
+    source, raw = saved_files(path)
+    if not os.path.exists(source):
+        raise ValueError(f"{source} does not exist (--from takes a directory written by "
+                         "--save, or ncu's per-SASS CSV)")
+    data = read_input_bytes(source, "ncu CSV", MAX_PAGE_BYTES)
+    if source.endswith(".gz"):
+        try:
+            with gzip.GzipFile(fileobj=io.BytesIO(data)) as gz:
+                data = gz.read(MAX_PAGE_BYTES + 1)
+        except (OSError, EOFError, zlib.error) as exc:
+            # gzip.BadGzipFile is an OSError; a truncated stream is an EOFError
+            raise ValueError(f"{source} is not a gzip-compressed ncu CSV ({exc})") from None
+        if len(data) > MAX_PAGE_BYTES:
+            raise ValueError(f"ncu CSV {source!r} is larger than {size_text(MAX_PAGE_BYTES)} "
+                             "uncompressed")
+    source_text = _page_text(data, source, "CSV")
+    if raw is None or not os.path.lexists(raw):
+        return source_text, None
+    return source_text, _page_text(read_input_bytes(raw, "ncu raw page", MAX_PAGE_BYTES), raw,
+                                   "raw page")

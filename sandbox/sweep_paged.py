@@ -20,6 +20,7 @@ from . import registry, toolkit
 from .bench_config import q_dtype_of
 from .chunks import plan_chunks
 from .geometry import occupancy_of
+from .limits import check_s_q
 from .paged_api import paged_variant
 from .ptxas import ptxas_report
 from .sweep import run_defaults
@@ -115,6 +116,7 @@ def run_paged_sweep(cfg, *, hpbs=registry.HPB_VALUES, tensor_cores: bool = True,
                     progress=None) -> dict:
     """The sweep of one paged step (cfg: bench_paged.make_paged_config's) on the device
     (use_gpu None: when there is one), else compile-side only."""
+    check_s_q(cfg.s_q, cfg.dims.n_head, cfg.batch)   # a cfg not made by make_paged_config
     q = q_dtype_of(cfg.q_dtype, cfg.cache_dtype)
     variants, skipped = paged_sweep_variants(tuple(hpbs), tensor_cores, cfg.cache_dtype, q,
                                              cfg.s_q, cfg.dims.n_head)

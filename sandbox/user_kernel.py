@@ -17,7 +17,8 @@ what the sandbox needs to plan, launch and check the kernel; docs/byok.md is the
 * `threads`, `tile_rows` (the chunk rule's unit: chunks are whole tiles), `heads_per_block`
   (query rows per block) and `smem` (dynamic shared memory, bytes): integer expressions of
   the parameters and KV_LORA, ROPE, KEY_DIM (and, for smem, THREADS, TILE_ROWS,
-  HEADS_PER_BLOCK); `/` is C's integer division.
+  HEADS_PER_BLOCK); `/` and `%` are C's (truncated toward zero). Each has a limit derived
+  from the kernels' int32 arithmetic and launch (MAX_TILE_ROWS, MAX_HEADS_PER_BLOCK below).
 * `params NAME=v1,v2 ...`: compile-time parameters, passed as -D MLA_PARAM_NAME=v (and
   substituted in `entry`); the sweep runs their product, the first value of each is the
   default.
@@ -42,15 +43,17 @@ from functools import cached_property, lru_cache
 from importlib import resources
 from pathlib import Path
 
-from . import registry, toolkit
+from . import limits, registry, toolkit
 from .occupancy import arch_limits, occupancy
 from .ptxas import NvrtcCompileError, PtxasParseError, compile_log, parse_ptxas_log
 
 __all__ = ["HeaderError", "UserCompileError", "Header", "parse_header", "contract_args",
            "UserKernel", "UserInstance", "load_kernel", "is_user_kernel_spec",
-           "expanded_source", "compile_report", "contract_signature", "HEADER_TAG"]
+           "expanded_source", "compile_report", "contract_signature", "HEADER_TAG",
+           "identifier_problem"]
 
 HEADER_TAG = "// mlasandbox:"
+_BOM = "\ufeff"   # a UTF-8 byte-order mark some editors write: not part of the text
 FIELDS = ("entry", "kind", "threads", "tile_rows", "heads_per_block", "smem")
 REQUIRED = ("entry", "threads", "tile_rows", "heads_per_block", "smem")
 KINDS = ("attn", "step")
@@ -59,10 +62,54 @@ CONSTANTS = {"KV_LORA": registry.KV_LORA, "ROPE": registry.ROPE,
 RESERVED = set(CONSTANTS) | {"THREADS", "TILE_ROWS", "HEADS_PER_BLOCK", "MLA_CACHE_T",
                              "MLA_Q_T"}
 CONTRACT_FILE = "<mlasandbox contract>"
-_IDENT = re.compile(r"^[A-Za-z_]\w*$")
-_ENTRY = re.compile(r"^(::)?[A-Za-z_]\w*(::[A-Za-z_]\w*)*(<[^;{}()]*>)?$")
+CONTRACT_NAMESPACE = "mlasandbox_contract"   # the namespace of the appended checks
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENTRY = re.compile(r"(::)?[A-Za-z_]\w*(::[A-Za-z_]\w*)*(<[^;{}()]*>)?", re.ASCII)
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z_]\w*)\s*=(?!=)")
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*(//.*|/\*.*\*/\s*)?$')
+
+# The largest header values, from how the kernels use them:
+# tiles_of (mla_walk.cuh, mla_user.cuh) computes (len + tile_rows - 1) / tile_rows in int32
+# with len up to limits.MAX_CTX, which stays below 2**31 for tile_rows up to 2**31 - MAX_CTX.
+MAX_TILE_ROWS = 2**31 - limits.MAX_CTX
+# A block's rows are blockIdx.x * heads_per_block + r in int32, and limits.MAX_HEADS keeps
+# one head block of headroom below 2**31: that of the largest built-in block (wgmma64).
+MAX_HEADS_PER_BLOCK = 2**31 - 1 - limits.MAX_HEADS
+# A parameter is a -D value and a C++ int template argument.
+MAX_PARAM = 2**31 - 1
+
+# C and C++ keywords, and the built-in variables CUDA declares in every kernel: none can name
+# an entry or a parameter (which is substituted into the entry).
+_KEYWORDS = frozenset("""
+    alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t
+    char16_t char32_t class compl concept const consteval constexpr constinit const_cast
+    continue co_await co_return co_yield decltype default delete do double dynamic_cast else
+    enum explicit export extern false float for friend goto if inline int long mutable
+    namespace new noexcept not not_eq nullptr operator or or_eq private protected public
+    register reinterpret_cast requires restrict return short signed sizeof static
+    static_assert static_cast struct switch template this thread_local throw true try typedef
+    typeid typename union unsigned using virtual void volatile wchar_t while xor xor_eq
+""".split())
+_CUDA_NAMES = frozenset(("threadIdx", "blockIdx", "blockDim", "gridDim", "warpSize"))
+
+
+def identifier_problem(name: str) -> str | None:
+    """Why `name` cannot be a name of the user's C++ (an entry, a parameter, `new`'s NAME),
+    as a phrase to follow it; None when it can."""
+    if not _IDENT.fullmatch(name):
+        return ("is not a C identifier (ASCII letters, digits and _, not starting with a "
+                "digit)")
+    if name in _KEYWORDS:
+        return "is a C/C++ keyword"
+    if name in _CUDA_NAMES:
+        return "is a name CUDA declares in every kernel"
+    if name == "main":
+        return "is the program's entry point, which cannot be a kernel"
+    if name.startswith("__") or re.match(r"_[A-Z]", name):
+        return "is reserved to the compiler (names starting with __, or _ and a capital)"
+    if name.startswith("MLA_"):
+        return "is reserved: the sandbox's -D macros start with MLA_"
+    return None
 
 
 class HeaderError(ValueError):
@@ -79,45 +126,87 @@ class UserCompileError(RuntimeError):
 
 # ---------------------------------------------------------------------------- the header
 
+# Header expressions are short: these bounds keep Python's parser and the evaluator's
+# recursion far from their limits (a RecursionError is not a header error).
+MAX_EXPR_CHARS = 512
+MAX_EXPR_DEPTH = 100
+# Every constant and intermediate value of an expression fits int64, so / and % stay exact
+# integer arithmetic (no float) and nothing grows without bound.
+MAX_EXPR_VALUE = 2**63 - 1
+
+
+def _c_div(a: int, b: int) -> int:
+    """C's integer division: the quotient truncated toward zero."""
+    q = abs(a) // abs(b)
+    return q if (a < 0) == (b < 0) else -q
+
+
+_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
+           ast.Mult: lambda a, b: a * b, ast.Div: _c_div,
+           ast.FloorDiv: lambda a, b: a // b, ast.Mod: lambda a, b: a - b * _c_div(a, b)}
+
+
+def _depth(tree) -> int:
+    deepest, todo = 0, [(tree, 1)]
+    while todo:
+        node, d = todo.pop()
+        deepest = max(deepest, d)
+        todo.extend((child, d + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
 def _eval_int(expr: str, env: dict, field_name: str) -> int:
-    """An integer expression of `env`'s names: + - * / (C integer division) // % min max."""
+    """An integer expression of `env`'s names: + - * / % (C's: truncated toward zero) //
+    min max, every value within +-MAX_EXPR_VALUE."""
+    text = expr.strip()
+    shown = text if len(text) <= 40 else f"{text[:32]}..."
+    if len(text) > MAX_EXPR_CHARS:
+        raise HeaderError(f"{field_name}={shown}: the expression has {len(text)} "
+                          f"characters, at most {MAX_EXPR_CHARS} characters are allowed")
     try:
-        tree = ast.parse(expr.strip(), mode="eval")
-    except SyntaxError:
-        raise HeaderError(f"{field_name}={expr}: not an integer expression") from None
+        tree = ast.parse(text, mode="eval")
+    except (SyntaxError, ValueError):   # ValueError: a NUL character
+        raise HeaderError(f"{field_name}={shown}: not an integer expression") from None
+    except (RecursionError, MemoryError):
+        raise HeaderError(f"{field_name}={shown}: the expression nests too deeply (at most "
+                          f"{MAX_EXPR_DEPTH} levels)") from None
+    if _depth(tree) > MAX_EXPR_DEPTH:
+        raise HeaderError(f"{field_name}={shown}: the expression nests deeper than "
+                          f"{MAX_EXPR_DEPTH} levels (operators and parentheses)")
+
+    def bounded(v: int) -> int:
+        if abs(v) > MAX_EXPR_VALUE:
+            raise HeaderError(f"{field_name}={shown}: a value exceeds {MAX_EXPR_VALUE} (2**63 "
+                              "- 1) in magnitude")
+        return v
 
     def ev(node):
         if isinstance(node, ast.Expression):
             return ev(node.body)
         if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
+            return bounded(node.value)
         if isinstance(node, ast.Name):
             if node.id not in env:
                 known = ", ".join(sorted(env)) or "none"
-                raise HeaderError(f"{field_name}={expr}: unknown name {node.id!r} (known: "
+                raise HeaderError(f"{field_name}={shown}: unknown name {node.id!r} (known: "
                                   f"{known})")
-            return env[node.id]
+            return bounded(env[node.id])
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
             v = ev(node.operand)
             return -v if isinstance(node.op, ast.USub) else v
-        if isinstance(node, ast.BinOp):
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
             a, b = ev(node.left), ev(node.right)
             if isinstance(node.op, (ast.Div, ast.FloorDiv, ast.Mod)) and b == 0:
-                raise HeaderError(f"{field_name}={expr}: division by zero")
-            ops = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b,
-                   ast.Div: lambda: int(a / b), ast.FloorDiv: lambda: a // b,
-                   ast.Mod: lambda: a % b}
-            for op, fn in ops.items():
-                if isinstance(node.op, op):
-                    return fn()
+                raise HeaderError(f"{field_name}={shown}: division by zero")
+            return bounded(_BINOPS[type(node.op)](a, b))
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
                 and node.func.id in ("min", "max") and node.args and not node.keywords):
             vals = [ev(a) for a in node.args]
             return min(vals) if node.func.id == "min" else max(vals)
-        raise HeaderError(f"{field_name}={expr}: only integers, names, + - * / % ( ) and "
+        raise HeaderError(f"{field_name}={shown}: only integers, names, + - * / % ( ) and "
                           "min/max are allowed")
 
-    return int(ev(tree))
+    return ev(tree)
 
 
 @dataclass(frozen=True)
@@ -138,7 +227,7 @@ class Header:
                 known = ", ".join(values) or "none"
                 raise HeaderError(f"--params {name}: the header declares no parameter {name} "
                                   f"(declared: {known})")
-            values[name] = tuple(vals)
+            values[name] = tuple(_param_value(f"--params {name}", v) for v in vals)
         names = list(values)
         return [dict(zip(names, combo)) for combo in itertools.product(*values.values())]
 
@@ -155,12 +244,15 @@ class Header:
         if not (32 <= t <= 1024 and t % 32 == 0):
             raise HeaderError(f"threads={self.fields['threads']} is {t} at {_spell(params)}: "
                               "threads must be a multiple of 32 in 32..1024")
-        if out["tile_rows"] < 1:
-            raise HeaderError(f"tile_rows={self.fields['tile_rows']} is {out['tile_rows']} at "
-                              f"{_spell(params)}: tile_rows must be >= 1")
-        if out["heads_per_block"] < 1:
-            raise HeaderError(f"heads_per_block={self.fields['heads_per_block']} is "
-                              f"{out['heads_per_block']} at {_spell(params)}: it must be >= 1")
+        for name, high, why in (
+                ("tile_rows", MAX_TILE_ROWS, "the kernels count a request's tiles as (len + "
+                 "tile_rows - 1) / tile_rows in int32, len up to "
+                 f"{limits.MAX_CTX:,}"),
+                ("heads_per_block", MAX_HEADS_PER_BLOCK, "the kernels index rows as int32 "
+                 "with one head block of headroom, as large as the built-in wgmma64's")):
+            if not 1 <= out[name] <= high:
+                raise HeaderError(f"{name}={self.fields[name]} is {out[name]} at "
+                                  f"{_spell(params)}: {name} must be in 1..{high} ({why})")
         env.update(THREADS=t, TILE_ROWS=out["tile_rows"],
                    HEADS_PER_BLOCK=out["heads_per_block"])
         out["smem"] = _eval_int(self.fields["smem"], env, "smem")
@@ -172,8 +264,35 @@ class Header:
         return out
 
 
+def _param_value(what: str, value) -> int:
+    """A parameter's value as an int in -MAX_PARAM..MAX_PARAM (an integer or a whole float,
+    never a bool, text or a fraction); HeaderError naming `what`."""
+    try:
+        v = limits.check_int(what, value, -MAX_PARAM)
+    except ValueError as exc:
+        raise HeaderError(str(exc)) from None
+    if v > MAX_PARAM:
+        raise HeaderError(f"{what}={value}: a parameter's value must be in -{MAX_PARAM}.."
+                          f"{MAX_PARAM} (it is a -D value and a C++ int template argument)")
+    return v
+
+
 def _spell(params: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in params.items()) or "(no parameters)"
+
+
+def _check_entry(entry: str, filename: str) -> None:
+    """HeaderError unless `entry` is a C++ function name expression of ASCII identifiers, none
+    of them a keyword or reserved (NVRTC would reject it only at compile)."""
+    spelled = entry.replace(" ", "")
+    if not spelled.isascii() or not _ENTRY.fullmatch(spelled):
+        raise HeaderError(f"{filename}: entry={entry}: not a C++ function name of ASCII "
+                          "letters, digits and _ (e.g. my_attn or ns::attn<HPB, MLA_CACHE_T, "
+                          "MLA_Q_T>)")
+    for name in spelled.split("<", 1)[0].lstrip(":").split("::"):
+        problem = identifier_problem(name)
+        if problem:
+            raise HeaderError(f"{filename}: entry={entry}: {name} {problem}")
 
 
 def parse_header(text: str, filename: str = "kernel.cu") -> Header:
@@ -181,7 +300,7 @@ def parse_header(text: str, filename: str = "kernel.cu") -> Header:
     fields: dict = {}
     params: dict = {}
     first = None
-    for no, raw in enumerate(text.splitlines(), 1):
+    for no, raw in enumerate(text.removeprefix(_BOM).splitlines(), 1):
         line = raw.strip()
         if not line.startswith(HEADER_TAG):
             continue
@@ -191,18 +310,22 @@ def parse_header(text: str, filename: str = "kernel.cu") -> Header:
         if body.startswith("params"):
             for item in body[len("params"):].split():
                 name, eq, vals = item.partition("=")
-                if not eq or not _IDENT.match(name):
+                if not eq or not _IDENT.fullmatch(name):
                     raise HeaderError(f"{where}: params: expected NAME=v1,v2,..., got {item!r}")
                 if name in RESERVED or name.startswith("MLA_"):
                     raise HeaderError(f"{where}: params: {name} is reserved (the sandbox "
                                       "defines it); choose another name")
+                problem = identifier_problem(name)
+                if problem:
+                    raise HeaderError(f"{where}: params: {name} {problem}; choose another name")
                 if name in params:
                     raise HeaderError(f"{where}: params: {name} is declared twice")
                 try:
-                    values = tuple(int(v) for v in vals.split(","))
+                    ints = [int(v) for v in vals.split(",")]
                 except ValueError:
                     raise HeaderError(f"{where}: params: {name}={vals}: the values must be "
                                       "integers, comma-separated") from None
+                values = tuple(_param_value(f"{where}: params: {name}", v) for v in ints)
                 if len(set(values)) != len(values):
                     raise HeaderError(f"{where}: params: {name}={vals} repeats a value")
                 params[name] = values
@@ -234,9 +357,7 @@ def parse_header(text: str, filename: str = "kernel.cu") -> Header:
     if fields.get("kind", "attn") not in KINDS:
         raise HeaderError(f"{filename}: kind={fields['kind']}: kind must be one of "
                           f"{', '.join(KINDS)}")
-    if not _ENTRY.match(fields["entry"].replace(" ", "")):
-        raise HeaderError(f"{filename}: entry={fields['entry']}: not a C++ function name "
-                          "(e.g. my_attn or ns::attn<HPB, MLA_CACHE_T, MLA_Q_T>)")
+    _check_entry(fields["entry"], filename)
     header = Header(fields, params, first)
     header.evaluate(header.default_params())   # every field is checked once here
     return header
@@ -309,7 +430,7 @@ def _contract_check(entry: str, kind: str) -> str:
     args = contract_args(kind)
     lines = [
         f'#line 1 "{CONTRACT_FILE}"',
-        "namespace mlasandbox_contract {",
+        f"namespace {CONTRACT_NAMESPACE} {{",
         "template <class A, class B> struct same { static constexpr bool value = false; };",
         "template <class A> struct same<A, A> { static constexpr bool value = true; };",
         "template <int I, class... A> struct arg { using type = void; };",
@@ -320,7 +441,8 @@ def _contract_check(entry: str, kind: str) -> str:
         "template <class... A> struct sig<void (*)(A...)> {",
         "    static constexpr int n = sizeof...(A);",
         "    template <int I> using at = typename arg<I, A...>::type; };",
-        f"using entry = sig<decltype(&{entry})>;",
+        # qualified from the global scope: an entry named like a helper above stays the user's
+        f"using entry = sig<decltype(&{'' if entry.startswith('::') else '::'}{entry})>;",
         f'static_assert(entry::n == {len(args)}, "mlasandbox: the entry must be a __global__ '
         f'void function of the {len(args)} arguments of the paged {kind} contract '
         '(docs/byok.md)");',
@@ -329,7 +451,7 @@ def _contract_check(entry: str, kind: str) -> str:
         lines.append(f'static_assert(entry::n != {len(args)} || same<entry::at<{i}>, '
                      f'{a.ctype}>::value, "mlasandbox: argument {i + 1} of the entry must be '
                      f'{a.ctype} {a.name}");')
-    lines.append("}  // namespace mlasandbox_contract")
+    lines.append(f"}}  // namespace {CONTRACT_NAMESPACE}")
     return "\n".join(lines) + "\n"
 
 
@@ -340,14 +462,17 @@ def _resource_dirs():
 
 
 def _find_include(name: str, base: Path):
-    cand = base / name
-    if cand.is_file():
-        return cand.read_text(encoding="utf-8"), str(cand)
-    for root in _resource_dirs():
-        node = root.joinpath(name)
-        if node.is_file():
-            return node.read_text(encoding="utf-8"), name
-    return None, None
+    node, shown = base / name, str(base / name)
+    if not node.is_file():
+        node = next((n for n in (root.joinpath(name) for root in _resource_dirs())
+                     if n.is_file()), None)
+        shown = name
+    if node is None:
+        return None, None
+    try:
+        return node.read_text(encoding="utf-8-sig"), shown
+    except UnicodeDecodeError:
+        raise ValueError(f"included file {shown}: not UTF-8 text") from None
 
 
 def expanded_source(text: str, filename: str, base: Path | None = None) -> str:
@@ -401,6 +526,9 @@ def _compile_error(exc: NvrtcCompileError, kernel: "UserKernel", params: dict) -
         if 0 < line <= len(lines):
             text = f"\n    {line} | {lines[line - 1].strip()}"
     hint = ""
+    if fname == CONTRACT_FILE and "overloaded function" in msg:
+        hint = (f"\n  the entry {kernel.header.fields['entry']} has the name of a function CUDA "
+                "or an include declares (printf, sinf, ...): rename the entry")
     if "dynamic shared memory than the header" in msg:
         dec = kernel.header.evaluate(params)["smem"]
         hint = (f"\n  the header declares smem={kernel.header.fields['smem']} = {dec} B at "
@@ -495,21 +623,16 @@ class UserKernel:
 
     def __init__(self, path, params: dict | None = None, text: str | None = None):
         self.path = Path(path)
-        if text is None:
-            try:
-                text = self.path.read_text(encoding="utf-8")
-            except OSError as exc:
-                raise ValueError(f"user kernel {self.path}: {exc.strerror}") from None
-            except UnicodeDecodeError:
-                raise ValueError(f"user kernel {self.path}: not UTF-8 text") from None
-        self.text = text
+        if text is None:   # a regular UTF-8 file only: reading a FIFO would block
+            text = limits.read_input_text(self.path, "user kernel")
+        self.text = text.removeprefix(_BOM)
         self.header = parse_header(self.text, str(self.path))
         fixed = self.header.default_params()
         for k, v in (params or {}).items():
             if k not in fixed:
                 raise HeaderError(f"{self.path}: no parameter {k} in the header (declared: "
                                   f"{', '.join(fixed) or 'none'})")
-            fixed[k] = int(v)
+            fixed[k] = _param_value(f"{self.path}: {k}", v)
         self.params = fixed
         self.header.evaluate(fixed)
         self.kind = self.header.kind
@@ -639,9 +762,7 @@ def load_kernel(spec, **params) -> UserKernel:
             raise ValueError(f"{spec}: {k}={v}: the value must be an integer") from None
     if not path.endswith(".cu"):
         raise ValueError(f"a user kernel is a .cu file, got {path!r}")
-    if os.path.isdir(path):
-        raise ValueError(f"user kernel {path}: a directory, not a .cu file")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise ValueError(f"user kernel {path}: no such file")
     return _load(path, tuple(sorted(params.items())), os.path.getmtime(path))
 

@@ -11,12 +11,16 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
 
-from .user_kernel import HEADER_TAG, contract_signature
+from .user_kernel import (CONTRACT_NAMESPACE, HEADER_TAG, contract_signature, expanded_source,
+                          identifier_problem)
 
-__all__ = ["Template", "TEMPLATES", "new_kernel_source"]
+__all__ = ["Template", "TEMPLATES", "new_kernel_source", "MAX_NAME"]
 
-_IDENT = re.compile(r"^[A-Za-z_]\w*$")
+MAX_NAME = 255 - len(".cu")   # NAME.cu is one file name: 255 bytes on common file systems
+# What the copy declares outside its own namespaces, which the entry's name would clash with.
+_GLOBAL_NAME = re.compile(r"^\s*(?:#\s*define|namespace)\s+([A-Za-z_]\w*)", re.M | re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,13 @@ TEMPLATES = {
 def new_kernel_source(name: str, template: str = "split") -> str:
     """The text of NAME.cu: the header, then a copy of the built-in family's source (the
     batch-1 launch stays, uninstantiated), its smem check as MLA_SMEM_NEEDS, and the entry."""
-    if not _IDENT.match(name):
-        raise ValueError(f"NAME {name!r} must be a C identifier (letters, digits, _), as it "
-                         "names the kernel's entry")
+    if len(name) > MAX_NAME:
+        raise ValueError(f"NAME has {len(name)} characters; at most {MAX_NAME}, as NAME.cu is "
+                         "a file name")
+    problem = identifier_problem(name)
+    if problem:
+        raise ValueError(f"NAME {name!r} {problem}; NAME names the kernel's entry, a C++ "
+                         "function")
     if template not in TEMPLATES:
         raise ValueError(f"--from {template}: known templates: {', '.join(TEMPLATES)}")
     t = TEMPLATES[template]
@@ -74,4 +82,11 @@ def new_kernel_source(name: str, template: str = "split") -> str:
         "#undef MLA_REGISTRY_FACTS",
         "",
     ]
-    return "\n".join(head) + src + entry
+    text = "\n".join(head) + src + entry
+    templates = Path(str(resources.files("mlasandbox.templates")))
+    taken = set(_GLOBAL_NAME.findall(expanded_source(text, f"{name}.cu", templates)))
+    if name in taken or name == CONTRACT_NAMESPACE:
+        raise ValueError(f"NAME {name!r}: the copied kernel (cuda_src/{t.source} and the "
+                         "headers it includes) or the sandbox's checks already declare it, a "
+                         "namespace or a macro; choose another name")
+    return text

@@ -353,3 +353,64 @@ def test_render_results_names_a_file_it_cannot_render(tmp_path):
         p = subprocess.run([sys.executable, tool, str(tmp_path / d), "-o",
                             str(tmp_path / "out.md")], capture_output=True, text=True)
         assert p.returncode == 2 and phrase in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+# ------------------------------------------------------------- the paged step's options
+
+def _paged_cmd(cmd, tmp_path) -> list:
+    """`cmd` with what it needs to run here: repro a file to write (checked not written),
+    try its kernel file and no timing."""
+    if cmd[0] == "repro":
+        return [*cmd, "-o", tmp_path / "r.py"]
+    if cmd[0] == "try":
+        return [cmd[0], os.path.join(os.path.dirname(__file__), "data", "toy_attn.cu"),
+                "--no-time", *cmd[1:]]
+    return list(cmd)
+
+
+PAGED_COMMANDS = [("bench",), ("repro", "--variant", "split"), ("sweep", "--no-gpu"),
+                  ("ablate",), ("stalls",), ("try",)]
+
+
+@pytest.mark.parametrize("cmd", PAGED_COMMANDS, ids=lambda c: c[0])
+def test_more_lengths_than_the_batch_exit_2(cmd, tmp_path):
+    # fewer are cycled to the batch (the --lengths help says so); more would drop requests
+    res = run(*_paged_cmd(cmd, tmp_path), "--batch", "2", "--lengths", "1,2,3")
+    assert res.exit_code == 2, res.output
+    assert "lengths: 3 given for a batch of 2; give at most 2" in words(res)
+    assert not (tmp_path / "r.py").exists()
+
+
+@pytest.mark.parametrize("cmd", PAGED_COMMANDS[:-1], ids=lambda c: c[0])
+def test_s_q_past_the_projection_grid_exits_2(cmd, tmp_path):
+    # 2 x 1,048,560 latent rows a head fill the projection's 65535 grid z blocks of 32
+    for s_q in ("1048561", "2147483648"):
+        res = run(*_paged_cmd(cmd, tmp_path), "--batch", "2", "--s-q", s_q)
+        assert res.exit_code == 2, res.output
+        assert "s_q must be <= 1,048,560 (the output projection's grid z dimension holds " \
+               "ceil(batch 2 x s_q / 32) blocks, at most 65535)" in words(res)
+        assert not (tmp_path / "r.py").exists()
+
+
+@pytest.mark.parametrize("cmd", [("bench", "--variants", "wgmma64"),
+                                 ("ablate", "--variants", "wgmma64"),
+                                 ("stalls", "--variant", "wgmma64"),
+                                 ("repro", "--variant", "wgmma64")], ids=lambda c: c[0])
+def test_wgmma64_with_an_f32_q_exits_2(cmd, tmp_path):
+    res = run(*_paged_cmd(cmd, tmp_path), "--batch", "2", "--q", "f32")
+    assert res.exit_code == 2, res.output
+    assert "wgmma64 takes q in the cache dtype (f16), got q=f32" in words(res)
+
+
+def test_paged_inputs_past_host_memory_are_refused_before_allocating(monkeypatch):
+    from mlasandbox import paged_inputs
+    from mlasandbox.paged_inputs import make_paged_inputs
+
+    monkeypatch.setattr(paged_inputs, "host_memory_bytes", lambda: 1 << 30)
+    assert make_paged_inputs(Dims(n_head=16), [4096, 4096], s_q=2).q.shape == (2, 2, 16, 576)
+    # q alone: 2 x 8192 x 16 x 576 values drawn in float32 and stored, 8 B each: 1.1 GiB
+    with pytest.raises(ValueError, match=r"need about 1\.2 GiB of host memory \(q: batch 2 x "
+                                         r"s_q 8192 x 16 heads x 576.*this machine has 1\.0 GiB"):
+        make_paged_inputs(Dims(n_head=16), [4096, 4096], s_q=8192)
+    with pytest.raises(ValueError, match=r"4 pages x page_size 2147483648 x 576"):
+        make_paged_inputs(Dims(n_head=16), [4096], page_size=2**31)

@@ -81,10 +81,73 @@ def test_a_lengths_file_is_read_one_per_line(tmp_path):
     ({"batch": 2, "variants": ("cublas",)}, "cannot be captured"),
     ({"batch": 2, "peers": ("vllm",)}, "unknown peer"), ({"serving": "huge"}, "serving preset"),
     ({"batch": 2, "s_q": 0}, "s_q"), ({"batch": 2, "aa_rounds": 1}, "2 rounds"),
-    ({"batch": 2, "cache_dtype": "f32"}, "cache dtype")])
+    ({"batch": 2, "cache_dtype": "f32"}, "cache dtype"),
+    # refused with the options, not after the plans: wgmma64 is built for a 16-bit q only
+    ({"batch": 2, "variants": ("wgmma64",), "q_dtype": "f32"},
+     r"wgmma64 takes q in the cache dtype \(f16\), got q=f32")])
 def test_bad_options_are_named(kw, words):
     with pytest.raises(ValueError, match=words):
         make_paged_config(**kw)
+
+
+def test_more_lengths_than_the_batch_are_refused_and_fewer_cycled(tmp_path):
+    # fewer are cycled, as the --lengths help says; more would drop requests unsaid
+    for spec in ("1,2,3", [1, 2, 3], np.array([1, 2, 3])):
+        with pytest.raises(ValueError, match="lengths: 3 given for a batch of 2"):
+            parse_lengths(spec, 2)
+    f = tmp_path / "lens.txt"
+    f.write_text("5\n6\n7\n")
+    with pytest.raises(ValueError, match=r"lengths file '.*lens\.txt': 3 given for a batch "
+                                         "of 2; give at most 2"):
+        parse_lengths(f"@{f}", 2)
+    assert parse_lengths(f"@{f}", 3).tolist() == [5, 6, 7]
+    assert parse_lengths("1,2", 5).tolist() == [1, 2, 1, 2, 1]
+    with pytest.raises(ValueError, match="for a batch of 2"):
+        make_paged_config(batch=2, lengths="1,2,3")
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, True, "3"])
+def test_a_bad_seed_is_named(seed):
+    with pytest.raises(ValueError, match=f"seed must be an integer >= 0, got {seed!r}"):
+        parse_lengths("normal:100:10", 4, seed)
+
+
+def test_s_q_is_bounded_by_the_kernels_rows_and_the_projection_grid():
+    # batch x s_q rows a head: the projection's grid z holds ceil(. / 32) <= 65535 blocks
+    assert make_paged_config(batch=2, s_q=1_048_560).s_q == 1_048_560
+    for s_q in (1_048_561, 2**31, 2**70):
+        with pytest.raises(ValueError, match=r"s_q must be <= 1,048,560 \(the output "
+                                             r"projection's grid z dimension holds "
+                                             r"ceil\(batch 2 x s_q / 32\) blocks"):
+            make_paged_config(batch=2, s_q=s_q)
+    # s_q x heads query rows are int32 in the kernels: at 4096 heads that is the tighter limit
+    with pytest.raises(ValueError, match=r"s_q must be <= 524,287 \(the kernels index s_q x "
+                                         "4096 heads query rows as int32"):
+        make_paged_config(batch=1, heads=4096, s_q=524_288)
+    for s_q in (0, 1.5, "2"):
+        with pytest.raises(ValueError, match="s_q must be an integer >= 1"):
+            make_paged_config(batch=2, s_q=s_q)
+
+
+def test_the_paged_sweep_checks_s_q_before_compiling(monkeypatch):
+    from mlasandbox import sweep_paged
+
+    monkeypatch.setattr(sweep_paged, "ptxas_report", lambda *a, **k: pytest.fail("compiled"))
+    cfg = replace(make_paged_config(batch=2), s_q=2**31)
+    with pytest.raises(ValueError, match="s_q must be <= 1,048,560"):
+        sweep_paged.run_paged_sweep(cfg, use_gpu=False)
+
+
+def test_the_step_cost_does_not_grow_with_s_q():
+    import time
+
+    d = DSV3.with_heads(16)
+    t0 = time.perf_counter()
+    c = metrics.paged_step_cost("mma16", d, [5, 10**6], s_q=10**7, causal=True)
+    assert time.perf_counter() - t0 < 1.0   # closed form: a loop over 10**7 queries is not
+    # causal: request 5 sees 5+4+3+2+1, request 10**6 sees n + (n-1) + ... + 1
+    seen = 16 * (15 + 10**6 * (10**6 + 1) // 2)
+    assert c.flops == 2 * seen * (576 + 512) + 2 * 2 * 10**7 * 16 * 128 * 512
 
 
 # ---------------------------------------------------------------------------- formulas

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from mlasandbox import registry
 from mlasandbox.cli.main import main
-from mlasandbox.cli.options import Q_CHOICES
+from mlasandbox.cli.options import Q_CHOICES, SEED, FiniteFloatRange
 from mlasandbox.cli.render import regs_table
 
 COMMANDS = sorted(main.commands)
@@ -37,6 +37,17 @@ def test_lists_are_variants_and_q_takes_the_same_values(name):
         assert "--variant" not in p.opts or p.name == "variant_name" or p.name == "variant"
         if "--q" in p.opts and isinstance(p.type, click.Choice):
             assert tuple(p.type.choices) == Q_CHOICES
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_seeds_and_real_numbers_are_checked_one_way(name):
+    """Every --seed takes what numpy's generators take (0..2**63-1), and every real-number
+    option refuses nan and inf, whichever command parses it."""
+    for p in _params(name):
+        if p.name == "seed":
+            assert p.type is SEED, f"{name} --seed"
+        if isinstance(p.type, click.types.FloatParamType):
+            assert isinstance(p.type, FiniteFloatRange), f"{name} {p.opts[0]}"
 
 
 def test_grid_help_names_every_variant_family():

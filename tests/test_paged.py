@@ -154,7 +154,7 @@ def _args(**change):
     ({"cache_seqlens": np.array([3, 9], np.int32)}, "cache_seqlens[1] = 9 is outside 0..8"),
     ({"cache_seqlens": np.array([-1, 3], np.int32)}, "cache_seqlens[0] = -1"),
     ({"wv_b": np.zeros((3, 16, 4), np.float16)}, "wv_b must be [n_head=3, v_head, kv_lora=16], got (3, 16, 4)"),
-    ({"scale": "abc"}, "scale must be a number"),
+    ({"scale": "abc"}, "scale must be a real number"),
     ({"scale": float("inf")}, "scale must be finite"),
     ({"causal": "yes"}, "causal must be True or False"),
 ])

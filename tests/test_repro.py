@@ -374,7 +374,12 @@ def test_a_paged_repro_of_auto_pins_what_decode_paged_runs_on_its_target(paged_r
 @pytest.mark.parametrize("kw,words", [
     ({"variant": "per_head"}, "batch 1"), ({"page_size": 32}, "page_size"),
     ({"lengths": "-3"}, "outside 0.."), ({"variant": "cublas"}, "cublas"), ({"s_q": 0}, "s_q"),
-    ({"q": "bf16"}, "q dtype")])
+    ({"q": "bf16"}, "q dtype"),
+    ({"lengths": "1,2,3,4,5,6,7"}, "lengths: 7 given for a batch of 6"),
+    # B x s_q latent rows a head: 6 x 349,520 = 2,097,120, 65535 projection blocks of 32
+    ({"s_q": 2**31}, r"s_q must be <= 349,520 \(the output projection's grid z dimension"),
+    ({"s_q": 349_521}, "s_q must be <= 349,520"), ({"s_q": 1.5}, "s_q must be an integer"),
+    ({"seed": -1}, "seed must be an integer >= 0")])
 def test_bad_paged_cases(paged_registry, kw, words):
     args = {**PAGED, "variant": "mma16", **kw}
     with pytest.raises(ValueError, match=words):
