@@ -47,7 +47,7 @@ from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .kernels import blocks_per_sm, device_info
 from .limits import check_problem, check_s_q
-from .chunks import plan_chunks
+from .chunks import CHUNK_CAP, plan_chunks
 from .auto_variant import AutoFacts, auto_choice
 from .paged_api import check_page_size, paged_variant
 from .paged_inputs import parse_lengths
@@ -477,6 +477,9 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
     if splits not in ("auto", None):
         if isinstance(splits, bool) or int(splits) != splits or splits < 1:
             raise ValueError(f"splits must be 'auto' or an integer >= 1, got {splits!r}")
+        if splits > CHUNK_CAP:
+            raise ValueError(f"splits (every request's chunk cap in the paged step) must be at "
+                             f"most {CHUNK_CAP}, got {splits}")
         chunks = int(splits)
     attn, _ = _paged_instances(var, cache, q, not negative_control)
     need = None if arch is None else instance_needs(arch, attn)

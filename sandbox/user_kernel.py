@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -77,6 +78,9 @@ MAX_TILE_ROWS = 2**31 - limits.MAX_CTX
 MAX_HEADS_PER_BLOCK = 2**31 - 1 - limits.MAX_HEADS
 # A parameter is a -D value and a C++ int template argument.
 MAX_PARAM = 2**31 - 1
+# Parameter sets one command compiles (each an NVRTC compile of seconds): a product of the
+# declared values past it is a typo or a sweep that should be split.
+MAX_PARAM_SETS = 64
 
 # C and C++ keywords, and the built-in variables CUDA declares in every kernel: none can name
 # an entry or a parameter (which is substituted into the entry).
@@ -229,6 +233,12 @@ class Header:
                                   f"(declared: {known})")
             values[name] = tuple(_param_value(f"--params {name}", v) for v in vals)
         names = list(values)
+        n_sets = math.prod(len(v) for v in values.values())
+        if n_sets > MAX_PARAM_SETS:
+            counts = " x ".join(f"{n} {len(v)}" for n, v in values.items())
+            raise HeaderError(f"params: {counts} = {n_sets:,} parameter sets, at most "
+                              f"{MAX_PARAM_SETS} in one run (each is a compile): narrow them "
+                              f"with --params NAME=V,...")
         return [dict(zip(names, combo)) for combo in itertools.product(*values.values())]
 
     def default_params(self) -> dict:

@@ -239,3 +239,14 @@ def test_docs_state_the_limits():
                  f"at most {MAX_NAME} characters", "byte-order mark"):
         assert text in doc, text
     assert re.search(r"`/` and `%` being C's", doc)
+
+
+
+def test_a_header_declaring_more_parameter_sets_than_one_run_compiles_is_refused():
+    eight = ",".join(str(v) for v in range(1, 9))
+    ok = uk.parse_header(header() + f"// mlasandbox: params A={eight} B={eight}\n")
+    assert len(ok.param_sets()) == 64 == uk.MAX_PARAM_SETS
+    big = uk.parse_header(header() + f"// mlasandbox: params A={eight} B={eight},9\n")
+    with pytest.raises(uk.HeaderError, match=r"params: A 8 x B 9 = 72 parameter sets, at most 64"):
+        big.param_sets()
+    assert len(big.param_sets({"B": (1,)})) == 8   # narrowed by --params

@@ -762,3 +762,15 @@ def test_the_scripts_projection_compiles_with_nvrtc(tmp_path):
     cubin, lowered = ns["cubin_for_arch"](ns["PROJECT_SOURCE"], spec["expression"], "sm_90",
                                           opts, spec["source"])
     assert cubin[:4] == b"\x7fELF" and lowered.startswith(f"_ZN3mla{len(case.project_kind)}")
+
+
+def test_paged_repro_refuses_a_chunk_cap_past_the_plans_as_bench_does(tmp_path):
+    from click.testing import CliRunner
+
+    from mlasandbox.cli.main import main
+
+    r = CliRunner().invoke(main, ["repro", "--variant", "mma16", "--batch", "2", "--splits",
+                                  "257", "-o", str(tmp_path / "r.py")])
+    assert r.exit_code == 2, r.output
+    assert "splits" in r.output and "at most 256" in r.output
+    assert not (tmp_path / "r.py").exists()
