@@ -17,7 +17,7 @@ import json
 import math
 import statistics
 
-from .limits import read_input_text
+from .limits import MAX_INPUT_FILE_BYTES, read_input_text
 from .noise import NO_DIFFERENCE, verdict
 
 __all__ = ["load_result", "compare_runs", "SchemaError"]
@@ -28,7 +28,7 @@ class SchemaError(ValueError):
 
 
 # A saved bench result is a few MB at most: rows of variants x contexts x phases
-MAX_BASELINE_BYTES = 64 << 20
+MAX_BASELINE_BYTES = MAX_INPUT_FILE_BYTES
 
 
 def load_result(path) -> dict:

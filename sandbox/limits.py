@@ -188,10 +188,9 @@ def check_s_q(s_q, n_head: int, batch: int | None = None, name: str = "s_q") -> 
     n_head = check_int("n_head", n_head, 1)
     high, why = MAX_HEADS // n_head, f"the kernels index s_q x {n_head} heads query rows as int32"
     if batch is not None and MAX_QUERY_TOKENS // check_int("batch", batch, 1) < high:
-        tile = min(PROJECT_M_ROWS, PROJECT_WIDE_M_ROWS)
         high = MAX_QUERY_TOKENS // batch
         why = (f"the output projection's grid z dimension holds ceil(batch {batch} x s_q / "
-               f"{tile}) blocks, at most {GRID_Z_MAX}")
+               f"{MAX_QUERY_TOKENS // GRID_Z_MAX}) blocks, at most {GRID_Z_MAX}")
     return _check_int(name, s_q, 1, high, why)
 
 
@@ -201,7 +200,8 @@ def check_s_q(s_q, n_head: int, batch: int | None = None, name: str = "s_q") -> 
 
 MAX_INPUT_FILE_BYTES = 64 << 20
 
-__all__ += ["MAX_INPUT_FILE_BYTES", "read_input_bytes", "read_input_text", "size_text"]
+__all__ += ["MAX_INPUT_FILE_BYTES", "read_input_bytes", "read_input_text", "input_text",
+            "size_text"]
 
 _NOT_REGULAR = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                 (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
@@ -243,9 +243,13 @@ def read_input_bytes(path, what: str, limit: int = MAX_INPUT_FILE_BYTES) -> byte
 
 
 def read_input_text(path, what: str, limit: int = MAX_INPUT_FILE_BYTES) -> str:
-    """read_input_bytes' bytes as UTF-8 text (a leading byte-order mark dropped); ValueError
-    naming `what` and the path where they are not UTF-8."""
-    data = read_input_bytes(path, what, limit)
+    """read_input_bytes' bytes as UTF-8 text (input_text)."""
+    return input_text(read_input_bytes(path, what, limit), path, what)
+
+
+def input_text(data: bytes, path, what: str) -> str:
+    """`data`, read from `path`, as UTF-8 text (a leading byte-order mark dropped);
+    ValueError naming `what` and the path where it is not UTF-8."""
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .bf16 import array_module, as_f64
 from .dims import check_inputs
-from .limits import check_host_memory, check_real
+from .limits import check_host_memory
 from .paged import PagedResult, check_paged_inputs, check_paged_values, visible_lengths
 
 __all__ = ["DecodeResult", "decode", "decode_paged", "q_absorb", "to_host", "CHUNK_ROWS"]
@@ -65,7 +65,6 @@ def decode(q, cache, wv_b, n_ctx: int | None = None, scale: float | None = None,
     """The float64 reference. Inputs f16 / bf16 (ml_dtypes or uint16 bits) / f32, NumPy or
     CuPy; validated by dims.check_inputs, so errors name the parameter and the limit."""
     dims, n_ctx, scale, _ = check_inputs(q, cache, wv_b, n_ctx, scale)
-    _check_v_head(dims.v_head, wv_b)
     if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, numbers.Integral):
         raise TypeError(f"chunk_rows must be an integer >= 1, got {chunk_rows!r}")
     if chunk_rows < 1:
@@ -99,12 +98,6 @@ def decode(q, cache, wv_b, n_ctx: int | None = None, scale: float | None = None,
     return DecodeResult(out=out, latent=latent, lse=m + np.log(l))
 
 
-def _check_v_head(v_head: int, wv_b) -> None:
-    """An out of no columns is no answer: wv_b needs v_head >= 1."""
-    if v_head < 1:
-        raise ValueError(f"wv_b must be [n_head, v_head >= 1, kv_lora], got {tuple(wv_b.shape)}")
-
-
 def q_absorb(q_nope, q_rope, wk_b) -> np.ndarray:
     """The absorbed query in float64: q[h] = q_nope[h] @ wk_b[h] || q_rope[h], [H, kv_lora+rope].
 
@@ -135,12 +128,8 @@ def decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, causal: 
                  scale=None, kv_lora: int = 512) -> PagedResult:
     """The float64 reference of the paged step. NumPy or CuPy inputs (copied to the host);
     f16 / bf16 (ml_dtypes or uint16 bits) / f32. Returns float64 NumPy arrays."""
-    if scale is not None:  # a real number, as decode takes it: not text, not a bool
-        scale = check_real("scale", scale)
     shape, scale = check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b,
                                       scale=scale, causal=causal, kv_lora=kv_lora)
-    if shape.has_wv_b:
-        _check_v_head(shape.dims.v_head, wv_b)
     table, lengths = to_host(block_table), to_host(cache_seqlens)
     check_paged_values(table, lengths, shape)
     d = shape.dims

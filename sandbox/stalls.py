@@ -32,7 +32,8 @@ import zlib
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass
 
-from .limits import MAX_INPUT_FILE_BYTES, read_input_bytes, size_text
+from .limits import (MAX_INPUT_FILE_BYTES, input_text, read_input_bytes, read_input_text,
+                     size_text)
 
 __all__ = ["SassLine", "OpcodeShare", "Block", "StallReport", "NcuFormatError",
            "read_source_csv", "summarize", "read_raw_csv", "KERNEL_METRICS", "STALL_REASONS",
@@ -239,13 +240,6 @@ def saved_files(path: str) -> tuple[str, str | None]:
     return path, None
 
 
-def _page_text(data: bytes, path: str, page: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not a UTF-8 ncu {page} ({exc})") from None
-
-
 def read_saved(path: str) -> tuple[str, str | None]:
     """(source page CSV, raw page CSV or None) of a --save directory or a source page CSV
     file (gzipped if its name ends in .gz), each a regular file read up to MAX_PAGE_BYTES.
@@ -265,8 +259,7 @@ def read_saved(path: str) -> tuple[str, str | None]:
         if len(data) > MAX_PAGE_BYTES:
             raise ValueError(f"ncu CSV {source!r} is larger than {size_text(MAX_PAGE_BYTES)} "
                              "uncompressed")
-    source_text = _page_text(data, source, "CSV")
+    source_text = input_text(data, source, "ncu CSV")
     if raw is None or not os.path.lexists(raw):
         return source_text, None
-    return source_text, _page_text(read_input_bytes(raw, "ncu raw page", MAX_PAGE_BYTES), raw,
-                                   "raw page")
+    return source_text, read_input_text(raw, "ncu raw page", MAX_PAGE_BYTES)

@@ -317,7 +317,7 @@ def test_read_saved_refuses_what_it_cannot_read(tmp_path, fifo, monkeypatch):
     with pytest.raises(ValueError, match="is not a gzip-compressed ncu CSV"):
         stalls.read_saved(str(bad))
     (tmp_path / "b.csv").write_bytes(b"\xff\xfe")
-    with pytest.raises(ValueError, match="is not a UTF-8 ncu CSV"):
+    with pytest.raises(ValueError, match=r"ncu CSV .*b\.csv' is not UTF-8 text"):
         stalls.read_saved(str(tmp_path / "b.csv"))
     # a small file that decompresses past the cap: refused after cap + 1 bytes, not inflated
     monkeypatch.setattr(stalls, "MAX_PAGE_BYTES", 100_000)

@@ -208,7 +208,8 @@ def test_cli_refuses_a_missing_or_foreign_profile(tmp_path):
 def test_cli_refuses_a_saved_profile_it_cannot_read(saved):
     (saved / "raw.csv").write_bytes(b"\xff\xfe not text")
     res = run("stalls", "--from", saved)
-    assert res.exit_code == 2 and "not a UTF-8 ncu raw page" in res.output, res.output
+    assert res.exit_code == 2 and "ncu raw page" in res.output \
+        and "is not UTF-8 text" in res.output, res.output
     (saved / "raw.csv").unlink()
     (saved / "raw.csv").mkdir()
     res = run("stalls", "--from", saved)
