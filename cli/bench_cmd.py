@@ -45,7 +45,7 @@ from . import lab_render, render
 from .check_cmd import cpu_accuracy
 from .options import (FiniteFloatRange, NoGpu, arch_option, cache_option, ctx_option,
                       deliver_json, given_options, heads_option, hpb_list, json_option,
-                      lengths_file, non_empty_path, output_option, paged_options,
+                      kernel_files, lengths_file, non_empty_path, output_option, paged_options,
                       peers_option, preset_option, progress_bar, q_option, refuse_overwrites,
                       refuse_paged_options, splits_option, stderr_console, timing_options,
                       variants_option, write_json)
@@ -496,7 +496,7 @@ def bench(preset, heads, contexts, variants, hpbs, caches, q_dtype, splits, repe
     ctx = click.get_current_context()
     kernels = [v for v in variants or () if v.split(":", 1)[0].endswith(".cu")]
     refuse_overwrites([("--lengths", lengths_file(lengths_spec)), ("--vs", vs_path),
-                       *(("--variants", k.split(":", 1)[0]) for k in kernels)],
+                       *(f for k in kernels for f in kernel_files("--variants", k))],
                       [("--json", json_out), ("--csv", csv_out), ("--plot", plot_out)])
     if tp is None:
         _refuse(given_options(ctx, ("tp_engine",)), "needs --tp N (the tensor-parallel bench)", "")

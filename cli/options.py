@@ -357,6 +357,20 @@ def refuse_overwrites(inputs, outputs) -> None:
         seen.setdefault(key, ("output", opt, path))
 
 
+def kernel_files(opt: str, spec: str) -> list:
+    """(option, path) pairs for refuse_overwrites: the user kernel of `spec` (FILE.cu or
+    FILE.cu:NAME=V) and the user's files it includes, which an output must not replace
+    either. Exit 2 naming `opt` where the kernel or an include cannot be read."""
+    from mlasandbox.user_kernel import local_includes
+
+    path = spec.split(":", 1)[0]
+    try:
+        includes = local_includes(path) if os.path.isfile(path) else []
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint=f"'{opt}'") from None
+    return [(opt, path), *((f"{opt} (#include)", inc) for inc in includes)]
+
+
 def lengths_file(spec) -> str | None:
     """The file of a `--lengths @FILE` spec, None for the other forms."""
     return spec[1:] if isinstance(spec, str) and spec.startswith("@") else None

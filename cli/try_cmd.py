@@ -23,7 +23,8 @@ from mlasandbox.user_kernel import UserCompileError, compile_report, load_kernel
 
 from . import render
 from .options import (JsonAwareException, OutputFile, bad_input, int_list, json_option,
-                      lengths_file, refuse_overwrites, require_gpu, seed_option, write_json)
+                      kernel_files, lengths_file, refuse_overwrites, require_gpu, seed_option,
+                      write_json)
 
 
 def _params(values) -> dict:
@@ -244,7 +245,7 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
         bad_input(f"FILE {file}: no such file")
     if lengths is not None and batch is None:
         bad_input("--lengths needs --batch")
-    refuse_overwrites([("FILE", file), ("--lengths", lengths_file(lengths))],
+    refuse_overwrites([*kernel_files("FILE", file), ("--lengths", lengths_file(lengths))],
                       [("--repro", repro), ("--json", json_out)])
     for opt, vals, low in (("--heads", heads, 1), ("--ctx", ctx, 0)):
         if vals and min(vals) < low:

@@ -472,22 +472,37 @@ def _resource_dirs():
 
 
 def _find_include(name: str, base: Path):
-    node, shown = base / name, str(base / name)
-    if not node.is_file():
-        node = next((n for n in (root.joinpath(name) for root in _resource_dirs())
-                     if n.is_file()), None)
-        shown = name
+    """(text, shown, local) of `#include "name"` from the folder `base`: the user's file
+    there (`local`), else the package's header of that name; (None, None, False) where
+    neither exists (NVRTC then reports the line)."""
+    node = base / name
+    if node.is_file():
+        return limits.read_input_text(node, "included file"), str(node), True
+    node = next((n for n in (root.joinpath(name) for root in _resource_dirs())
+                 if n.is_file()), None)
     if node is None:
-        return None, None
+        return None, None, False
     try:
-        return node.read_text(encoding="utf-8-sig"), shown
+        return node.read_text(encoding="utf-8-sig"), name, False
     except UnicodeDecodeError:
-        raise ValueError(f"included file {shown}: not UTF-8 text") from None
+        raise ValueError(f"included file {name}: not UTF-8 text") from None
 
 
-def expanded_source(text: str, filename: str, base: Path | None = None) -> str:
+def local_includes(path) -> list:
+    """The user's files that the kernel file `path` includes, directly or through another
+    include, each once: the files a command must not overwrite along with the kernel
+    (headers the package ships are not the user's). ValueError as expanded_source."""
+    found: list = []
+    text = limits.read_input_text(path, "user kernel")
+    expanded_source(text, str(path), Path(path).parent, found)
+    return found
+
+
+def expanded_source(text: str, filename: str, base: Path | None = None,
+                    local: list | None = None) -> str:
     """`text` with its local includes inlined (each once), behind #line directives so that
-    NVRTC's messages name the file and line they came from."""
+    NVRTC's messages name the file and line they came from; the user's included files (not
+    the package's headers) are appended to `local` where it is given."""
     base = Path(base or ".")
     seen: set = set()
 
@@ -498,13 +513,15 @@ def expanded_source(text: str, filename: str, base: Path | None = None) -> str:
             if not m:
                 out.append(line)
                 continue
-            body, where = _find_include(m.group(1), folder)
+            body, where, is_local = _find_include(m.group(1), folder)
             if body is None:
                 out.append(line)     # NVRTC reports it, at this line
                 continue
             key = os.path.normpath(where)
             if key not in seen:
                 seen.add(key)
+                if is_local and local is not None:
+                    local.append(where)
                 sub = Path(where).parent if os.path.isabs(where) or os.sep in where else folder
                 out.append(expand(body, where, sub))
             out.append(f'#line {no + 1} "{shown}"')

@@ -204,7 +204,7 @@ def test_an_include_with_a_byte_order_mark_or_not_utf8(tmp_path):
     src = uk.expanded_source('#include "inc.cuh"\n', "k.cu", tmp_path)
     assert "\ufeff" not in src and "int x;" in src
     (tmp_path / "inc.cuh").write_bytes(b"int \xff;\n")
-    with pytest.raises(ValueError, match="included file .*inc.cuh: not UTF-8 text"):
+    with pytest.raises(ValueError, match="included file .*inc.cuh.* not UTF-8 text"):
         uk.expanded_source('#include "inc.cuh"\n', "k.cu", tmp_path)
 
 

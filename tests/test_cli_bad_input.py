@@ -88,6 +88,35 @@ def test_an_output_never_overwrites_an_input_or_another_output(files, args, opt,
     assert _snapshot(files) == before  # every file as it was, none added
 
 
+INCLUDING = ('#include "mla_user.cuh"\n#include "inc/helpers.cuh"\n'
+             "// the kernel: its includes are the user's files too\n")
+
+
+@pytest.mark.parametrize("args, opt", [
+    (("try", "k2.cu", "--repro", "inc/helpers.cuh"), "--repro"),
+    (("try", "k2.cu", "--json", "inc/deeper.cuh"), "--json"),
+    (("bench", "--batch", "2", "--variants", "k2.cu:X=1", "--csv", "inc/deeper.cuh"), "--csv"),
+], ids=["try-repro-include", "try-json-nested-include", "bench-csv-nested-include"])
+def test_an_output_never_overwrites_a_file_the_kernel_includes(files, args, opt):
+    (files / "inc").mkdir()
+    (files / "k2.cu").write_text(INCLUDING)
+    (files / "inc" / "helpers.cuh").write_text('#include "deeper.cuh"\n')  # from inc/
+    (files / "inc" / "deeper.cuh").write_text("// nested\n")
+    before = _snapshot(files)
+    res = run(*args)
+    assert res.exit_code == 2, res.output
+    assert f"Invalid value for '{opt}'" in words(res) and "(#include)" in words(res)
+    assert _snapshot(files) == before
+
+
+def test_a_package_header_the_kernel_includes_is_not_an_input(files):
+    # control: mla_user.cuh is the package's header, not a file of the user's folder, so an
+    # output of that name here is refused for nothing (the command goes on, to its no-GPU exit)
+    (files / "k2.cu").write_text('#include "mla_user.cuh"\n')
+    res = run("bench", "--batch", "2", "--variants", "k2.cu", "--json", "mla_user.cuh")
+    assert "(#include)" not in words(res) and "give another path" not in words(res), res.output
+
+
 def test_the_same_file_under_another_name_is_the_same_file(files):
     os.link(files / "L.txt", files / "hard.txt")
     os.symlink(files / "L.txt", files / "soft.txt")
