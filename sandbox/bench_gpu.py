@@ -44,6 +44,7 @@ from .paged import PagedResult
 from .paged_api import PagedDecodeStep
 from .paged_inputs import make_paged_inputs
 from .peers import PeerInputs, PeerUnavailable, load_peers, peer_q, to_result, tolerance_of
+from .provenance import sources_digest
 from .reference import decode as reference_decode, decode_paged
 from .timing import L2Flush, LaunchFloor, Spinner, time_gpu
 from .user_kernel import is_user_kernel_spec
@@ -95,7 +96,9 @@ def _git_commit() -> str | None:
 
 
 def run_meta() -> dict:
-    """Device, versions, commit and date: what a results file must say about itself."""
+    """Device, versions, commit, the sources' digest (provenance.py: the code that ran, where
+    a copied tree's .git may name another commit) and date: what a results file must say
+    about itself."""
     import cupy
 
     dev = toolkit.device_properties(cupy.cuda.Device().id)
@@ -108,7 +111,7 @@ def run_meta() -> dict:
             "driver": dev["driver_version"], "cuda_runtime": dev["runtime_version"],
             "nvrtc": nvrtc, "cupy": cupy.__version__, "numpy": numpy.__version__,
             "python": platform.python_version(), "mlasandbox": _version("mlasandbox"),
-            "commit": _git_commit(), "host": platform.node(),
+            "commit": _git_commit(), "sources": sources_digest(), "host": platform.node(),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
 
 

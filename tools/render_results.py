@@ -345,8 +345,9 @@ def run_section(run: dict, out_dir: Path) -> list[str]:
     out = [f"## {run['dir'].name}", "",
            f"{_v(m.get('device'))} ({_v(m.get('arch'))}, {_v(m.get('num_sms'))} SMs), driver "
            f"{_v(m.get('driver'))}, CUDA runtime {_v(m.get('cuda_runtime'))}, NVRTC "
-           f"{_v(m.get('nvrtc'))}, CuPy {_v(m.get('cupy'))}; commit {_v(m.get('commit'))}, "
-           f"{_v(m.get('date'))}. Manifest: {_link(run['dir'] / 'manifest.json', out_dir)}."]
+           f"{_v(m.get('nvrtc'))}, CuPy {_v(m.get('cupy'))}; commit {_v(m.get('commit'))}"
+           + (f" (sources {m['sources']})" if m.get("sources") else "") +
+           f", {_v(m.get('date'))}. Manifest: {_link(run['dir'] / 'manifest.json', out_dir)}."]
     if m.get("notes"):
         out += ["", m["notes"]]
     out.append("")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 SCHEMA = "mlasandbox.manifest/1"
 FIELDS = ("device", "arch", "num_sms", "driver", "cuda_driver_api", "cuda_runtime", "nvrtc",
-          "cupy", "numpy", "python", "mlasandbox", "commit", "date", "host")
+          "cupy", "numpy", "python", "mlasandbox", "commit", "sources", "date", "host")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -59,6 +59,12 @@ def _device_facts() -> dict:
                             "--format=csv,noheader"])
     if facts["driver"]:
         facts["driver"] = facts["driver"].splitlines()[0].strip()
+    try:  # the code this process imports, whatever the commit field says (provenance.py)
+        from mlasandbox.provenance import sources_digest
+
+        facts["sources"] = sources_digest()
+    except Exception:
+        pass
     try:
         from mlasandbox.bench_gpu import run_meta
 
