@@ -163,7 +163,8 @@ def summary_table(result: dict) -> Table:
     items = [("device", f"{m.get('device')} ({m.get('arch')}, {m.get('num_sms')} SMs, L2 "
                         f"{fmt_bytes(m.get('l2_bytes'))}); driver {m.get('driver')}, CUDA "
                         f"{m.get('cuda_runtime')}, CuPy {m.get('cupy')}"),
-             ("commit / date", f"{m.get('commit')} / {m.get('date')}"),
+             ("commit / sources / date",
+              f"{m.get('commit')} / {m.get('sources', 'not recorded')} / {m.get('date')}"),
              ("copy ceiling", f"{ceil['copy_GBps']:,.0f} GB/s (D2D copy of "
                               f"{fmt_bytes(ceil.get('copy_bytes'))}, read + written)"),
              ("GEMM ceiling", f"{ceil['gemm_TFLOPs']:,.0f} TFLOP/s (f16 {ceil.get('gemm_n')}^3, "

@@ -98,3 +98,26 @@ def test_which_commit_names_a_repository_it_cannot_read(tmp_path, capsys):
 def test_a_manifest_records_the_digest_without_a_gpu():
     facts = _tool("write_manifest")._device_facts()
     assert facts["sources"] == provenance.sources_digest()
+
+
+def test_the_bench_summary_names_the_sources():
+    from rich.console import Console
+
+    from mlasandbox.cli import lab_render
+
+    def summary(meta):
+        result = {"meta": meta, "noise_floor": {"runs": []},
+                  "ceilings": {"copy_GBps": 4000.0, "copy_bytes": 1 << 30,
+                               "gemm_TFLOPs": 700.0, "gemm_n": 8192},
+                  "control": {"series": [1.0], "stable": True, "start_us": 5.0,
+                              "end_us": 5.0, "max_move": 0.0},
+                  "estimate": {"seconds": 1.0, "measurements": 1, "target_ms": 20.0},
+                  "elapsed_s": 1.0}
+        con = Console(width=200, record=True)
+        con.print(lab_render.summary_table(result))
+        return con.export_text()
+
+    assert "abc1234 / 0123456789ab / 2026" in summary(
+        {"commit": "abc1234", "sources": "0123456789ab", "date": "2026-12-04"})
+    # a saved bench from before the field: said so, not left blank
+    assert "abc1234 / not recorded / 2026" in summary({"commit": "abc1234", "date": "2026-12-04"})
