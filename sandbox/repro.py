@@ -91,7 +91,6 @@ PAGED_SPARE_PAGES = 2   # as make_paged_inputs' default
 # The registry's launch values go along, so the script's kernels static_assert them too.
 NVRTC_OPTIONS = ("-std=c++17", f"-DMLA_KV_LORA={registry.KV_LORA}",
                  f"-DMLA_ROPE={registry.ROPE}", *registry.compile_defines())
-_CUBLAS_TOL = {"f16": 3e-3, "bf16": 2e-2}  # mirrors bench_gpu.CUBLAS_TOLERANCE
 
 
 def _arch_target(inst) -> str | None:
@@ -323,7 +322,7 @@ def render_script(case: ReproCase, filename: str | None = None) -> str:
         attn = combine = None
         attn_src = combine_src = ""
         engine = ENGINE_WRAPPER.replace("@@ENGINE_SOURCE@@", _engine_source())
-        t = _CUBLAS_TOL[case.cache_dtype]
+        t = cublas_engine.CUBLAS_TOLERANCE[case.cache_dtype]
         tol = {"out": t, "latent": t, "lse": t}
         kernels = "CuPy matmuls (cuBLAS) + softmax"
     title = (f"mlasandbox repro: {case.variant} ({kernels}), H={d.n_head}, "

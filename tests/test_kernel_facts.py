@@ -166,3 +166,45 @@ def test_the_cuda_dims_check():
     registry.check_cuda_dims(512, 64)
     with pytest.raises(ValueError, match="built for kv_lora=512, rope=64; got kv_lora=256"):
         registry.check_cuda_dims(256, 64)
+
+
+# ------------------------------------------------------------ every launch value, with power
+
+def _reader_of(macro: str):
+    """An instance whose compile static_asserts `macro`: the family's own for
+    MLA_<F>_THREADS / _TILE / _SMEM, else the kernel of that small-phase fact."""
+    small = {
+        "MLA_COMBINE_COL_BLOCKS": registry.combine_instance(),
+        # the paged walk (mla_walk.cuh) of a kernel that merges its own chunks
+        "MLA_ATTN_MERGE_MAX_CHUNKS": registry.paged_attention_instance("mma16", "f16", "f16"),
+        "MLA_Q_ABSORB_COL_BLOCKS": registry.q_absorb_instance(),
+        "MLA_PROJECT_V_ROWS": registry.project_instance(),
+        "MLA_PROJECT_M_ROWS": registry.project_instance(),
+        "MLA_PROJECT_WIDE_V_ROWS": registry.project_instance("f16", "project_wide"),
+        "MLA_PROJECT_WIDE_M_ROWS": registry.project_instance("f16", "project_wide"),
+    }
+    if macro in small:
+        return small[macro]
+    fam = macro[len("MLA_"):].rsplit("_", 1)[0]
+    return next(i for i in registry.all_instances() if i.family.macro == fam)
+
+
+LAUNCH_VALUES = [d[2:].split("=", 1)[0] for d in registry.compile_defines() if "=" in d]
+
+
+@pytest.mark.parametrize("macro", LAUNCH_VALUES)
+def test_every_launch_value_is_checked_by_a_compile(monkeypatch, macro):
+    """Each -D the registry passes is static_asserted by a kernel that reads it: the value
+    one step off (a smem entry 16 bytes more, any other value doubled) stops that compile at
+    a static_assert, whatever the macro (a new one without a check fails here)."""
+    inst = _reader_of(macro)
+    if macro.endswith("_SMEM"):
+        wrong = _smem_pairs(inst, 16)
+    else:
+        real = next(d for d in registry.compile_defines() if d.startswith(f"-D{macro}="))
+        wrong = str(int(real.split("=", 1)[1]) * 2)
+    _with(monkeypatch, macro, wrong)
+    arch = inst.min_arch if inst.min_arch.endswith("a") else "sm_90"
+    with pytest.raises(ptxas.NvrtcCompileError, match="static assertion failed"):
+        ptxas.compile_log(read_source(inst.source), [inst.expression], arch=arch,
+                          filename=inst.source)

@@ -86,11 +86,14 @@ def test_warps_and_block_slots_limit_small_kernels():
     # at 32 registers both registers and warps allow exactly 2: a tie names both
     tie = occupancy("sm_90", 32, 1024, 0)
     assert tie.blocks_per_sm == 2 and set(tie.limiters) == {"registers", "warps"}
+    assert tie.limiter == "registers"  # a tie names the first of _LIMIT_ORDER
     tiny = occupancy("sm_90", 16, 32, 0)
     assert (tiny.blocks_per_sm, tiny.limiter) == (32, "blocks")
     assert occupancy("sm_86", 16, 32, 0).blocks_per_sm == 16
     assert occupancy("sm_89", 16, 32, 0).blocks_per_sm == 24
     assert occupancy("sm_86", 32, 1024, 0).blocks_per_sm == 1  # 48 warps per SM
+    assert occupancy("sm_89", 32, 1024, 0).blocks_per_sm == 1  # 48 warps per SM too
+    assert occupancy("sm_89", 16, 512, 0).blocks_per_sm == 3   # 1536 threads
     assert tiny.fraction == pytest.approx(32 / 64)
 
 

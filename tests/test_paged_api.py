@@ -604,6 +604,37 @@ def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
     assert step.guard.polls == 3 and step.guard.captured == 0
 
 
+@pytest.mark.parametrize("heads, s_q, kind, z", [
+    # B = 20 requests: the projection's latent rows a head are B x s_q, never B alone
+    (5, 2, "project", 2),          # 40 rows: 32-row tiles, two of them (B alone: one)
+    (128, 4, "project_wide", 2),   # 80 rows: 64-row tiles over 128 heads fill the GPU
+])
+def test_the_projection_and_the_scratch_cover_every_query_row(fake_device, monkeypatch, seeds,
+                                                              heads, s_q, kind, z):
+    sizes = {}
+
+    def scratch(dev, name, size, dtype="float32"):
+        sizes[name] = size
+        return np.zeros(size, dtype)
+
+    monkeypatch.setattr(paged_api, "scratch_for_device", scratch)
+    inp = make_paged_inputs(Dims(n_head=heads), [5] * 20, s_q=s_q, page_size=16,
+                            seed=seeds.one())
+    args = inp.decode_args()
+    for k in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b"):
+        args[k] = args[k].view(HostArray)
+    step = PagedDecodeStep(**args, variant="mma16", splits=4, merge_in_attn=False)
+    rows = 20 * s_q
+    assert registry.project_kind(20, heads, 132) == "project"  # what B alone would pick
+    assert step.project_inst.kind == kind
+    assert step.project_grid == (heads, 128 // (128 if kind == "project_wide" else 32), z)
+    assert step.project_grid == registry.project_grid(heads, 128, rows, kind)
+    # a partial (m, l, acc) for every request, chunk slot and query row
+    n = 20 * step.plan.max_chunks * s_q * heads
+    assert step.plan.max_chunks >= 1 and sizes["part_m"] == sizes["part_l"] == n
+    assert sizes["part_acc"] == n * 512 and sizes["chunk_counts"] == 20
+
+
 def test_the_mma_kernel_merges_its_own_chunks_and_no_merge_is_launched(fake_device, seeds):
     inp, args = _host_step_inputs(seeds.one(), q_dtype="f16")
     step = PagedDecodeStep(**args, variant="mma16", splits=4)
@@ -734,3 +765,20 @@ def test_a_single_pass_wgmma_step_runs_the_instance_that_skips_the_partials(
     step.run()
     assert fake_device.log[0][0] == step.attn_inst.name
     assert ("partials=false" in fake_device.log[0][0]) == (not partials)
+
+
+def test_a_plan_past_the_grids_y_limit_is_refused_naming_it(fake_device, monkeypatch, seeds):
+    from mlasandbox.kernels import DeviceInfo
+
+    inp, args = _host_step_inputs(seeds.one())
+    step = PagedDecodeStep(**args, variant="mma16", splits=4, merge_in_attn=False)
+    programs = step.plan.programs_per_block
+    for limit, refused in ((programs, False), (programs - 1, True)):
+        monkeypatch.setattr(paged_api, "device_info", lambda dev, lim=limit: DeviceInfo(
+            0, "Fake H200", "sm_90", 132, 50 << 20, 227 << 10, 228 << 10, lim))
+        if refused:
+            with pytest.raises(ValueError, match=f"{programs} chunk programs a row block exceed "
+                                                 f"the grid's y limit {limit} on Fake H200"):
+                PagedDecodeStep(**args, variant="mma16", splits=4, merge_in_attn=False)
+        else:
+            PagedDecodeStep(**args, variant="mma16", splits=4, merge_in_attn=False)

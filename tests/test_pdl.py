@@ -135,3 +135,69 @@ def test_the_projection_kind_names_a_bad_argument():
 
 def test_the_q_absorb_grid():
     assert registry.q_absorb_grid(128) == (128, registry.Q_ABSORB_COL_BLOCKS, 1)
+
+
+# ---------------------------------------------------------------- when a launch is programmatic
+
+class _Kernel:
+    """A RawKernel stand-in: records plain launches; `.kernel.ptr` is its CUfunction."""
+    def __init__(self):
+        self.plain = []
+        self.kernel = type("F", (), {"ptr": 0xF00})()
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.plain.append((grid, block, shared_mem))
+
+
+@pytest.fixture
+def fake_launch(monkeypatch):
+    """pdl.launch on the host: a current stream of a chosen handle, a device of a chosen
+    compute capability, and a cuLaunchKernelEx that records its configs."""
+    import cupy
+
+    state = type("S", (), {"stream": 0x1234, "cc": "90", "ex": []})()
+
+    class Dev:
+        def __init__(self, i=None):
+            self.id, self.compute_capability = 0, state.cc
+
+    def ex(cfg, func, params, extra):
+        c = ctypes.cast(cfg, ctypes.POINTER(pdl.LaunchConfig)).contents
+        state.ex.append((c.hStream or 0, c.numAttrs))
+        return 0
+
+    monkeypatch.setattr(cupy.cuda, "get_current_stream",
+                        lambda: type("St", (), {"ptr": state.stream})())
+    monkeypatch.setattr(cupy.cuda, "Device", Dev)
+    monkeypatch.setattr(pdl, "_cuda", lambda: ex)
+    monkeypatch.setattr(pdl, "_supported", {})
+    return state
+
+
+ARGS = (np.int32(3), np.float32(0.5))
+
+
+@pytest.mark.parametrize("stream", pdl.DEFAULT_STREAMS)
+def test_a_default_stream_never_gets_a_programmatic_launch(fake_launch, stream):
+    # the legacy, per-thread and NULL streams: callers rely on their implicit synchronization
+    assert set(pdl.DEFAULT_STREAMS) == {0, 1, 2}
+    fake_launch.stream = stream
+    k = _Kernel()
+    assert pdl.launch(k, (4,), (256,), ARGS, 128) is False
+    assert k.plain == [((4,), (256,), 128)] and fake_launch.ex == []
+
+
+def test_a_stream_of_its_own_on_sm_90_gets_one_and_asked_not_to_does_not(fake_launch):
+    k = _Kernel()
+    assert pdl.launch(k, (4, 2), (256,), ARGS) is True
+    assert k.plain == [] and fake_launch.ex == [(0x1234, 1)]  # one attribute, on that stream
+    assert pdl.launch(k, (4, 2), (256,), ARGS, pdl=False) is False
+    assert len(k.plain) == 1 and len(fake_launch.ex) == 1
+
+
+@pytest.mark.parametrize("cc, programmatic", [("80", False), ("89", False), ("90", True),
+                                              ("100", True)])
+def test_only_sm_90_and_later_get_a_programmatic_launch(fake_launch, cc, programmatic):
+    fake_launch.cc = cc
+    assert pdl.supported() is programmatic
+    assert pdl.launch(_Kernel(), (1,), (32,), ARGS) is programmatic

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlasandbox import api, bf16, cublas_engine, paged_api, reference, registry, repro, toolkit
+from mlasandbox import (api, bench_gpu, bf16, cublas_engine, paged_api, reference, registry,
+                        repro, toolkit)
 from mlasandbox.cli.main import main
 from mlasandbox.dims import Dims
 from mlasandbox.inputs import make_inputs
@@ -61,7 +62,7 @@ def scripts(tmp_path_factory):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_a_script_per_variant_pins_the_case(scripts, variant):
+def test_a_script_per_variant_pins_the_case(scripts, variant, tmp_path):
     case, ns, text, path = scripts[variant]
     assert os.access(path, os.X_OK)
     assert ns["VARIANT"] == variant and ns["N_HEAD"] == 16 and ns["SEED"] == 5
@@ -91,6 +92,11 @@ def test_a_script_per_variant_pins_the_case(scripts, variant):
     else:
         assert ns["CUDA_PROGRAMS"] == [] and callable(ns["cublas_attention"])
         assert ns["TOLERANCE"]["out"] == 3e-3
+        for cache in ("f16", "bf16"):   # the bench's bound, every field
+            t = bench_gpu.CUBLAS_TOLERANCE[cache]
+            sc = repro.make_case("cublas", cache=cache, blocks_per_sm=2)
+            ns_c, _, _ = script_ns(tmp_path, sc, name=f"c_{cache}.py")
+            assert ns_c["TOLERANCE"] == {"out": t, "latent": t, "lse": t}, cache
 
 
 def test_splits_are_the_launchers_rule():
@@ -213,6 +219,14 @@ def test_the_scripts_reference_and_compare_agree_with_the_library(tmp_path, cach
     ok, lines = ns["compare"](broken, got)
     assert not ok
     assert "FAIL latent" in lines[1] and "worst at" in lines[1] and "NaN/inf" in lines[2]
+    # each field is checked on its own: a wrong one alone fails, on its own line
+    tol = ns["TOLERANCE"]
+    for i, (f, wrong) in enumerate((("out", got["out"] * (1 + 10 * tol["out"])),
+                                    ("latent", got["latent"] * (1 + 10 * tol["latent"])),
+                                    ("lse", got["lse"] + 10 * tol["lse"]))):
+        ok, lines = ns["compare"](dict(got, **{f: wrong}), got)
+        assert not ok and lines[i].strip().startswith(f"FAIL {f}"), (f, lines)
+        assert sum(ln.strip().startswith("FAIL") for ln in lines) == 1, (f, lines)
 
 
 def test_the_scripts_bf16_helpers_are_the_librarys(tmp_path, seeds):
@@ -280,16 +294,18 @@ PAGED = dict(batch=6, lengths="0,1,20,140,63,300", s_q=2, causal=True, page_size
              blocks_per_sm=2, num_sms=132)
 
 
-@pytest.mark.parametrize("cache,q", [("f16", "f32"), ("bf16", "cache")])
+@pytest.mark.parametrize("cache,q,causal", [("f16", "f32", True), ("bf16", "cache", True),
+                                            ("f16", "f32", False)])
 def test_the_paged_scripts_inputs_and_reference_are_the_librarys(tmp_path, paged_registry,
-                                                                  cache, q, seeds):
+                                                                  cache, q, causal, seeds):
     seed = seeds.one()
-    case = repro.make_paged_case("mma16", cache=cache, q=q, seed=seed, **PAGED)
+    case = repro.make_paged_case("mma16", cache=cache, q=q, seed=seed,
+                                 **dict(PAGED, causal=causal))
     ns, text = paged_ns(tmp_path, case)
-    assert "cupy.random" not in text and repr(case.lengths) in text
+    assert "cupy.random" not in text and repr(case.lengths) in text and ns["CAUSAL"] is causal
     host = ns["host_inputs"]()
     inp = make_paged_inputs(case.dims, case.lengths, s_q=2, page_size=16, cache_dtype=cache,
-                            q_dtype=case.q_dtype, causal=True, seed=seed)
+                            q_dtype=case.q_dtype, causal=causal, seed=seed)
     want = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, inp.wv_b)
     for got, ref in zip(host, want):
         np.testing.assert_array_equal(got, ref)
@@ -308,6 +324,15 @@ def test_the_paged_scripts_inputs_and_reference_are_the_librarys(tmp_path, paged
     bad["out"][0, 0, 0, 0] = 1e-30
     ok, lines = ns["compare"](bad, got)
     assert not ok and lines[-1].strip().startswith("FAIL empty")
+    bad = dict(got, latent=got["latent"].copy())          # the empty row's latent, alone
+    bad["latent"][0, 0, 0, 0] = 1e-30
+    ok, lines = ns["compare"](bad, got)
+    assert not ok and lines[-1].strip().startswith("FAIL empty")
+    # lse on the live rows, alone: its own line fails
+    tol = ns["TOLERANCE"]
+    live_lse = np.where(np.isneginf(got["lse"]), got["lse"], got["lse"] + 10 * tol["lse"])
+    ok, lines = ns["compare"](dict(got, lse=live_lse), got)
+    assert not ok and [ln.split()[:2] for ln in lines if "FAIL" in ln] == [["FAIL", "lse"]]
 
 
 def test_the_paged_script_pins_the_plan_and_the_launch(tmp_path, paged_registry):
@@ -719,6 +744,24 @@ def test_where_the_attention_kernel_merges_the_script_launches_as_the_step(
     assert proj["latent"] is attn["latent"] and proj["out"].shape == (20, 2, 16, 128)
     assert (proj["n_head"], proj["m_rows"], proj["v_head"]) == (16, 40, 128)
     assert proj["wv_b"].shape == (16, 128, 512)
+
+
+@pytest.mark.parametrize("causal, page_size", [(True, 64), (False, 16), (False, 1)])
+def test_the_paged_scripts_launch_scalars_follow_the_case(tmp_path, monkeypatch, causal,
+                                                           page_size):
+    """What the kernel is told: causal as 0/1, the page as its shift, and the scale in the
+    log2 domain (the kernels take exp2), as PagedDecodeStep.attn_args passes them."""
+    case = merge_case(causal=causal, page_size=page_size)
+    ns, _ = paged_ns(tmp_path, case)
+    attn = launches(ns, monkeypatch)[0][2]
+    assert attn["causal"] == np.int32(causal) and attn["causal"].dtype == np.int32
+    assert attn["page_shift"] == np.int32(page_size.bit_length() - 1)
+    assert 1 << int(attn["page_shift"]) == page_size
+    scale = Dims(n_head=16).default_scale             # 1 / sqrt(128 + 64)
+    assert ns["SCALE"] == pytest.approx(scale, rel=1e-12)
+    assert attn["scale_log2"].dtype == np.float32
+    assert float(attn["scale_log2"]) == pytest.approx(scale * np.log2(np.e), rel=1e-7)
+    assert (attn["s_q"], attn["n_head"], attn["n_rows"]) == (2, 16, 32)
 
 
 @pytest.mark.parametrize("control", [False, True], ids=["check", "negative_control"])

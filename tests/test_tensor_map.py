@@ -73,6 +73,7 @@ def test_the_map_is_the_kernel_s_tile_layout():
     (dict(rows=63), "no 64-row box"),
     (dict(rows=640, itemsize=4), "16-bit"),
     (dict(rows=640, key_dim=100), "whole 64-element boxes"),
+    (dict(rows=640, key_dim=72), "whole 64-element boxes"),  # 144 B: 16-byte rows, not boxes
 ])
 def test_bad_maps_are_refused_naming_the_limit(kwargs, match):
     with pytest.raises(ValueError, match=match):

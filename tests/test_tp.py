@@ -313,3 +313,20 @@ def test_the_out_tolerance_is_that_of_the_loosest_variant_a_rank_ran():
     assert out_tolerance([run("wgmma64"), f32_kernels], "f16") == ROUND_P_RELL2_BOUND["f16"]
     assert ROUND_P_RELL2_BOUND["f16"] > DEFAULT_TOLERANCE.out
     assert out_tolerance([run()], "bf16") == DEFAULT_TOLERANCE.out   # no plans reported
+
+
+def test_a_band_is_planned_with_its_own_instance_and_every_query_row():
+    """facts(heads) may name another instance for a band than for all heads (auto), and a
+    block holds rows of (query token x head): a band of 16 heads at s_q 2 is two 16-row blocks,
+    where all 32 heads would run one 64-row block and s_q 1 one 16-row block."""
+    def facts(heads):
+        return (16, 64, 1) if heads <= 16 else (64, 64, 1)
+
+    plans = rank_plans(4, 2, 32, 2, facts, num_sms=132)
+    assert [p.plan.head_blocks for p in plans] == [2, 2]
+    want = plan_chunks(4, 2, num_sms=132, blocks_per_sm=1, tile=64)
+    assert all(p.plan.max_chunks == want.max_chunks for p in plans)
+    # the unsharded budget counts every query row too: 16 heads x s_q 4 = 4 blocks of 16
+    budget = unsharded_chunks(4, 4, 16, fixed_facts(16, 64, 1), num_sms=132)
+    kw = dict(num_sms=132, blocks_per_sm=1, tile=64)
+    assert budget == plan_chunks(4, 4, **kw).max_chunks != plan_chunks(4, 1, **kw).max_chunks

@@ -212,6 +212,13 @@ def test_auto_on_a_rank_is_what_one_gpu_picks_for_the_band_and_for_all_heads():
     assert step.plan.max_chunks == budget("wgmma64") != budget("mma32")
     # an f32 q, which wgmma64 does not take: mma32
     assert rank0(q.astype(np.float32)).guard.variant == "mma32"
+    # over 8 ranks a band is 16 heads, 16 rows: auto runs mma16 there, where all 128 heads
+    # on one GPU run wgmma64 (its rows, not all heads', decide a band's kernel)
+    q16, wv16, _ = band_view(head_bands(128, 8)[0], host["q"], host["wv_b"])
+    step = mla.TensorParallelStep(FakeCommunicator(0, 8, None, "/nonexistent"), q16,
+                                  host["kv_cache"], host["block_table"], host["cache_seqlens"],
+                                  wv16, n_head=128, executor="schedule")
+    assert step.guard.variant == "mma16" and "mma" in step.attn_launch.kernel
 
 
 # ---- the CLI ----------------------------------------------------------------------------
