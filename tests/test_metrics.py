@@ -122,3 +122,27 @@ def test_each_phase_is_measured_against_its_own_roof(variant, phase, roof):
     assert r["roof"] == roof == metrics.roof_of(variant, phase)
     assert r["frac_roof"] == (r["frac_gemm"] if roof == "GEMM" else r["frac_fma"])
     assert r["frac_roof"] == pytest.approx(r["TFLOPs"] / (700.0 if roof == "GEMM" else 65.0))
+
+
+def test_a_paged_step_and_a_peer_step_counted_by_hand():
+    """paged_step_cost term by term on a causal batch small enough to count: lengths 0, 5 and
+    70, s_q 2, 4 heads (8 rows a request), f16 cache and q, chunks 0, 2, 3, two head blocks."""
+    from mlasandbox.dims import Dims
+
+    d = Dims(n_head=4)
+    c = metrics.paged_step_cost("mma16", d, [0, 5, 70], 2, True, "f16", "f16", [0, 2, 3], 2)
+    # visible positions: 0 + (4 + 5) + (69 + 70) = 148 a head
+    assert c.flops == 2 * 4 * 148 * (576 + 512) + 2 * 3 * 8 * 128 * 512
+    terms = {t.name: (t.ideal, t.issued) for t in c.terms}
+    assert terms == {"cache rows": (75 * 576 * 2, 2 * 75 * 576 * 2),
+                     "q": (3 * 8 * 576 * 2, 5 * 8 * 576 * 2),        # once a chunk run
+                     "wv_b": (4 * 128 * 512 * 2, 3 * 8 * 128 * 512 * 2),
+                     "partials": (2 * 5 * 8 * 514 * 4,) * 2,
+                     "outputs": (3 * 8 * 641 * 4,) * 2}
+    # a peer: no partials, q read once a request, no wv_b
+    p = metrics.paged_step_cost("flashmla", d, [0, 5, 70], 2, True, "f16", "f16", None, 1,
+                                with_wv_b=False)
+    assert p.flops == 2 * 4 * 148 * (576 + 512)
+    assert {t.name: (t.ideal, t.issued) for t in p.terms} == {
+        "cache rows": (75 * 576 * 2,) * 2, "q": (3 * 8 * 576 * 2,) * 2,
+        "outputs": (3 * 8 * 513 * 4,) * 2}

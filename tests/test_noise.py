@@ -31,6 +31,11 @@ def test_noise_floor_never_below_the_timer_resolution():
     nf = noise_floor([5.0] * 10, [5.0] * 10)
     assert nf.p90 == 0.0
     assert nf.floor == pytest.approx(EVENT_RESOLUTION_US / 5.0)
+    # unequal arms of a few us: the term is the resolution over the median of all the
+    # medians (4.0 here: 3 and 4 us in one arm, 4 and 6 in the other), not one arm's
+    nf = noise_floor([3.0, 4.0, 4.0], [4.0, 6.0, 6.0])
+    assert nf.resolution_term == pytest.approx(EVENT_RESOLUTION_US / 4.0)
+    assert nf.floor == pytest.approx(max(nf.p90, EVENT_RESOLUTION_US / 4.0))
 
 
 @pytest.mark.parametrize("a,b", [([1.0], [1.0, 2.0]), ([], []), ([0.0], [1.0]),
@@ -68,6 +73,11 @@ def test_control_stable_and_unstable():
     bad = control_report([("start", 10.0), ("before x", 11.0), ("end", 10.0)], 0.05)
     assert bad.stable is False
     assert "harness is unstable" in bad.warning and "before x" in bad.warning
+    # a 5 us control: 6% is under the timer's resolution there (0.5 / 5 = 10%), so stable
+    # even at a 2% floor; the same move of a 50 us control is not
+    assert control_report([("start", 5.0), ("before x", 5.3), ("end", 5.0)], 0.02).stable
+    assert not control_report([("start", 50.0), ("before x", 53.0), ("end", 50.0)],
+                              0.02).stable
     unjudged = control_report(series, None)
     assert unjudged.stable is None and unjudged.warning is None
     with pytest.raises(ValueError):

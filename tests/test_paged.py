@@ -353,6 +353,31 @@ def test_the_lengths_take_the_second_wave_where_one_request_would_set_one_wave()
     assert n1.sum() <= 132 and (n1 != plan.for_lengths(varlen)[0]).any()
 
 
+@pytest.mark.parametrize("batch, seed, std, u1, u2, waves", [
+    (40, 0, 0.3, 23, 11, 1),      # one wave's unit 2.09 x two waves': one wave
+    (64, 0, 1.5, 50, 20, 1),      # exactly 5/2: the rule's '>' keeps one wave
+    (128, 413, 1.5, 168, 67, 2),  # 2.51: two waves
+])
+def test_two_waves_are_taken_past_five_halves_of_the_unit(batch, seed, std, u1, u2, waves):
+    """The second wave is taken where one wave's chunk unit is over 5/2 of two waves' (the
+    kernels' locate_chunk): cases on either side of that ratio, one exactly at it."""
+    lengths = np.clip(np.round(np.random.default_rng(seed).normal(4096, 4096 * std, batch)),
+                      0, None).astype(int)
+    plan = plan_chunks(batch, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    args = (plan.max_chunks, 64, 64, plan.target)
+    assert plan.grid[1] == 2 * plan.target                      # the grid offers two waves
+    assert batch_chunk_unit(lengths, *args) == u1
+    assert batch_chunk_unit(lengths, plan.max_chunks, 64, 64, 2 * plan.target) == u2
+    assert two_waves(lengths, *args, programs=2 * plan.target) == (waves == 2)
+
+
+def test_a_batch_of_the_wave_target_is_a_single_pass():
+    # B = 132 requests on 132 slots: one program a request, no chunk slots to merge
+    plan = plan_chunks(132, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert plan.single_pass and plan.max_chunks == 1 and plan.grid == (1, 132, 1)
+    assert not plan_chunks(131, 1, num_sms=132, blocks_per_sm=1, tile=64).single_pass
+
+
 def test_a_single_pass_runs_request_p_on_program_p():
     plan = plan_chunks(200, 1, num_sms=132, blocks_per_sm=1, tile=64)
     assert plan.single_pass and plan.grid == (1, 200, 1)

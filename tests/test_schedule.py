@@ -293,6 +293,7 @@ def test_the_split_gate_is_split_s_alone():
 
     assert default_gate(1) == SPLIT_MIN_CTX and default_gate(1, 8192) == 8192
     assert default_gate(16) == default_gate(16, 8192) == 1
+    assert default_gate(2) == 1   # batched2, the smallest multi-head block
     assert plan_splits(4095, 96, 1, num_sms=132, blocks_per_sm=5).splits == 1
     batched = plan_splits(4095, 96, 16, num_sms=132, blocks_per_sm=2)
     assert batched.splits > 1 and batched.blocks <= batched.slots   # one wave
@@ -308,6 +309,9 @@ def test_the_split_gate_is_split_s_alone():
     (4096, 128, 32, 32),     # 4 head blocks: 33 slices would be 132 blocks of 2 tiles too,
                              # the smallest within 2% wins
     (131072, 16, 16, 128),   # one wave of 16-tile slices
+    (100, 16, 16, 1),        # 1.6 tiles: a slice is at least a whole tile, so one
+    (1000, 16, 16, 8),       # 15.6 tiles: at most 15 slices of a tile or more, so two
+                             # tiles a slice whatever S, and the fewest slices that give it
 ])
 def test_short_caches_cover_the_sms_with_one_or_two_tiles_a_block(n_ctx, heads, hpb, splits):
     plan = plan_splits(n_ctx, heads, hpb, num_sms=132, blocks_per_sm=1, tile=64)
@@ -323,6 +327,10 @@ def test_the_rule_takes_the_least_cost_and_the_old_floor_was_slower():
     best = plan_splits(1024, 16, 16, num_sms=132, blocks_per_sm=1, tile=64)
     floor = plan_splits(1024, 16, 16, num_sms=132, blocks_per_sm=1, tile=64, min_tiles=4)
     assert floor.splits == 4 and best.cost() < floor.cost()
+    # the floor holds for a length of no whole number of tiles: 1000 positions are 3.9
+    # slices of 4 tiles, so 3 (each of at least 256 positions)
+    part = plan_splits(1000, 16, 16, num_sms=132, blocks_per_sm=1, tile=64, min_tiles=4)
+    assert part.splits == 3 and 1000 // part.splits >= 4 * 64
     assert best.cost() == pytest.approx(FIXED_TILES + 1 + 16 * MERGE_TILES)
     for s in range(1, 257):
         other = plan_splits(1024, 16, 16, num_sms=132, blocks_per_sm=1, tile=64, splits=s)
@@ -352,6 +360,10 @@ def test_predict_us_follows_waves_and_the_bandwidth_bound():
     # latency bound, whichever is slower; 4x the bytes a slice is bandwidth-bound
     bw_tile = 128 * 64 * 576 * 2 / H200_BANDWIDTH * 1e6
     assert long["attn"] == pytest.approx(m.launch_us + m.fixed_us + 16 * max(m.tile_us, bw_tile))
+    # the merge's cost grows by a slice's partials: 128 slices add 127 of them
+    assert long["combine"] == pytest.approx(m.merge_us + 16 * m.merge_head_us
+                                            + 127 * m.merge_slice_us)
+    assert m.merge_slice_us > 0
     wide = predict_us(plan_splits(131072, 16, 16, num_sms=132, blocks_per_sm=1, tile=64),
                       "mma", cache_bytes=8)
     assert wide["attn"] == pytest.approx(m.launch_us + m.fixed_us + 16 * 4 * bw_tile)

@@ -47,6 +47,7 @@ def test_summarize_rejects_broken_timers(bad):
 def test_choose_repeats_fills_the_target_within_bounds():
     # a 6 ms phase (per_head at 131072) gets its minimum, a 5 us phase its maximum
     assert choose_repeats(6000.0, 0.15, 10, 100) == 25
+    assert choose_repeats(7000.0, 0.15, 10, 100) == 22   # 21.4: rounded up, the target filled
     assert choose_repeats(6000.0, 0.01, 10, 100) == 10
     assert choose_repeats(5.0, 0.15, 10, 100) == 100
     assert choose_repeats(0.0, 0.15, 10, 100) == 100
