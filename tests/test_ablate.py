@@ -12,6 +12,7 @@ from mlasandbox import ablate as ablate_mod
 from mlasandbox import ptxas, registry, sources, toolkit
 from mlasandbox.ablate import ABLATE_DEFINE, Ablation, loads_share
 from mlasandbox.cli import ablate_cmd
+from mlasandbox.cli.lab_render import fmt_us
 from mlasandbox.cli.main import main
 from mlasandbox.noise import noise_floor, verdict
 
@@ -104,6 +105,11 @@ def test_ablate_table_and_json_with_a_fake_gpu(monkeypatch):
     assert calls[0]["splits"] is None
     out = res.output
     assert "14%" in out                                   # 1 - 1841 / 2134
+    # the split row, cell by cell in the header's order (real before ablated)
+    cells = next(ln.split() for ln in out.splitlines() if ln.split()[:1] == ["split"])
+    assert cells[:6] == ["split", "27", "96", fmt_us(2134.0), fmt_us(1841.0), "14%"], cells
+    if len(cells) > 6:                                    # the floor column, where it fits
+        assert cells[6] == f"{100 * canned['split'].floor.floor:.2f}%", cells
     assert "no measurable difference" in out              # mma16's 0.04% is under the floor
     res = run("ablate", "--variants", "split", "--json")
     assert res.exit_code == 0, res.output

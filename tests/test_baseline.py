@@ -38,6 +38,8 @@ def test_a_real_change_is_reported_with_its_ratio(base):
     row = next(r for r in cmp["rows"] if (r["variant"], r["n_ctx"], r["phase"]) ==
                ("batched12", 131072, "attn"))
     assert row["verdict"] == "faster" and row["text"] == "2.00x faster"
+    assert row["ratio"] == pytest.approx(2.0)               # baseline / current
+    assert row["baseline_us"] == pytest.approx(2 * row["current_us"])
     assert cmp["summary"]["faster"] == 1
 
 
@@ -47,6 +49,16 @@ def test_the_control_moving_between_runs_is_a_warning(base):
         s["median_us"] *= 1.5
     cmp = compare_runs(box_changed, base)
     assert cmp["control"]["moved"] is True and "moved" in cmp["control"]["text"]
+    assert cmp["control"]["current_us"] == pytest.approx(1.5 * cmp["control"]["baseline_us"])
+    # the median of each run's control series, not one point of it
+    uneven = copy.deepcopy(base)
+    series = uneven["control"]["series"]
+    for s, us in zip(series, [10.0, 12.0, 11.0, 30.0] * len(series)):
+        s["median_us"] = us
+    vals = sorted(s["median_us"] for s in series)
+    mid = (vals[(len(vals) - 1) // 2] + vals[len(vals) // 2]) / 2
+    assert len(series) >= 3 and mid != series[-1]["median_us"]
+    assert compare_runs(uneven, base)["control"]["current_us"] == pytest.approx(mid)
     assert any("control phase q_absorb moved" in w for w in cmp["warnings"])
 
 
@@ -86,6 +98,10 @@ def test_a_variant_that_failed_its_check_is_not_judged(base):
     wrong = run_bench(backend=FakeBackend(fail_check={"batched12"}, scale=0.5), **OPTS)
     cmp = compare_runs(wrong, base)
     rows = [r for r in cmp["rows"] if r["variant"] == "batched12"]
+    assert rows and all(r["verdict"] == "invalid" for r in rows)
+    # a baseline whose check failed judges nothing either, whichever side it is on
+    back = compare_runs(base, wrong)
+    rows = [r for r in back["rows"] if r["variant"] == "batched12"]
     assert rows and all(r["verdict"] == "invalid" for r in rows)
     assert all(r["verdict"] == "faster" for r in cmp["rows"] if r["variant"] == "split"
                and r["n_ctx"] == 131072)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import types
 
 import pytest
 
@@ -108,6 +109,25 @@ def test_the_aa_runs_identical_code_interleaved():
     run = res["noise_floor"]["runs"][0]
     assert run["same_code"] and run["kernel"] == "attn_rows<cache=f16,q=f32>"
     assert run["rounds"] == 4 and res["noise_floor"]["floor"] == run["floor"] > 0
+    # the two arms' own medians, each arm's timings in its own list (the fake's jitter
+    # makes every timing differ): a floor from an arm against itself would read p90 0
+    assert len(run["a_us"]) == len(run["b_us"]) == 4 and run["a_us"] != run["b_us"]
+    assert run["p90"] > 0 and run["floor"] == max(run["p90"], run["resolution_term"])
+
+
+def test_aa_floor_pairs_the_two_arms_round_by_round():
+    from mlasandbox.bench import aa_floor
+    from mlasandbox.noise import noise_floor
+
+    times = {"a": iter([100.0, 104.0, 100.0]), "b": iter([101.0, 100.0, 110.0])}
+    done = []
+    nf, modes = aa_floor(lambda n: types.SimpleNamespace(median_us=next(times[n]),
+                                                         mode="graph"),
+                         ("a", "b"), 3, done.append)
+    assert done == ["a", "b", "b", "a", "a", "b"] and modes == "graph"
+    assert nf.a_us == (100.0, 104.0, 100.0) and nf.b_us == (101.0, 100.0, 110.0)
+    assert nf == noise_floor([100.0, 104.0, 100.0], [101.0, 100.0, 110.0])
+    assert nf.p90 > 0.05
 
 
 def test_an_aa_that_is_not_aa_gives_no_floor():
@@ -124,6 +144,8 @@ def test_depth_term_and_its_share():
     assert ph["short_ctx"] == 64 and ph["long_ctx"] == 131072
     assert ph["depth_us"] == pytest.approx(ph["t_long_us"] - ph["t_short_us"])
     assert ph["share"] > 0.95 and ph["measurable"] is True
+    for x in res["depth"]:   # the depth term's share of the long context's time
+        assert x["share"] == pytest.approx(x["depth_us"] / x["t_long_us"]) and x["share"] <= 1
     assert d["batched12"]["depth_us"] < ph["depth_us"]
 
 
@@ -171,6 +193,16 @@ def test_inputs_allocated_once_per_dtype_at_the_largest_context():
     assert prep == [("prepare", 96, 131072, "f16", "f16"), ("prepare", 96, 131072, "bf16", "bf16")]
     checks = [c for c in fake.calls if c[0] == "check"]
     assert checks and all(c[2] == 16 and c[3] == 20000 for c in checks)
+
+
+def test_two_caches_take_the_larger_floor_and_depth_slopes_are_per_1k_positions():
+    res = bench(FakeBackend(), cache_dtypes=("f16", "bf16"), q_dtype="cache")
+    runs = res["noise_floor"]["runs"]
+    assert [r["cache"] for r in runs] == ["f16", "bf16"] and runs[0]["floor"] != runs[1]["floor"]
+    assert res["noise_floor"]["floor"] == max(r["floor"] for r in runs)
+    for d in res["depth"]:
+        assert d["slope_us_per_1k"] == pytest.approx(
+            d["depth_us"] / (d["long_ctx"] - d["short_ctx"]) * 1000)
 
 
 def test_over_budget_cuts_the_target_and_says_so():

@@ -259,10 +259,11 @@ def test_plan_report_says_which_waves_the_lengths_take(lengths, waves):
 # ---------------------------------------------------------------------------- a fake run
 
 class FakePagedBackend:
-    def __init__(self, fail=(), skipped=(), aa_differs=False, arch="sm_90"):
+    def __init__(self, fail=(), skipped=(), aa_differs=False, arch="sm_90", peer_us=80.0):
         self.fail, self.skipped, self.aa_differs = set(fail), list(skipped), aa_differs
         self.arch = arch   # the device's, which "auto" is resolved for
-        self.calls = []
+        self.peer_us = peer_us
+        self.calls, self.arms = [], []
 
     def meta(self):
         return {"device": "Fake H200"}
@@ -295,13 +296,14 @@ class FakePagedBackend:
 
     def time_paged(self, v, phase, kw, arm=0):
         self.calls.append((v, phase))
+        self.arms.append((v, phase, arm))
         return _t({"attn": 90.0, "combine": 10.0, "step": 100.0, "graph": 95.0,
                    "latent": 85.0, "floor": 8.0}[phase]
                   * (1.2 if v == "split" else 1.0))
 
     def time_peer(self, name, kw):
         self.calls.append((name, "peer"))
-        return _t(80.0)
+        return _t(self.peer_us)
 
     def release_steps(self):
         pass
@@ -349,6 +351,29 @@ def test_a_run_times_every_phase_and_peer_with_the_instruments():
     assert latent["flops"] == lat_cost.flops < step["flops"]
     assert latent["tokens_per_s"] == pytest.approx(4 / 85e-6, rel=0.01)
     assert paged_work(cfg) >= len([c for c in be.calls if c != "prepare"])
+
+
+def test_our_side_of_the_like_for_like_is_the_latent_step_and_the_aa_times_both_arms():
+    # a peer at 90 us loses to our latent step (85), which beats it; our whole step (95,
+    # with wv_b) is not the same work and must not stand in for it
+    cfg = make_paged_config(batch=4, lengths="4096", heads=16, peers=("torch",),
+                            aa_rounds=4, variants=("mma16",))
+    be = FakePagedBackend(peer_us=90.0)
+    res = run_paged_bench(backend=be, config=cfg)
+    lfl = res["like_for_like"]
+    assert lfl["variant"] == "mma16" and lfl["phase"] == "latent"
+    assert lfl["median_us"] == pytest.approx(85.0, rel=0.01)
+    # the A/A step: both arms (its two steps of identical code), interleaved
+    aa = [arm for v, phase, arm in be.arms if (v, phase) == ("mma16", "step")][-8:]
+    assert sorted(aa) == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_tokens_a_second_count_every_query_token():
+    cfg = make_paged_config(batch=4, lengths="4096", heads=16, s_q=2, causal=True,
+                            aa_rounds=2, variants=("mma16",))
+    res = run_paged_bench(backend=FakePagedBackend(), config=cfg)
+    graph = next(r for r in res["rows"] if r["variant"] == "mma16" and r["phase"] == "graph")
+    assert cfg.tokens == 8 and graph["tokens_per_s"] == pytest.approx(8 / 95e-6, rel=0.01)
 
 
 def test_auto_is_checked_timed_and_labelled_as_the_variant_it_resolves_to():

@@ -150,6 +150,11 @@ def test_sweep_with_a_gpu(fake_gpu, tmp_path):
     assert "heads-per-block sweep at n_ctx 32768" in out and "*" in out
     data = json.loads(js.read_text())
     assert data["timed"] and [r["hpb"] for r in data["rows"]] == [8, 12, 16]
+    # the mark sits on the fastest row's time alone (the caption's "* fastest" aside)
+    best = [r for r in data["rows"] if r["fastest"]]
+    assert len(best) == 1
+    marked = [ln for ln in res.stdout.splitlines() if " *" in ln and "fastest" not in ln]
+    assert len(marked) == 1 and f"{best[0]['hpb']}" in marked[0].split()[0:2], marked
 
 
 def test_sweep_without_a_gpu_json():
@@ -191,3 +196,23 @@ def test_repro_every_variant(tmp_path, variant):
     path = tmp_path / f"{variant}.py"
     run("repro", "--variant", variant, "--heads", "16", "--blocks-per-sm", "2", "-o", path)
     compile(path.read_text(), str(path), "exec")
+
+
+def test_the_depth_table_marks_the_fastest_row_and_its_ties_only():
+    from rich.console import Console
+
+    from lab_fakes import FakeBackend
+    from mlasandbox.bench import run_bench
+    from mlasandbox.cli import lab_render
+
+    res = run_bench(backend=FakeBackend(), contexts=(64, 8192),
+                    variants=("per_head", "split", "batched12"))
+    con = Console(width=250, record=True)
+    con.print(lab_render.depth_table(res, "f16"))
+    rows = {ln.split()[0]: ln for ln in con.export_text().splitlines()
+            if ln.strip() and ln.split()[0] in ("per_head", "split", "batched12")}
+    fastest = [f for f in res["fastest"] if f["cache"] == "f16"]
+    assert len(fastest) == 2 and len(rows) == 3
+    for v, ln in rows.items():   # '*' on the fastest's cell, '=' on a tie's, nowhere else
+        assert ("*" in ln) == any(f["variant"] == v for f in fastest), ln
+        assert (" =" in ln) == any(v in f["ties"] for f in fastest), ln

@@ -178,6 +178,11 @@ def test_cli_reads_a_saved_profile_and_marks_where_warps_wait(saved):
     conv_row = next(line for line in res.output.splitlines() if "HADD2.F32" in line)
     assert "<- waits" in conv_row
     assert "run 16,384 times" not in res.output  # --blocks 2
+    # only opcodes that hold many more samples than instructions, and enough of them: the
+    # recorded profile's FFMAs (its most-run opcode) are not where the warps wait
+    marked = [ln for ln in res.output.splitlines() if "<- waits" in ln]
+    assert len(marked) == 4, marked
+    assert all("FFMA.FTZ" not in ln for ln in marked)
 
 
 def test_cli_json_carries_the_blocks_and_the_kernel_metrics(saved):

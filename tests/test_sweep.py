@@ -39,6 +39,9 @@ def test_the_register_wall_is_marked_without_a_gpu():
     # the plan follows the modelled occupancy: 8 head blocks x S on 264 slots at HPB 12
     assert by[12]["head_blocks"] == 8 and by[12]["splits"] >= 1
     assert by[12]["waves"] == pytest.approx(8 * by[12]["splits"] / 264)
+    # at the register wall the plan has half the slots: 6 head blocks x 22 slices on 132
+    assert by[16]["head_blocks"] == 6 and by[16]["splits"] == 22
+    assert by[16]["waves"] == pytest.approx(6 * 22 / 132)
 
 
 def test_timed_rows_mark_the_fastest_and_the_driver_step():

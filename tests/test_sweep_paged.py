@@ -91,6 +91,9 @@ def test_without_a_device_the_plan_comes_from_the_model():
     r = rows[0]
     assert r["median_us"] is None and not r["fastest"] and r["blocks_per_sm_driver"] is None
     assert r["head_blocks"] == 1 and r["max_chunks"] >= 2 and r["programs_run"] >= 4
+    # the plan at the modelled occupancy (mma16 at 178 registers: one block an SM), its
+    # grid one wave of 132 slots
+    assert r["blocks_per_sm_model"] == 1 and r["grid"][1] == 132
 
 
 def test_the_real_compile_without_a_gpu():
