@@ -28,6 +28,7 @@ INT32 = f"{INT32_MAX:,}"
     (("100", 4, 0), "n_ctx must be an integer >= 1, got '100'"),
     ((100, 0, 0), "splits must be an integer >= 1, got 0"),
     ((2**31, 1, 0), "n_ctx must be <= 2,147,418,113 .*int32"),
+    ((2_147_418_114, 1, 0), "n_ctx must be <= 2,147,418,113 .*int32"),   # MAX_CTX + 1
     ((100, 65536, 0), "splits must be <= 65,535 .*grid"),
 ])
 def test_slice_bounds_names_the_bad_argument(args, match):

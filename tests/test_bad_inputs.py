@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+import ml_dtypes
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -156,7 +157,8 @@ def test_contexts_past_the_int32_limit(cmd):
 def test_heads_past_the_int32_limit(cmd):
     res = run(*cmd, "--heads", "99999999999")
     assert res.exit_code == 2 and "'--heads'" in words(res)
-    assert f"<= {limits.MAX_HEADS:,}" in words(res)
+    # int32 less 64: room for a block's rows past the last head (MAX_HEADS)
+    assert limits.MAX_HEADS == 2**31 - 1 - 64 and "<= 2,147,483,583" in words(res)
 
 
 @pytest.mark.parametrize("cmd", [
@@ -244,6 +246,9 @@ class FakeTorchTensor:
     (lambda a: {"chunk_rows": 2.5}, TypeError, "chunk_rows must be an integer"),
     (lambda a: {"q": FakeTorchTensor()}, TypeError, r"q is a torch tensor.*cupy\.from_dlpack"),
     (lambda a: {"cache": [[0.0] * 576]}, TypeError, "cache must be a NumPy or CuPy array"),
+    # a 16-bit q of the other 16-bit dtype: f32 or the cache's own, never a silent mix
+    (lambda a: {"q": np.zeros((4, 576), np.uint16).view(ml_dtypes.bfloat16)}, TypeError,
+     r"q must be float32 or the cache dtype \(f16\), got bf16"),
 ])
 def test_reference_names_the_parameter(args, change, exc, match):
     args.update(change(args))
@@ -266,6 +271,8 @@ def test_lengths_past_int32_or_not_finite_are_named():
     for spec, phrase in (("99999999999999999999999", "outside 0..2,147,483,647"),
                          (str(2**31), "outside 0..2,147,483,647"),
                          ("normal:10:inf", "must be finite"), ("normal:1e30:0", "past"),
+                         ("normal:-100:10", "finite and >= 0"),
+                         ("normal:100:-10", "finite and >= 0"),
                          ("4.5", "expected N")):
         for cmd in (("bench", "--batch", "4"), ("repro", "--variant", "split", "--batch", "4")):
             res = run(*cmd, "--lengths", spec)
@@ -336,7 +343,10 @@ def test_paged_bench_options_are_named_as_typed():
                                  ("bench", "--check-heads", str(2**40))])
 def test_spot_check_sizes_past_int32(cmd):
     res = run(*cmd)
-    assert res.exit_code == 2 and "2147" in words(res).replace(",", ""), res.output
+    opt = cmd[1]
+    limit = limits.MAX_CTX if opt == "--check-ctx" else limits.MAX_HEADS
+    assert res.exit_code == 2 and f"'{opt}'" in words(res), res.output
+    assert f"{limit}" in words(res).replace(",", ""), res.output
 
 
 def test_render_results_names_a_file_it_cannot_render(tmp_path):

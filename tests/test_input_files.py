@@ -86,6 +86,31 @@ def test_a_regular_file_is_read_whole_up_to_the_limit(tmp_path):
     with pytest.raises(ValueError, match="larger than 1 MiB"):
         f.write_bytes(b"0" * ((1 << 20) + 1))
         limits.read_input_bytes(f, "thing", 1 << 20)
+    # at most limit + 1 bytes are asked for, whatever the file's size: a huge file is
+    # refused without being read whole
+    asked = []
+    real_fdopen = os.fdopen
+
+    class Spy:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def read(self, n=-1):
+            asked.append(n)
+            return self.f.read(n)
+
+    import unittest.mock
+    with unittest.mock.patch.object(limits.os, "fdopen",
+                                    lambda fd, mode: Spy(real_fdopen(fd, mode))):
+        with pytest.raises(ValueError, match="larger than 1,000 bytes"):
+            limits.read_input_bytes(f, "thing", 1000)
+    assert asked == [1001]
     f.write_bytes(b"\xef\xbb\xbf5\n")   # a byte-order mark is not content
     assert limits.read_input_text(f, "thing") == "5\n"
     f.write_bytes(b"5\n\xff")
@@ -208,6 +233,8 @@ def _set_row(key, value):
     (lambda b: _without(b, "control"), "lacks 'control'"),
     (lambda b: _changed(b, lambda d: d["noise_floor"].__setitem__("floor", "0.1")),
      "noise floor of '0.1', not a number >= 0"),
+    (lambda b: _changed(b, lambda d: d["noise_floor"].__setitem__("floor", -1.0)),
+     "noise floor of -1.0, not a number >= 0"),
     (lambda b: _changed(b, lambda d: d["control"].__setitem__("series", [{"label": "x"}])),
      "control series entry 0 without a median_us > 0"),
     (lambda b: _changed(b, lambda d: d["control"].__setitem__("series", 5)),
@@ -324,5 +351,14 @@ def test_read_saved_refuses_what_it_cannot_read(tmp_path, fifo, monkeypatch):
     bomb = tmp_path / "bomb.csv.gz"
     bomb.write_bytes(gzip.compress(b"0" * 10_000_000))
     assert bomb.stat().st_size < 100_000
+    asked = []
+
+    class SpyGzip(gzip.GzipFile):
+        def read(self, size=-1):
+            asked.append(size)
+            return super().read(size)
+
+    monkeypatch.setattr(stalls.gzip, "GzipFile", SpyGzip)
     with pytest.raises(ValueError, match="larger than 100,000 bytes uncompressed"):
         stalls.read_saved(str(bomb))
+    assert asked == [100_001]   # never the whole stream

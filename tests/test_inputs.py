@@ -132,12 +132,14 @@ def test_make_inputs_shapes_dtypes_and_contract(cache_dtype, q_dtype, seeds):
 
 @pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
 def test_rows_past_n_ctx_are_nan_and_rows_before_are_finite(cache_dtype, seeds):
-    inp = make_inputs(SMALL, n_alloc=100, n_ctx=60, cache_dtype=cache_dtype, seed=seeds.one())
-    rows = bf16.as_f32(inp.cache)
-    assert np.isfinite(rows[:60]).all()
-    assert np.isnan(rows[60:]).all()
-    if cache_dtype == "bf16":
-        assert (inp.cache[60:] == bf16.BF16_NAN_BITS).all()
+    for n_ctx in (60, 1, 99, 100):   # the edges: one live row, one dead row, none dead
+        inp = make_inputs(SMALL, n_alloc=100, n_ctx=n_ctx, cache_dtype=cache_dtype,
+                          seed=seeds.one())
+        rows = bf16.as_f32(inp.cache)
+        assert np.isfinite(rows[:n_ctx]).all(), n_ctx
+        assert np.isnan(rows[n_ctx:]).all() and len(rows) == 100, n_ctx
+        if cache_dtype == "bf16":
+            assert (inp.cache[n_ctx:] == bf16.BF16_NAN_BITS).all()
     clean = make_inputs(SMALL, n_alloc=100, n_ctx=60, cache_dtype=cache_dtype,
                         seed=seeds.one(), nan_fill=False)
     assert np.isfinite(bf16.as_f32(clean.cache)).all()
@@ -157,7 +159,8 @@ def test_values_have_the_documented_scales(seeds):
     inp = make_inputs(preset("dsv3-tp8"), n_alloc=2048, seed=seeds.one())
     checks = {"q": (inp.q, 1.0), "cache": (inp.cache, 1.0),
               "wv_b": (inp.wv_b, 512 ** -0.5), "wk_b": (inp.wk_b, 128 ** -0.5),
-              "q_nope": (inp.q_nope, 1.0)}
+              "q_nope": (inp.q_nope, 1.0), "q_rope": (inp.q_rope, 1.0),
+              "q's latent part": (inp.q[:, :512], 1.0), "q's rope part": (inp.q[:, 512:], 1.0)}
     for name, (arr, std) in checks.items():
         x = bf16.as_f64(arr)
         assert abs(x.mean()) < 0.1 * std, f"{name} mean {x.mean()} {seeds}"
@@ -177,9 +180,14 @@ def test_same_seed_same_arrays_and_a_new_seed_new_arrays(seeds):
     np.testing.assert_array_equal(a.q, d.q)
 
 
-def test_make_inputs_rejects_bad_arguments_by_name():
+def test_make_inputs_rejects_bad_arguments_by_name(monkeypatch):
     with pytest.raises(ValueError, match="n_ctx"):
         make_inputs(SMALL, n_alloc=10, n_ctx=11)
+    # refused before anything is drawn: a size that could never be allocated
+    monkeypatch.setattr(np.random, "default_rng", lambda *a: pytest.fail("drew inputs"))
+    with pytest.raises(ValueError, match="n_ctx"):
+        make_inputs(SMALL, n_alloc=10**12, n_ctx=10**12 + 1)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="n_ctx"):
         make_inputs(SMALL, n_alloc=10, n_ctx=0)
     with pytest.raises(ValueError, match="cache_dtype"):
