@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlasandbox import user_kernel as uk
+from mlasandbox.chunks import plan_chunks
 from mlasandbox.user_new import TEMPLATES
 from mlasandbox.cli.main import main
 from mlasandbox.paged_api import PagedDecodeStep, paged_variant
@@ -73,6 +74,14 @@ def test_smem_expression_is_c_integer_arithmetic():
     ("// mlasandbox: entry=k( threads=128 tile_rows=32 heads_per_block=1 smem=0\n",
      ["entry=k("]),
     (GOOD_HEADER + "// mlasandbox: params MLA_X=1\n", ["MLA_X is reserved"]),
+    # a name the sandbox defines for the kernel: a param of that name would change the
+    # header's own expressions (smem=TILE_ROWS*KEY_DIM*2) behind the user's back
+    (GOOD_HEADER + "// mlasandbox: params KEY_DIM=1\n", ["KEY_DIM is reserved"]),
+    (GOOD_HEADER + "// mlasandbox: params N=4\n// mlasandbox: params N=8\n",
+     ["N is declared twice"]),
+    (GOOD_HEADER + "// mlasandbox: params N=4,4\n", ["N=4,4 repeats a value"]),
+    ("// mlasandbox: entry=k threads=128 tile_rows=32 heads_per_block=1 smem=0 threads=64\n",
+     ["field threads is given twice"]),
     ("// mlasandbox: entry=k threads=128 tile_rows=32 heads_per_block=1 smem=0\n"
      "// mlasandbox: params N=1,x\n", ["N=1,x", "integers"]),
 ])
@@ -81,6 +90,33 @@ def test_bad_header_names_the_field(text, words):
         uk.parse_header(text, "my.cu")
     for w in words:
         assert w in str(e.value)
+
+
+_EDGE = "// mlasandbox: entry=k threads={t} tile_rows={r} heads_per_block={h} smem={s}\n"
+
+
+@pytest.mark.parametrize("t, r, h, s, params, said", [
+    (0, 32, 1, 0, "", "threads must be a multiple of 32 in 32..1024"),
+    (1056, 32, 1, 0, "", "threads must be a multiple of 32 in 32..1024"),
+    (128, 0, 1, 0, "", "tile_rows must be in 1..65535"),
+    (128, 65536, 1, 0, "", "tile_rows must be in 1..65535"),
+    (128, 32, 0, 0, "", "heads_per_block must be in 1..64"),
+    (128, 32, 65, 0, "", "heads_per_block must be in 1..64"),
+    (32, 32, 1, 232449, "", "smem must be in 0..232448 B"),
+    (128, 32, 1, 0, "Z=-2147483648", "Z must be an integer >= -2147483647"),
+    (128, 32, 1, 0, "Z=2147483648", "must be in -2147483647..2147483647"),
+])
+def test_header_values_past_each_edge_are_refused(t, r, h, s, params, said):
+    text = _EDGE.format(t=t, r=r, h=h, s=s) + (f"// mlasandbox: params {params}\n"
+                                              if params else "")
+    with pytest.raises(uk.HeaderError, match=re.escape(said)):
+        uk.parse_header(text, "my.cu")
+
+
+def test_header_values_at_each_edge_are_taken():
+    for t, r, h, s in ((32, 1, 1, 0), (1024, 65535, 64, 232448)):
+        uk.parse_header(_EDGE.format(t=t, r=r, h=h, s=s)
+                        + "// mlasandbox: params Z=-2147483647,2147483647\n", "my.cu")
 
 
 def test_dynamic_smem_without_its_statement_is_refused(tmp_path):
@@ -172,11 +208,23 @@ def test_too_small_smem_fails_at_compile(tmp_path):
     assert "18432 B" in data["error"]            # what the header declared
 
 
-def test_signature_off_the_contract_fails_at_compile(tmp_path):
+@pytest.mark.parametrize("old, new, said", [
+    ("int n_rows, int n_head", "float n_rows, int n_head",
+     "argument 5 of the entry must be int n_rows"),
+    # the last argument too: every one of the 21 is checked, not a prefix
+    ("float* latent, float* lse)", "float* latent, int* lse)",
+     "argument 21 of the entry must be float* lse"),
+    # one argument more than the contract
+    ("float* latent, float* lse)", "float* latent, float* lse, int extra)",
+     "the entry must be a __global__ void function of the 21 arguments"),
+], ids=["first-int", "last", "extra"])
+def test_signature_off_the_contract_fails_at_compile(tmp_path, old, new, said):
     p = tmp_path / "sig.cu"
-    p.write_text(CORRECT.read_text().replace("int n_rows, int n_head", "float n_rows, int n_head"))
+    text = CORRECT.read_text()
+    assert old in text
+    p.write_text(text.replace(old, new))
     res, data = try_json(p)
-    assert res.exit_code == 1 and "argument 5 of the entry must be int n_rows" in data["error"]
+    assert res.exit_code == 1 and said in data["error"], data["error"]
 
 
 @pytest.mark.parametrize("path", [CORRECT, DATA / "byok_step.cu", *PLANTED], ids=lambda p: p.stem)
@@ -202,6 +250,17 @@ def test_repro_embeds_the_source(tmp_path):
     plan = re.search(r"^PLAN = (\{.*?\})", text, re.M)
     assert plan and set(eval(plan.group(1))) >= {"max_chunks", "min_chunk", "tile",
                                                  "rows_per_block", "target"}, text[:2000]
+    # its values are the plan of this kernel at ROWS=4 (4 rows a block, 32-row tiles) for
+    # the script's batch, as the step makes it
+    plan = eval(plan.group(1))
+    lengths = eval(re.search(r"^LENGTHS = (\(.*?\))", text, re.M).group(1))
+    sms, bps = map(int, re.search(r"plan_chunks with (\d+) SMs and (\d+) blocks/SM",
+                                  text).groups())
+    want = plan_chunks(len(lengths), -(-16 // 4), num_sms=sms, blocks_per_sm=bps, tile=32)
+    assert (plan["rows_per_block"], plan["tile"]) == (4, 32)
+    assert plan == {"max_chunks": want.max_chunks, "min_chunk": want.min_chunk, "tile": 32,
+                    "rows_per_block": 4, "target": want.target,
+                    "programs": want.programs_per_block}
     # a user kernel may write partials only: the script's merge takes every request
     assert "'attn_writes_single': 0," in text
 

@@ -101,6 +101,21 @@ def test_the_evaluator_bounds_length_depth_and_magnitude(expr, words):
     assert len(msg) < 400     # the expression is shown shortened
 
 
+@pytest.mark.parametrize("expr, refused_with", [
+    ("0" * 512, None), ("0" * 513, "the expression has 513 characters, at most 512"),
+    # 98 unary minuses and the literal: 100 levels with the expression's own node
+    ("-" * 98 + "0", None), ("-" * 99 + "0", "nests deeper than 100 levels"),
+    ("9223372036854775807-9223372036854775807", None),
+    ("9223372036854775808-9223372036854775808", "a value exceeds 9223372036854775807"),
+])
+def test_the_evaluators_limits_sit_exactly_at_their_edges(expr, refused_with):
+    if refused_with is None:
+        assert uk.parse_header(header(smem=expr)).evaluate({})["smem"] == 0
+    else:
+        with pytest.raises(uk.HeaderError, match=re.escape(refused_with)):
+            uk.parse_header(header(smem=expr)).evaluate({})
+
+
 def test_division_and_remainder_are_cs_and_exact():
     h = uk.parse_header(header(smem="9007199254740993/1-9007199254740992+((0-7)%4+3)*8"
                                "+(0-7)/4+1"))
@@ -136,7 +151,10 @@ def new_refuses(tmp_path, name, *words):
 
 
 @pytest.mark.parametrize("entry, words", [("ns::attn<ä>", "ASCII"),
-                                          ("ns::__global__", "__global__ is reserved")])
+                                          ("ns::__global__", "__global__ is reserved"),
+                                          ("int::attn", "int is a C/C++ keyword"),
+                                          ("__x::attn", "__x is reserved to the compiler"),
+                                          ("ns::int::attn", "int is a C/C++ keyword")])
 def test_every_part_of_a_qualified_entry_is_checked(entry, words):
     refused(header(entry=entry), words)
 

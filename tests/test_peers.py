@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from mlasandbox import peers
+from mlasandbox.compare import DEFAULT_TOLERANCE
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import PRESETS
 from mlasandbox.paged import PagedResult
@@ -77,6 +78,11 @@ def test_the_16_bit_tolerance_forgives_one_rounding_and_not_more():
     assert (tol.latent, tol.out) == (2.0 ** -8, 2.0 ** -8)
     assert peers.tolerance_of("flashmla", "f16").latent == 2.0 ** -11
     assert peers.tolerance_of("torch", "bf16").latent == 1e-4
+    for name in ("flashmla", "flashinfer"):   # both round p and out to 16 bits; lse is f32
+        for dt in ("bf16", "f16"):
+            t = peers.tolerance_of(name, dt)
+            assert t == peers.FLASHMLA_TOLERANCE[dt]
+            assert t.lse_abs == DEFAULT_TOLERANCE.lse_abs
     # FlashMLA's output rounded to bf16 (and to f16): within the limits
     for dt, name in ((ml_dtypes.bfloat16, "bf16"), (np.float16, "f16")):
         got = PagedResult(ref.latent.astype(dt).astype(np.float64), ref.lse)
@@ -88,7 +94,9 @@ def test_the_16_bit_tolerance_forgives_one_rounding_and_not_more():
 
 
 def test_peers_run_on_q_rounded_to_the_cache_dtype():
-    q = np.array([1.0 + 2.0 ** -10, 3.0], np.float32)
+    q = np.array([1.0 + 2.0 ** -10, 3.0, 1.0 + 3 * 2.0 ** -9], np.float32)
     r = peers.peer_q(q, "bf16")
-    assert r.dtype == np.uint16 and r.tolist() == [0x3F80, 0x4040]   # 1.0 and 3.0
+    # rounded to nearest: 1 + 3 x 2^-9 goes up to 1 + 2^-7 (0x3F81), where truncating the
+    # low half would give 1.0
+    assert r.dtype == np.uint16 and r.tolist() == [0x3F80, 0x4040, 0x3F81]
     assert peers.peer_q(q, "f16").dtype == np.float16

@@ -27,7 +27,7 @@ ptxas info    : Compile time = 234.065 ms
 ptxas info    : Compiling entry function 'plain' for 'sm_80'
 ptxas info    : Function properties for plain
 ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
-ptxas info    : Used 10 registers, used 1 barriers, 8192 bytes smem, 360 bytes cmem[0]
+ptxas info    : Used 10 registers, used 1 barriers, 8192 bytes smem, 360 bytes cmem[0], 8 bytes cmem[2]
 ptxas info    : Compile time = 0.730 ms
 \x00"""
 
@@ -60,7 +60,7 @@ def test_sm90_log_has_no_cmem0_and_says_none_not_zero():
     (lambda s: s.replace(", 4328 bytes spill stores, 6712 bytes spill loads", ""), "spill"),
     # the resource line lost
     (lambda s: s.replace("ptxas info    : Used 10 registers, used 1 barriers, 8192 bytes smem, "
-                         "360 bytes cmem[0]\n", ""), "plain"),
+                         "360 bytes cmem[0], 8 bytes cmem[2]\n", ""), "plain"),
     # the properties line lost
     (lambda s: s.replace("ptxas         .     0 bytes stack frame, 0 bytes spill stores, "
                          "0 bytes spill loads\nptxas info    : Used 10", "ptxas info    : Used 10"),

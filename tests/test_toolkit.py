@@ -80,6 +80,13 @@ def test_search_order(tmp_path, monkeypatch):
     wheel = [i for i, lab in enumerate(labels) if lab.startswith("pip wheel")]
     assert all(i > 0 for i in wheel)
     assert toolkit.cuda_include_dirs() == [str((cuda_path / "include").resolve())]
+    # both variables: $CUDA_PATH, then $CUDA_HOME, then the wheels, /usr/local/cuda last
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "home"))
+    labels = [label for label, _ in toolkit.include_candidates()]
+    assert labels[:2] == ["$CUDA_PATH/include", "$CUDA_HOME/include"]
+    local = labels.index("/usr/local/cuda/include") if "/usr/local/cuda/include" in labels \
+        else len(labels)
+    assert all(i < local for i, lab in enumerate(labels) if lab.startswith("pip wheel"))
 
 
 def _version_header(d, major, minor=0):
@@ -114,7 +121,7 @@ def test_compile_options():
     assert isinstance(opts, tuple)
 
 
-@pytest.mark.parametrize("arch", ["compute_90", "90", "sm90", "", None])
+@pytest.mark.parametrize("arch", ["compute_90", "90", "sm90", "", None, "sm_90x", "sm_90ab"])
 def test_compile_options_reject_virtual_or_bad_arch(arch):
     with pytest.raises(ValueError, match="real GPU architecture"):
         toolkit.compile_options(arch)
