@@ -181,7 +181,10 @@ def test_batched_with_one_head_per_block_is_split():
 def test_grid_table():
     out = run("grid", "--variant", "per_head", "--heads", "96", "--ctx", "131072",
               "--blocks-per-sm", "2").stdout
-    assert "idle SMs" in out and "36" in out and "waves" in out
+    flat = " ".join(out.replace("│", " ").split())
+    # 96 blocks on 132 SMs: 36 SMs without a block, 96 of 264 slots a wave
+    assert "idle SMs 36 (no block at all)" in flat and "waves 0.36 (1 launch wave)" in flat
+    assert "96 blocks on 132 SMs (2/SM -> 264 slots)" in flat
 
 
 @pytest.mark.parametrize("args, words", [
@@ -228,9 +231,13 @@ def test_check_json_small():
     assert long_["relL2_split"] <= long_["relL2_unsplit"]
 
 
-def test_check_table_shows_the_control():
+def test_check_table_shows_the_control(monkeypatch):
     out = run("check", "--ctx", "4096", "--seeds", "1", "--no-gpu").stdout
     assert "no rescale" in out and "negative control" in out and "pass" in out
+    # the gain is unsplit error over split error: 4e-6 / 1e-6, not its inverse
+    monkeypatch.setattr(schedule, "accuracy_study", _fake_study(4e-6, 1e-6, 0.5))
+    out = " ".join(run("check", "--ctx", "20000", "--seeds", "1", "--no-gpu").stdout.split())
+    assert "median 4.00x more accurate" in out and "4.00x" in out.split("median")[0], out
 
 
 def _fake_study(unsplit, split, control):

@@ -54,6 +54,16 @@ def test_bench_tables_and_files(fake_gpu, tmp_path):
     assert "A/A noise floor" in out and "control q_absorb" in out and "stable" in out
     assert "FLOPs = 2 x H 96 x n_ctx 8192 x (576 + 512)" in out  # --explain
     assert "correctness: every variant matches" in out
+    # cells, not headers: the fake's timings put these numbers in these places
+    for row in ("per_head 12.9 378.7 365.8 97% ok", "split 12.9 56.5 43.5 77% ok",
+                "batched12 11.5 * 23.2 * 11.6 50% ok", "cublas 54.1 70.4 16.2 23% ok",
+                "variant 64 (g) 8192 depth term share check",
+                "split 8 96 4.99 49.1 [48.9-49.3] 2.40 56.5 229 18,522 5.7% 34.86 54% FMA "
+                "events",
+                "split 8192 56.5 4.0 52.5 events", "per_head 64 12.9 4.0 8.9 graph",
+                "start 5.00 us, end 4.99 us, max move 0.16% over 6 measurements: stable"):
+        assert row in out, row
+    assert "UNSTABLE" not in out
     data = json.loads(js.read_text())
     assert data["schema"] == "mlasandbox.bench/1" and data["ok"]
     assert cs.read_text().startswith("variant,cache,q,n_ctx,phase")
@@ -80,6 +90,30 @@ def test_bench_vs_a_baseline(fake_gpu, tmp_path):
     res = run("bench", *SMALL, "--vs", base, "--json")
     data = json.loads(res.stdout)
     assert data["vs"]["baseline"] == str(base) and data["vs"]["control"]["moved"] is False
+
+
+def test_the_vs_table_puts_baseline_before_now_and_the_floor_in_percent(monkeypatch, tmp_path):
+    """A second run 10% slower than its baseline: each row reads baseline, then now, then
+    the verdict; the control row likewise; the floor in the title in percent."""
+    from mlasandbox.cli.lab_render import fmt_us
+
+    scales = iter([1.0, 1.1, 1.1])
+    monkeypatch.setattr(toolkit, "device_available", lambda: (True, "device 0: Fake H200"))
+    monkeypatch.setattr(bench_gpu, "CupyBackend",
+                        lambda *a, **k: FakeBackend(*a, scale=next(scales), **k))
+    base = tmp_path / "base.json"
+    run("bench", *SMALL, "--json", base)
+    data = json.loads(run("bench", *SMALL, "--vs", base, "--json").stdout)["vs"]
+    out = " ".join(run("bench", *SMALL, "--vs", base).stdout.split())
+    row = next(r for r in data["rows"] if (r["variant"], r["cache"], r["n_ctx"], r["phase"])
+               == ("per_head", "f16", 64, "attn"))
+    assert row["current_us"] > row["baseline_us"] and row["verdict"] == "slower"
+    assert (f"per_head f16 64 attn {fmt_us(row['baseline_us'])} {fmt_us(row['current_us'])} "
+            f"{row['text']}") in out
+    c = data["control"]
+    assert c["current_us"] > c["baseline_us"]
+    assert f"q_absorb {fmt_us(c['baseline_us'])} {fmt_us(c['current_us'])}" in out
+    assert f"(noise floor {data['floor']:.1%})" in out and data["floor"] > 0.001
 
 
 def test_bench_bad_baseline_is_bad_input(fake_gpu, tmp_path):
@@ -155,6 +189,11 @@ def test_sweep_with_a_gpu(fake_gpu, tmp_path):
     assert len(best) == 1
     marked = [ln for ln in res.stdout.splitlines() if " *" in ln and "fastest" not in ln]
     assert len(marked) == 1 and f"{best[0]['hpb']}" in marked[0].split()[0:2], marked
+    # each row's plan in its columns: S, head blocks, waves
+    flat = " ".join(res.stdout.split())
+    assert [(r["splits"], r["head_blocks"]) for r in data["rows"]] == [(22, 12), (32, 8), (43, 6)]
+    for r in data["rows"]:
+        assert f"{r['splits']} {r['head_blocks']} {r['waves']:.2f}" in flat, r
 
 
 def test_sweep_without_a_gpu_json():
@@ -207,6 +246,10 @@ def test_the_depth_table_marks_the_fastest_row_and_its_ties_only():
 
     res = run_bench(backend=FakeBackend(), contexts=(64, 8192),
                     variants=("per_head", "split", "batched12"))
+    # a tie at 8192 (the fake's timings give none): split within the floor of the fastest
+    f8192 = next(f for f in res["fastest"] if f["n_ctx"] == 8192)
+    assert f8192["variant"] != "split"
+    f8192["ties"] = ["split"]
     con = Console(width=250, record=True)
     con.print(lab_render.depth_table(res, "f16"))
     rows = {ln.split()[0]: ln for ln in con.export_text().splitlines()
@@ -216,3 +259,4 @@ def test_the_depth_table_marks_the_fastest_row_and_its_ties_only():
     for v, ln in rows.items():   # '*' on the fastest's cell, '=' on a tie's, nowhere else
         assert ("*" in ln) == any(f["variant"] == v for f in fastest), ln
         assert (" =" in ln) == any(v in f["ties"] for f in fastest), ln
+    assert " =" in rows["split"]

@@ -128,7 +128,8 @@ def test_a_serving_row_names_a_cache_dtype_other_than_f16(run):
 def test_run_header_names_unknown_facts(run):
     text = _render(run)
     assert "## fixture-gpu-2026-01-02-abc1234" in text
-    assert "Fixture GPU (sm_90, 8 SMs), driver unknown, CUDA runtime 13.2" in text
+    assert ("Fixture GPU (sm_90, 8 SMs), driver unknown, CUDA runtime 13.2, NVRTC 13.0, CuPy "
+            "14.2.0; commit abc1234, 2026-01-02T03:04:05+00:00.") in text
     assert "A hand-made run for the renderer's test." in text
     assert "](../runs/fixture-gpu-2026-01-02-abc1234/bench_h16.json)" in text
 
@@ -240,3 +241,41 @@ def test_the_vs_table_shows_before_after_and_the_floor(run):
         "| mma16 | attn | 16 | 250.5 | 200.1 | faster by 20.1% | 1.23% | "
         "[`bench_h16.json`](../runs/fixture-gpu-2026-01-02-abc1234/bench_h16.json) vs "
         "`before.json` |")
+
+
+def test_the_plan_table_models_the_blocks_an_sm_the_run_had(run):
+    """264 slots on 132 SMs: the model plans two blocks an SM (256 blocks, one wave), not
+    one (two waves), and says so in its prediction."""
+    from mlasandbox.cli.lab_render import fmt_us
+    from mlasandbox.splits import plan_splits, predict_us
+
+    path = run / "bench_h16.json"
+    doc = json.loads(path.read_text())
+    doc["config"]["dims"].update(kv_lora=512, rope=64)
+    doc["plans"] = [{"variant": "split", "n_ctx": 4096, "splits": 16, "slots": 264,
+                     "heads_per_block": 1}]
+    path.write_text(json.dumps(doc))
+    row = _row(_render(run), "split", "### Split plan, predicted vs measured, 16 heads")
+
+    def pred(bps):
+        return predict_us(plan_splits(4096, 16, 1, num_sms=132, blocks_per_sm=bps, splits=16,
+                                      tile=32), "split", cache_bytes=2, key_dim=576)
+    assert fmt_us(pred(2)["attn"]) != fmt_us(pred(1)["attn"])
+    assert row.startswith(f"| split | 4,096 | 16 | {fmt_us(pred(2)['attn'])} |"), row
+
+
+def test_the_newest_run_comes_first(tmp_path):
+    for name, date in (("a-2026-01-01-aaaaaaa", "2026-01-01T00:00:00+00:00"),
+                       ("b-2027-01-01-bbbbbbb", "2027-01-01T00:00:00+00:00"),
+                       ("c-2026-06-01-ccccccc", "2026-06-01T00:00:00+00:00")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "manifest.json").write_text(json.dumps({"date": date}))
+    assert [d.name for d in rr.default_runs(tmp_path)] == [
+        "b-2027-01-01-bbbbbbb", "c-2026-06-01-ccccccc", "a-2026-01-01-aaaaaaa"]
+
+
+def test_a_manifest_with_sources_names_them_beside_the_commit(run):
+    man = json.loads((run / "manifest.json").read_text())
+    man["sources"] = "0123456789ab"
+    (run / "manifest.json").write_text(json.dumps(man))
+    assert "; commit abc1234 (sources 0123456789ab), 2026-01-02" in _render(run)
