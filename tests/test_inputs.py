@@ -163,8 +163,15 @@ def test_values_have_the_documented_scales(seeds):
               "q's latent part": (inp.q[:, :512], 1.0), "q's rope part": (inp.q[:, 512:], 1.0)}
     for name, (arr, std) in checks.items():
         x = bf16.as_f64(arr)
-        assert abs(x.mean()) < 0.1 * std, f"{name} mean {x.mean()} {seeds}"
-        assert x.std() == pytest.approx(std, rel=0.1), f"{name} std {x.std()} {seeds}"
+        # n draws of N(0, std^2): the sample mean is within 6 std / sqrt(n) and the sample
+        # std within 6 / sqrt(2 n) of std but for about 2e-9 of runs (q_rope is only 16 x 64
+        # draws); at least 10% either way, for q's latent part, whose entries in one head
+        # share that head's q_nope (the per-head scale varies as chi2(128) / 128)
+        n = x.size
+        mean_tol = max(0.1, 6 / np.sqrt(n)) * std
+        std_tol = max(0.1, 6 / np.sqrt(2 * n))
+        assert abs(x.mean()) < mean_tol, f"{name} mean {x.mean()} {seeds}"
+        assert x.std() == pytest.approx(std, rel=std_tol), f"{name} std {x.std()} {seeds}"
 
 
 def test_same_seed_same_arrays_and_a_new_seed_new_arrays(seeds):

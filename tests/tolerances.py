@@ -25,8 +25,9 @@ the very inputs a test draws, for the very accumulation lengths its schedule use
 
 A relL2 over 512 latent columns is the norm of 512 nearly independent errors: it
 concentrates at its rms, sqrt(sum of the variances) / ||latent||, within a few per cent.
-Measured errors lie at 0.3 .. 1 of that rms (the model takes every rounding at the uniform
-worst case and the score's chain in sequential order, which BLAS shortens). MARGIN = 4
+Measured errors lie at 0.2 .. 0.5 of that rms (tests/test_tolerances.py; the model takes
+every rounding at the uniform worst case and the score's chain in sequential order, which
+BLAS shortens). MARGIN = 4
 covers what the model leaves out (the tile rescales' one rounding per 32 rows, about 1/32 of
 the chain's variance; the combine weights' rounding, common to a slice) with room. A
 single value (lse of one head) is a Gaussian tail: LAMBDA = 6 standard deviations
