@@ -18,6 +18,7 @@ class Backend:
 
     def check(self, variants, dims, n_ctx, cache, q, seed, splits, rescale=True):
         self.calls.append((tuple(variants), splits, rescale))
+        self.shapes = getattr(self, "shapes", []) + [(n_ctx, dims.n_head, cache, q)]
         out = []
         for v in variants:
             row = {"variant": v, "n_ctx": n_ctx, "heads": dims.n_head, "splits": 16}
@@ -43,6 +44,9 @@ def test_variants_then_controls_each_must_fail():
         "mma16 negative control (combine without rescale, must fail)"]
     assert all(r["ok"] for r in rows)
     assert "rejected as it must" in rows[-1]["detail"]
+    # both at the documented case: past the split gate, a partial head block at 16 and 32
+    assert (device_check.CHECK_CTX, device_check.CHECK_HEADS) == (20000, 12)
+    assert b.shapes == [(20000, 12, "f16", "f32")] * 2
 
 
 def test_a_control_that_passes_or_cannot_run_fails_the_check():

@@ -279,3 +279,16 @@ def test_a_manifest_with_sources_names_them_beside_the_commit(run):
     man["sources"] = "0123456789ab"
     (run / "manifest.json").write_text(json.dumps(man))
     assert "; commit abc1234 (sources 0123456789ab), 2026-01-02" in _render(run)
+
+
+def test_the_sweep_tables_show_the_model_and_the_driver_apart(run):
+    # the fixture's model and driver blocks/SM agree; a driver that differs must show
+    for name, key, first in (("sweep.json", "hpb", 24), ("sweep_paged.json", "variant", "mma16")):
+        doc = json.loads((run / name).read_text())
+        row = next(r for r in doc["rows"] if r[key] == first)
+        assert row["blocks_per_sm_model"] == 1
+        row["blocks_per_sm_driver"] = 2
+        (run / name).write_text(json.dumps(doc))
+    text = _render(run)
+    assert "| 1 / 2 |" in _row(text, "24", "### Heads per block")
+    assert "| 1 / 2 |" in _row(text, "mma16", "### Rows per block")
