@@ -231,6 +231,10 @@ def test_signature_off_the_contract_fails_at_compile(tmp_path, old, new, said):
 def test_test_kernels_compile(path):
     rows = uk.compile_report(uk.load_kernel(str(path)))
     assert rows and all(r.spill_stores == 0 for r in rows)
+    if path.stem == "byok_bad_race":   # it stages q in a static float [ROWS][576] (ROWS = 4)
+        assert (rows[0].static_smem, rows[0].dynamic_smem) == (4 * 576 * 4, 0)
+    else:
+        assert all(r.static_smem == 0 for r in rows)
 
 
 def test_sweep_marks_the_occupancy_step():
