@@ -292,3 +292,12 @@ def test_the_sweep_tables_show_the_model_and_the_driver_apart(run):
     text = _render(run)
     assert "| 1 / 2 |" in _row(text, "24", "### Heads per block")
     assert "| 1 / 2 |" in _row(text, "mma16", "### Rows per block")
+
+
+def test_a_cited_run_that_is_no_folder_is_named(tmp_path):
+    runs = tmp_path / "runs"
+    (runs / "h200-2026-01-01-aaaaaaa").mkdir(parents=True)
+    page = tmp_path / "p.md"
+    page.write_text("kept: runs/h200-2026-01-01-aaaaaaa; gone: runs/h200-2026-01-02-bbbbbbb/"
+                    "x.txt; moved: history: h200-2026-01-03-ccccccc\n")
+    assert rr.missing_citations([page], runs) == ["p.md: h200-2026-01-02-bbbbbbb"]

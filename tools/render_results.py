@@ -7,7 +7,8 @@ retyping it. A run is a folder with a manifest.json (tools/write_manifest.py); r
 rendered in the order given, the current one first.
 
     python tools/render_results.py                      # every run under results/ -> docs/
-    python tools/render_results.py --check              # exit 1 if docs/results.md is stale
+    python tools/render_results.py --check              # exit 1 if docs/results.md is stale,
+                                                        # or a page cites a run not in results/
     python tools/render_results.py RUN_DIR ... -o FILE
 
 Which table a file feeds follows from its content, not its name: a bench JSON
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -391,12 +393,27 @@ def default_runs(results: Path) -> list[Path]:
     return sorted(runs, key=lambda d: (date(d), d.name), reverse=True)
 
 
+def missing_citations(pages, runs_dir: Path) -> list[str]:
+    """'page: run' for every run a page cites by its folder, `<runs_dir name>/<device>-<date>-
+    <commit>`, that is no folder of runs_dir. A run moved to git history is cited as
+    `history: <run>` (docs/README.md) and is not matched."""
+    cited = re.compile(rf"(?<![\w:/-]){re.escape(runs_dir.name)}/"
+                       r"([a-z0-9]+-\d{4}-\d\d-\d\d-[0-9a-f]{7})\b")
+    out = []
+    for page in pages:
+        for run in sorted(set(cited.findall(Path(page).read_text()))):
+            if not (runs_dir / run).is_dir():
+                out.append(f"{Path(page).name}: {run}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="*", type=Path, help="run folders (default: results/*/)")
     ap.add_argument("-o", "--output", type=Path, default=ROOT / "docs" / "results.md")
     ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 if OUTPUT differs from what would be rendered")
+                    help="write nothing; exit 1 if OUTPUT differs from what would be rendered, or "
+                         "README.md or docs/ cite a run that is not under results/")
     args = ap.parse_args(argv)
     runs = args.runs or default_runs(ROOT / "results")
     if not runs:
@@ -411,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         current = args.output.read_text() if args.output.exists() else ""
         if current != text:
             print(f"{args.output} is stale: run python tools/render_results.py", file=sys.stderr)
+            return 1
+        pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+        missing = missing_citations(pages, ROOT / "results")
+        if missing:
+            print("pages cite runs that are not under results/ (cite a run moved to git "
+                  "history as 'history: RUN'):\n  " + "\n  ".join(missing), file=sys.stderr)
             return 1
         return 0
     try:
