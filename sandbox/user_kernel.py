@@ -322,10 +322,10 @@ def parse_header(text: str, filename: str = "kernel.cu") -> Header:
                 name, eq, vals = item.partition("=")
                 if not eq or not _IDENT.fullmatch(name):
                     raise HeaderError(f"{where}: params: expected NAME=v1,v2,..., got {item!r}")
-                if name in RESERVED or name.startswith("MLA_"):
+                if name in RESERVED:
                     raise HeaderError(f"{where}: params: {name} is reserved (the sandbox "
                                       "defines it); choose another name")
-                problem = identifier_problem(name)
+                problem = identifier_problem(name)   # MLA_ names included
                 if problem:
                     raise HeaderError(f"{where}: params: {name} {problem}; choose another name")
                 if name in params:
