@@ -5,9 +5,9 @@ option itself, so a kernel that needs the `a` feature set of Hopper (wgmma.mma_a
 be built through it. For such an instance (`KernelInstance.min_arch` ends in "a") this module
 runs NVRTC itself, through `cupy.cuda.nvrtc` (the library CuPy loads), with
 `--gpu-architecture=sm_90a` and the same options as every other kernel (plus CuPy's own
--ftz=true, so that the code matches what `mlasandbox regs` reports), takes the cubin
-(nvrtcGetCUBIN), writes it to a content-addressed file and loads it with
-`cupy.RawModule(path=...)`, asking for the lowered name NVRTC gave the name expression.
+-ftz=true, so that the code matches what `mlasandbox regs` reports), takes the whole cubin
+(`toolkit.nvrtc_cubin`: CuPy's getCUBIN drops its last byte), writes it to a
+content-addressed file and loads it with `cupy.RawModule(path=...)`, asking for the lowered name NVRTC gave the name expression.
 Code for sm_90a runs on compute capability 9.0 only: any other device is refused before the
 compile, naming the kernel, the target and the device.
 """
@@ -69,7 +69,7 @@ def compile_cubin(source: str, expression: str, arch: str, options=(),
             log = nvrtc.getProgramLog(prog).rstrip("\x00")
             raise NvrtcCompileError(f"NVRTC failed to compile {filename} for {arch} ({exc}):"
                                     f"\n{log}\noptions: {' '.join(opts)}") from None
-        return bytes(nvrtc.getCUBIN(prog)), nvrtc.getLoweredName(prog, expression)
+        return toolkit.nvrtc_cubin(prog), nvrtc.getLoweredName(prog, expression)
     finally:
         nvrtc.destroyProgram(prog)
 

@@ -92,6 +92,28 @@ def include_dirs(extra):
     return []  # let CuPy find them, or fail at compile saying which header is missing
 
 
+def whole_cubin(prog):
+    """The cubin of a compiled NVRTC program, every byte: CuPy's nvrtc.getCUBIN drops the
+    last one (as it does PTX's NUL), and a file of that is not a whole ELF. Read from the
+    libnvrtc CuPy loaded, found in /proc/self/maps."""
+    import ctypes
+
+    with open("/proc/self/maps") as f:
+        mapped = {line.split(None, 5)[5].strip() for line in f if len(line.split()) == 6}
+    paths = sorted(p for p in mapped if os.path.basename(p).startswith("libnvrtc.so"))
+    if not paths:
+        raise RuntimeError("the NVRTC library CuPy loaded is not in /proc/self/maps")
+    lib = ctypes.CDLL(paths[0])
+    size = ctypes.c_size_t()
+    handle = ctypes.c_void_p(int(prog))
+    if lib.nvrtcGetCUBINSize(handle, ctypes.byref(size)) != 0 or size.value == 0:
+        raise RuntimeError("nvrtcGetCUBINSize failed: the program has no cubin")
+    buf = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(handle, buf) != 0:
+        raise RuntimeError("nvrtcGetCUBIN failed")
+    return buf.raw
+
+
 def cubin_for_arch(source, expression, arch, options, filename="kernel.cu"):
     """(cubin, lowered name) of one name expression of `source`, compiled by NVRTC for `arch`
     (no GPU needed): --gpu-architecture=ARCH, `options` and CuPy's own -ftz=true, as
@@ -109,7 +131,7 @@ def cubin_for_arch(source, expression, arch, options, filename="kernel.cu"):
             log = nvrtc.getProgramLog(prog).rstrip("\x00")
             raise RuntimeError(f"NVRTC failed to compile {filename} for {arch} ({exc}):\n"
                                f"{log}\noptions: {' '.join(opts)}") from None
-        return bytes(nvrtc.getCUBIN(prog)), nvrtc.getLoweredName(prog, expression)
+        return whole_cubin(prog), nvrtc.getLoweredName(prog, expression)
     finally:
         nvrtc.destroyProgram(prog)
 

@@ -24,6 +24,7 @@ which the GPU tests and the CLI use to skip or explain.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -35,7 +36,7 @@ from . import registry
 __all__ = [
     "ENV_INCLUDE", "REQUIRED_HEADERS", "ToolkitError", "NoDeviceError", "nvrtc_version",
     "cuda_include_dirs", "include_candidates", "headers_version", "compile_options",
-    "check_arch", "arch_of_device", "device_available", "device_properties",
+    "check_arch", "arch_of_device", "device_available", "device_properties", "nvrtc_cubin",
 ]
 
 ENV_INCLUDE = "MLASANDBOX_CUDA_INCLUDE"
@@ -77,6 +78,44 @@ def nvrtc_version() -> tuple[int, int]:
             "install it with `pip install nvidia-cuda-nvrtc` (CUDA 13; `nvidia-cuda-nvrtc-cu12` "
             "for CUDA 12) or put a CUDA toolkit's lib64 on LD_LIBRARY_PATH") from exc
     return int(major), int(minor)
+
+
+def _loaded_nvrtc() -> ctypes.CDLL:
+    """The NVRTC library this process loaded through CuPy, by the path in /proc/self/maps
+    (the same library and the same program handles as cupy.cuda.nvrtc)."""
+    _nvrtc()
+    nvrtc_version()  # CuPy loads the library on its first call
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if len(line.split()) == 6}
+    except OSError as exc:
+        raise ToolkitError(f"cannot read /proc/self/maps to find the NVRTC library: {exc}")
+    found = sorted(p for p in paths if os.path.basename(p).startswith("libnvrtc.so"))
+    if not found:
+        raise ToolkitError("the NVRTC library CuPy loaded is not in /proc/self/maps")
+    return ctypes.CDLL(found[0])
+
+
+def nvrtc_cubin(prog: int) -> bytes:
+    """The whole cubin of a compiled NVRTC program (a cupy.cuda.nvrtc program handle).
+
+    CuPy 14's nvrtc.getCUBIN returns it one byte short: it drops the last byte, as it does
+    PTX's terminating NUL, but a cubin's size (nvrtcGetCUBINSize) counts no terminator. The
+    driver loads the short image from memory, where a bytes object ends in a NUL, but a file
+    of it is not a whole ELF: cuobjdump and nvdisasm refuse it ("invalid ELF file"). So the
+    cubin is read here from the library itself, at the size NVRTC gives."""
+    lib = _loaded_nvrtc()
+    handle = ctypes.c_void_p(int(prog))
+    size = ctypes.c_size_t()
+    status = lib.nvrtcGetCUBINSize(handle, ctypes.byref(size))
+    if status != 0 or size.value == 0:
+        raise ToolkitError(f"nvrtcGetCUBINSize returned status {status}, size {size.value}: "
+                           "the program has no cubin (compiled for a virtual arch?)")
+    buf = ctypes.create_string_buffer(size.value)
+    status = lib.nvrtcGetCUBIN(handle, buf)
+    if status != 0:
+        raise ToolkitError(f"nvrtcGetCUBIN returned status {status}")
+    return buf.raw
 
 
 # ---------------------------------------------------------------------------- headers

@@ -20,6 +20,8 @@ from click.testing import CliRunner
 from mlasandbox import (api, bench_gpu, bf16, cublas_engine, paged_api, reference, registry,
                         repro, toolkit)
 from mlasandbox.cli.main import main
+
+from elf_extent import elf_extent
 from mlasandbox.dims import Dims
 from mlasandbox.inputs import make_inputs
 from mlasandbox.paged_inputs import make_paged_inputs
@@ -500,7 +502,7 @@ def test_the_wgmma_script_pins_its_kernel_target_and_launch(tmp_path, page_size,
     assert ns["ATTN_SOURCE"] == read_source("mla_wgmma.cu")
     # built by the script's own NVRTC call for sm_90a, loaded from the cubin's file
     assert "compile_for_arch(ATTN_SOURCE" in text and "cupy.RawModule(path=path)" in text
-    assert "--gpu-architecture={arch}" in text and "nvrtc.getCUBIN(prog)" in text
+    assert "--gpu-architecture={arch}" in text and "whole_cubin(prog)" in text
     assert "NOT RUN: {VARIANT} needs {target}, this device is {have}" in text
 
 
@@ -533,6 +535,7 @@ def test_the_wgmma_scripts_kernel_compiles_for_sm_90a_and_nothing_else(tmp_path)
     cubin, lowered = ns["cubin_for_arch"](ns["ATTN_SOURCE"], attn["expression"], attn["arch"],
                                           opts, attn["source"])
     assert cubin[:4] == b"\x7fELF" and len(cubin) > 10_000
+    assert len(cubin) >= elf_extent(cubin)  # whole: the file the script loads is a valid ELF
     assert lowered.startswith("_ZN3mla16wgmma_attn_paged")
     with pytest.raises(RuntimeError, match="compile it for sm_90a"):
         ns["cubin_for_arch"](ns["ATTN_SOURCE"], attn["expression"], "sm_90", opts,

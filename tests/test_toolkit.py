@@ -162,3 +162,37 @@ def test_device_available_when_cupy_raises(monkeypatch):
     monkeypatch.setattr(runtime, "getDeviceCount", boom)
     ok, why = toolkit.device_available()
     assert ok is False and "planted failure" in why
+
+
+def test_nvrtc_cubin_is_the_whole_elf():
+    """nvrtc_cubin returns every byte the cubin's own headers place in the file. CuPy's
+    getCUBIN returns the same bytes but the last; a cut image fails the same check (its
+    power)."""
+    from cupy.cuda import nvrtc
+
+    from elf_extent import elf_extent
+
+    src = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+    prog = nvrtc.createProgram(src, "twice.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90"])
+        cubin = toolkit.nvrtc_cubin(prog)
+        cupys = bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert cubin[:4] == b"\x7fELF"
+    assert len(cubin) >= elf_extent(cubin)
+    assert cupys == cubin[:len(cupys)]  # the same image, as far as CuPy's goes
+    assert len(cubin[:-1]) < elf_extent(cubin[:-1])
+
+
+def test_nvrtc_cubin_of_a_ptx_only_program_is_a_clear_error():
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram('extern "C" __global__ void k() {}\n', "k.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=compute_90"])
+        with pytest.raises(toolkit.ToolkitError, match="no cubin"):
+            toolkit.nvrtc_cubin(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
