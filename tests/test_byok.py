@@ -237,6 +237,73 @@ def test_test_kernels_compile(path):
         assert all(r.static_smem == 0 for r in rows)
 
 
+# byok_warp_rows.cu under a 32-register cap (__launch_bounds__ minBlocksPerSM): ptxas spills
+SPILLS = DATA / "byok_spills.cu"
+
+
+@pytest.fixture
+def ptxas_logs(monkeypatch):
+    """Every (log, lowered names) that compile_report got from NVRTC, as NVRTC printed it:
+    the real compile_log, watched."""
+    seen = []
+    real = uk.compile_log
+
+    def watched(*args, **kw):
+        seen.append(real(*args, **kw))
+        return seen[-1]
+
+    monkeypatch.setattr(uk, "compile_log", watched)
+    return seen
+
+
+def logged_spills(log: str, mangled: str) -> tuple[int, int]:
+    """(spill store bytes, spill load bytes) of `mangled` read off the ptxas log by this
+    test's own pattern, not by ptxas.parse_ptxas_log: the line after its properties header."""
+    m = re.search(rf"Function properties for {re.escape(mangled)}\s*\n\s*ptxas\s+\.\s+"
+                  r"\d+ bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                  log)
+    assert m, f"no properties line for {mangled} in the ptxas log:\n{log}"
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_a_spilling_kernels_report_has_the_logs_spill_bytes(ptxas_logs):
+    """compile_report's spill stores and loads are the ptxas log's for the kernel, each in
+    its own field: no other test kernel spills, so a report of 0 spills or of the two
+    swapped would pass them all. The byte counts are the compiler's (392/364 from NVRTC
+    13.5 for sm_90): read from the log rather than pinned, they need only be nonzero and
+    differ."""
+    rows = uk.compile_report(uk.load_kernel(str(SPILLS)))
+    assert len(rows) == 1 and len(ptxas_logs) == 1
+    log, lowered = ptxas_logs[0]
+    stores, loads = logged_spills(log, lowered["warp_rows"])
+    assert stores > 0 and loads > 0, f"byok_spills.cu no longer spills:\n{log}"
+    # the test's power against a swap: equal counts would hide one
+    assert stores != loads, f"spill stores = loads = {stores}: a swap would pass\n{log}"
+    r = rows[0]
+    assert (r.spill_stores, r.spill_loads) == (stores, loads), (r, log)
+    assert r.registers <= 32    # ptxas kept the launch bounds' cap
+
+
+def test_try_shows_the_spills(ptxas_logs, monkeypatch):
+    """`try` prints the report's spills as STORES+LOADS B and carries both in its JSON (no
+    device: the compile report alone, on any machine)."""
+    from mlasandbox import toolkit
+
+    monkeypatch.setattr(toolkit, "device_available", lambda: (False, "the test's: no device"))
+    res = cli("try", SPILLS, "--no-time", "--arch", "sm_90")
+    assert res.exit_code == 0, res.output
+    res_json, data = try_json(SPILLS, "--no-time", "--arch", "sm_90")
+    assert res_json.exit_code == 0, res_json.output
+    # one compile each: the table's, then the JSON's
+    (table_log, lowered), (json_log, _) = ptxas_logs
+    stores, loads = logged_spills(table_log, lowered["warp_rows"])
+    assert stores > 0 and loads > 0 and stores != loads, table_log
+    assert f"{stores}+{loads} B" in res.output, res.output
+    (row,) = data["compile"]
+    assert ((row["spill_stores"], row["spill_loads"])
+            == logged_spills(json_log, lowered["warp_rows"])), row
+
+
 def test_sweep_marks_the_occupancy_step():
     rows = uk.compile_report(uk.load_kernel(str(CORRECT)), params_override={"ROWS": (4, 8)})
     assert [r.threads for r in rows] == [128, 256]

@@ -5,7 +5,8 @@
 // cp.async), one cache position at a time, an exact (not lazy) online softmax in the log2
 // domain. Lane l owns latent columns 16l..16l+15 and rope columns 2l, 2l+1.
 // The planted wrong kernels of tests/data/byok_bad_*.cu include this file with one BYOK_BUG_*;
-// byok_step.cu with BYOK_WHOLE_STEP, as a whole-step kernel (kind=step).
+// byok_step.cu with BYOK_WHOLE_STEP, as a whole-step kernel (kind=step); byok_spills.cu with
+// BYOK_REGISTER_CAP, a register cap that makes ptxas spill.
 #include "mla_user.cuh"   // mla_user::program_chunk; mla_walk.cuh (mla::to_f32)
 
 namespace {
@@ -21,7 +22,13 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 }  // namespace
 
+#ifdef BYOK_REGISTER_CAP
+// at most BYOK_REGISTER_CAP registers a thread (sm_90's 65536 registers over
+// MLA_THREADS x minBlocksPerSM): ptxas spills what does not fit (byok_spills.cu)
+__global__ void __launch_bounds__(MLA_THREADS, 65536 / (MLA_THREADS * BYOK_REGISTER_CAP))
+#else
 __global__ void __launch_bounds__(MLA_THREADS)
+#endif
 warp_rows(const MLA_Q_T* q, const MLA_CACHE_T* kv_cache, const int* block_table,
           const int* cache_seqlens, int n_rows, int n_head, int s_q, int causal, int max_pages,
           int page_shift, int max_chunks, int min_chunk, float scale_log2, float* part_acc,
