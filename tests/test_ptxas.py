@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from mlasandbox import ptxas, registry, sources
+from mlasandbox import ptxas, registry, sources, toolkit
+from ptx_watch import FTZ_ENTRY, FTZ_SOURCE, flush_forms, watch_ptx
 
 TOY = (Path(__file__).parent / "data" / "toy_attn.cu").read_text()
 TOY_EXPR = {
@@ -97,6 +98,31 @@ def test_maxrregcount_makes_it_spill():
     assert heavy.spill_stores > 0 and heavy.spill_loads > 0 and heavy.stack_bytes > 0
     assert heavy.spills
     assert not rep["toy<1,f16,f32>"].spills
+
+
+def test_the_report_compiles_with_ftz_as_cupy_runs_the_kernels(monkeypatch):
+    """compile_log's -ftz=true reaches NVRTC: the code it reports on flushes denormals, as
+    the code cupy.RawModule builds does (its multiply and exp2f in their .ftz forms)."""
+    ptx = watch_ptx(monkeypatch)
+    log, lowered = ptxas.compile_log(FTZ_SOURCE, [FTZ_ENTRY], arch="sm_90")
+    assert lowered == {FTZ_ENTRY: FTZ_ENTRY} and FTZ_ENTRY in ptxas.parse_ptxas_log(log)
+    assert len(ptx) == 1
+    assert flush_forms(ptx[0]) == {"mul": [True], "ex2": [True]}, (
+        f"compile_log compiled without -ftz=true:\n{ptx[0]}")
+
+
+def test_the_ftz_probe_tells_a_compile_without_ftz(monkeypatch):
+    """The control of the -ftz tests (ptx_watch.py): the probe through NVRTC with the
+    kernels' options and no -ftz has the plain multiply and ex2, so the .ftz forms those
+    tests see come from the option, not from NVRTC's default."""
+    ptx = watch_ptx(monkeypatch)
+    nvrtc = toolkit._nvrtc()
+    prog = nvrtc.createProgram(FTZ_SOURCE, "probe.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, list(toolkit.compile_options("sm_90")))
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert flush_forms(ptx[0]) == {"mul": [False], "ex2": [False]}, ptx[0]
 
 
 def test_other_arch_is_reported_for_that_arch():

@@ -27,6 +27,7 @@ from mlasandbox.inputs import make_inputs
 from mlasandbox.paged_inputs import make_paged_inputs
 from mlasandbox.reference import decode_paged
 from mlasandbox.sources import read_source
+from ptx_watch import FTZ_ENTRY, FTZ_SOURCE, flush_forms, watch_ptx
 from tolerances import assert_within, f64_bounds
 
 HAVE_GPU, GPU_REASON = toolkit.device_available()
@@ -540,6 +541,19 @@ def test_the_wgmma_scripts_kernel_compiles_for_sm_90a_and_nothing_else(tmp_path)
     with pytest.raises(RuntimeError, match="compile it for sm_90a"):
         ns["cubin_for_arch"](ns["ATTN_SOURCE"], attn["expression"], "sm_90", opts,
                              attn["source"])
+
+
+def test_the_wgmma_scripts_compile_flushes_denormals_as_cupy_does(tmp_path, monkeypatch):
+    """The script's cubin_for_arch passes its own -ftz=true (CuPy adds it to the kernels it
+    compiles itself, not to these): run with the script's options on a probe kernel, its
+    NVRTC compile writes the multiply and exp2f in their .ftz forms."""
+    _, ns, _ = wgmma_ns(tmp_path)
+    opts = tuple(ns["NVRTC_OPTIONS"]) + tuple(f"-I{d}" for d in toolkit.cuda_include_dirs())
+    ptx = watch_ptx(monkeypatch)
+    cubin, lowered = ns["cubin_for_arch"](FTZ_SOURCE, FTZ_ENTRY, ns["ATTN"]["arch"], opts)
+    assert cubin[:4] == b"\x7fELF" and lowered == FTZ_ENTRY and len(ptx) == 1
+    assert flush_forms(ptx[0]) == {"mul": [True], "ex2": [True]}, (
+        f"the script's cubin_for_arch compiled without -ftz=true:\n{ptx[0]}")
 
 
 @pytest.mark.parametrize("device,verdict", [("sm_80", "NOT RUN"), ("sm_100", "NOT RUN"),

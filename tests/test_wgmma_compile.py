@@ -14,6 +14,7 @@ import pytest
 
 from mlasandbox import arch_specific, archs, paged_api, ptxas, registry
 from mlasandbox.sources import read_source
+from ptx_watch import FTZ_ENTRY, FTZ_SOURCE, flush_forms, watch_ptx
 
 from elf_extent import elf_extent
 
@@ -63,6 +64,16 @@ def test_the_loader_gets_a_cubin_and_the_lowered_name():
     assert cubin[:4] == b"\x7fELF" and len(cubin) > 10_000
     assert len(cubin) >= elf_extent(cubin)  # whole: the file the loader writes is a valid ELF
     assert lowered.startswith("_ZN3mla16wgmma_attn_paged")
+
+
+def test_the_loader_compiles_with_ftz_as_cupy_does(monkeypatch):
+    """compile_cubin's -ftz=true reaches NVRTC: an sm_90a kernel flushes denormals like
+    every kernel cupy.RawModule builds (and like the code `regs` reports on)."""
+    ptx = watch_ptx(monkeypatch)
+    cubin, lowered = arch_specific.compile_cubin(FTZ_SOURCE, FTZ_ENTRY, "sm_90a")
+    assert cubin[:4] == b"\x7fELF" and lowered == FTZ_ENTRY and len(ptx) == 1
+    assert flush_forms(ptx[0]) == {"mul": [True], "ex2": [True]}, (
+        f"compile_cubin compiled without -ftz=true:\n{ptx[0]}")
 
 
 def test_a_plain_sm_90_compile_stops_at_the_guard():
