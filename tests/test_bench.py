@@ -101,6 +101,56 @@ def test_run_is_json_and_complete():
     assert short["mode"] == "graph"
 
 
+# The bytes of `split`'s rows counted by hand: H = 4 heads, n_ctx = 4096, f16 cache (2 B),
+# f32 q (4 B), K = 576 key columns, L = 512 latent, V = 128 value dims, S context slices.
+# split runs one block per (head, slice): head_blocks = H = 4. A head's S blocks read n_ctx / S
+# rows each, so between them they read the cache once: it is issued H times, whatever S is.
+#   attn      cache rows        ideal 4096 x 576 x 2 = 4,718,592; issued x H = 18,874,368
+#             q                 ideal 4 x 576 x 4 = 9,216; issued x S (each slice loads q)
+#             partials written  S x 4 x (512 + 2) x 4 = S x 8,224 (m, l, acc), ideal = issued
+#   combine   partials read     S x 8,224
+#             wv_b              4 x 128 x 512 x 2 = 524,288
+#             out, latent, lse  4 x (128 + 512 + 1) x 4 = 10,256
+#   q_absorb  wk_b 524,288 + q_nope, q_rope 4 x (128 + 64) x 2 = 1,536 + q 9,216 = 535,040
+#   step      q_absorb + attn + combine
+# S = 1: attn    ideal 4,718,592 + 9,216 + 8,224 = 4,736,032
+#                issued 18,874,368 + 9,216 + 8,224 = 18,891,808
+#        combine 8,224 + 524,288 + 10,256 = 542,768
+#        step    ideal 535,040 + 4,736,032 + 542,768 = 5,813,840
+#                issued 535,040 + 18,891,808 + 542,768 = 19,969,616
+# S = 4: attn    ideal 4,718,592 + 9,216 + 32,896 = 4,760,704
+#                issued 18,874,368 + 36,864 + 32,896 = 18,944,128
+#        combine 32,896 + 524,288 + 10,256 = 567,440
+#        step    ideal 535,040 + 4,760,704 + 567,440 = 5,863,184
+#                issued 535,040 + 18,944,128 + 567,440 = 20,046,608
+SPLIT_BYTES = {   # S -> phase -> (ideal, issued)
+    1: {"attn": (4_736_032, 18_891_808), "combine": (542_768, 542_768),
+        "step": (5_813_840, 19_969_616)},
+    4: {"attn": (4_760_704, 18_944_128), "combine": (567_440, 567_440),
+        "step": (5_863_184, 20_046_608)},
+}
+
+
+@pytest.mark.parametrize("splits", sorted(SPLIT_BYTES))
+def test_split_rows_count_the_bytes_of_their_slices(splits):
+    """The bytes behind a split row's GB/s, exactly: an S-fold cache count, a partials term
+    left out or not multiplied by S, or the row's S not reaching the formulas moves a total
+    by 8,224 B or more (S = 1 catches a missing term, S = 4 an off-by-S)."""
+    res = bench(heads=4, contexts=(4096,), variants=("split",), splits=splits)
+    rows = {r["phase"]: r for r in res["rows"] if r["variant"] == "split"}
+    assert {rows[p]["splits"] for p in SPLIT_BYTES[splits]} == {splits}
+    assert {rows[p]["head_blocks"] for p in SPLIT_BYTES[splits]} == {4}
+    got = {p: (rows[p]["ideal_bytes"], rows[p]["issued_bytes"]) for p in SPLIT_BYTES[splits]}
+    assert got == SPLIT_BYTES[splits]
+    # the rate is these bytes over the time (B / us / 1e3 = GB/s); the code divides by
+    # us x 1e-6 and by 1e9 instead: the two differ by at most six roundings (1e-6 itself
+    # inexact in binary), each within 2^-53 = 1.1e-16 relative, under 7e-16 in all
+    for p, (ideal, issued) in SPLIT_BYTES[splits].items():
+        us = rows[p]["median_us"]
+        assert rows[p]["GBps_issued"] == pytest.approx(issued / us / 1e3, rel=1e-15), p
+        assert rows[p]["GBps_ideal"] == pytest.approx(ideal / us / 1e3, rel=1e-15), p
+
+
 def test_the_aa_runs_identical_code_interleaved():
     fake = FakeBackend()
     res = bench(fake, aa_rounds=4)
