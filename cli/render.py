@@ -132,8 +132,10 @@ def kv_table(title: str, items) -> Table:
     return t
 
 
+# "code KiB" is the last column to drop: the instruction footprint is what no other shows.
 REGS_COLUMNS = (
     Column("kernel", fold=True), Column("regs", "right"), Column("spill st/ld", "right"),
+    Column("code KiB", "right", drop=7),
     Column("stack", "right", drop=1), Column("smem", "right", drop=4),
     Column("dyn smem", "right", drop=5), Column("threads", "right", drop=2),
     Column("blocks/SM", "left"), Column("warps", "right", drop=3),
@@ -141,9 +143,21 @@ REGS_COLUMNS = (
 )
 
 
+def _regs_cells(r: dict, limiter: str) -> list[str]:
+    """A compiled row's cells, in REGS_COLUMNS order."""
+    spills = f"{r['spill_stores']}/{r['spill_loads']}"
+    bps = str(r["blocks_per_sm"]) + (" <- step" if r.get("step") else "")
+    return [r["name"], str(r["registers"]),
+            f"[red]{spills}[/red]" if r["spill_stores"] or r["spill_loads"] else spills,
+            f"{r['code_bytes'] / 1024:.1f}", str(r["stack_bytes"]),
+            fmt_bytes(r["static_smem"]), fmt_bytes(r["dynamic_smem"]), str(r["threads"]),
+            f"[yellow]{bps}[/yellow]" if r.get("step") else bps,
+            f"{r['warp_occupancy']:.0%}", limiter]
+
+
 def regs_table(rows: list[dict], arch: str) -> FitTable:
-    """Registers, spills and blocks/SM per instance: those columns never drop; a row of a
-    kernel that needs a newer arch says so instead."""
+    """Registers, spills and blocks/SM per instance: those columns never drop; then the
+    machine-code size; a row of a kernel that needs a newer arch says so instead."""
     cells, reasons = [], []
     for r in rows:
         limiter = r.get("limiter") or ""
@@ -154,21 +168,15 @@ def regs_table(rows: list[dict], arch: str) -> FitTable:
                 reasons.append(why)
             limiter = f"does not fit [{reasons.index(why) + 1}]"
         if r.get("needs"):
-            cells.append([r["name"], "-", "-", "-", "-", "-", "-",
+            cells.append([r["name"], "-", "-", "-", "-", "-", "-", "-",
                           f"[yellow]needs {r['needs']}[/yellow]", "-", "not compiled"])
             continue
-        spills = f"{r['spill_stores']}/{r['spill_loads']}"
-        bps = str(r["blocks_per_sm"]) + (" <- step" if r.get("step") else "")
-        cells.append([r["name"], str(r["registers"]),
-                      f"[red]{spills}[/red]" if r["spill_stores"] or r["spill_loads"] else spills,
-                      str(r["stack_bytes"]), fmt_bytes(r["static_smem"]),
-                      fmt_bytes(r["dynamic_smem"]), str(r["threads"]),
-                      f"[yellow]{bps}[/yellow]" if r.get("step") else bps,
-                      f"{r['warp_occupancy']:.0%}", limiter])
+        cells.append(_regs_cells(r, limiter))
     notes = "".join(f"\n[{i}] {escape(w)}" for i, w in enumerate(reasons, 1))
     return FitTable(REGS_COLUMNS, cells,
                     title=f"ptxas resources and theoretical occupancy, {arch} (NVRTC -Xptxas -v)",
-                    caption="smem: static (ptxas); dyn smem: at launch; warps: resident warps "
+                    caption="code: the kernel's machine code (its .text in the cubin); "
+                            "smem: static (ptxas); dyn smem: at launch; warps: resident warps "
                             "over the SM's maximum; <- step: fewer blocks/SM than the previous "
                             "HPB; needs sm_XX: the kernel does not compile for this arch" + notes,
                     title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)

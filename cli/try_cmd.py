@@ -53,15 +53,17 @@ def _compile(path, params, arch):
 
 def _compile_table(rows):
     cols = [render.Column("params"), render.Column("registers", "right"),
-            render.Column("spills", "right"), render.Column("smem static+dyn", "right"),
-            render.Column("threads", "right"), render.Column("blocks/SM", "right"),
+            render.Column("spills", "right"), render.Column("code", "right"),
+            render.Column("smem static+dyn", "right", drop=2),
+            render.Column("threads", "right", drop=1), render.Column("blocks/SM", "right"),
             render.Column("limited by")]
     body = []
     for r in rows:
         spills = f"{r.spill_stores}+{r.spill_loads} B" if r.spill_stores or r.spill_loads else "0"
         step = "  <- occupancy step" if r.occupancy_step else ""
         body.append([",".join(f"{k}={v}" for k, v in r.params.items()) or "-",
-                     str(r.registers), spills, f"{r.static_smem}+{r.dynamic_smem} B",
+                     str(r.registers), spills, render.fmt_bytes(r.code_bytes),
+                     f"{r.static_smem}+{r.dynamic_smem} B",
                      str(r.threads), f"{r.blocks_per_sm}{step}", r.limiter])
     return render.FitTable(cols, body, title="compile (NVRTC -Xptxas -v)")
 

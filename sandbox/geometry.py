@@ -1,8 +1,9 @@
 """Launch geometry and resources, as plain rows: what `mlasandbox regs` and `grid` show.
 
-* `resource_rows` joins the ptxas report (registers, spills, stack, static smem) with each
-  instance's block size and dynamic shared memory and the theoretical occupancy
-  (`mlasandbox.occupancy`), and marks the occupancy step along the heads-per-block sweep.
+* `resource_rows` joins the ptxas report (registers, spills, machine-code size, stack, static
+  smem) with each instance's block size and dynamic shared memory and the theoretical
+  occupancy (`mlasandbox.occupancy`), and marks the occupancy step along the heads-per-block
+  sweep.
 * `grid_report` is the launch geometry of one variant for one shape (splits.plan_splits):
   grid, blocks vs SMs, waves, idle SMs, positions and tiles per block, empty slices.
   With `blocks_per_sm="auto"` the resident-block count is the theoretical occupancy of the
@@ -61,6 +62,7 @@ def _resource_row(inst, r, arch: str) -> dict:
             "q": inst.q, "rescale": inst.rescale, "min_arch": inst.min_arch,
             "registers": r.registers,
             "spill_stores": r.spill_stores, "spill_loads": r.spill_loads,
+            "code_bytes": r.code_bytes,
             "stack_bytes": r.stack_bytes, "static_smem": r.smem_bytes,
             "dynamic_smem": inst.smem_bytes, "threads": inst.threads, **occ, "step": False,
             "cmem0_bytes": r.cmem0_bytes, "barriers": r.barriers, "arch": arch}

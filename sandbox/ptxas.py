@@ -15,6 +15,10 @@ The log looks like this (CUDA 12/13; sm_80 also prints `N bytes cmem[0]`, sm_90+
 
 Each kernel's block is parsed strictly: a missing line, or an item on the `Used` line that
 is not understood, raises PtxasParseError naming the function and the line, never a zero.
+
+The same compile's cubin gives each kernel's machine-code size (`code_bytes`, its
+`.text.<mangled name>` section, read by `elf.text_sizes`): the instruction footprint, which
+the log does not print.
 """
 from __future__ import annotations
 
@@ -23,13 +27,14 @@ import os
 import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
-from . import toolkit
+from . import elf, toolkit
 from .sources import read_source
 
 __all__ = ["KernelResources", "PtxasParseError", "NvrtcCompileError", "ptxas_report",
-           "ptxas_report_source", "compile_log", "parse_ptxas_log", "target_arch"]
+           "ptxas_report_source", "Compiled", "compile_program", "compile_log",
+           "parse_ptxas_log", "code_sizes", "target_arch"]
 
 
 class PtxasParseError(ValueError):
@@ -46,6 +51,8 @@ class KernelResources:
 
     `cmem0_bytes` (kernel parameters / constant bank 0) is None where ptxas does not print
     it (sm_90 and later with CUDA 12.8+); `barriers` is None where ptxas predates that field.
+    `code_bytes` is the kernel's own SASS, from the cubin: code in a function it calls
+    without inlining lies in that function's section and is not counted.
     """
 
     name: str            # the readable instance name (KernelInstance.name)
@@ -58,6 +65,7 @@ class KernelResources:
     smem_bytes: int      # static shared memory per block (0 when ptxas prints none)
     cmem0_bytes: int | None
     barriers: int | None
+    code_bytes: int      # bytes of machine code: the kernel's .text section in the cubin
 
     @property
     def spills(self) -> bool:
@@ -199,9 +207,15 @@ def parse_ptxas_log(log: str) -> dict[str, dict]:
 _NONCE = itertools.count()
 
 
-def compile_log(source: str, name_expressions: Iterable[str] = (), *, arch: str = "sm_90",
-                extra_options=(), filename: str = "kernel.cu") -> tuple[str, dict[str, str]]:
-    """Compile `source` for `arch` with -Xptxas -v; return (log, {expression: lowered name}).
+class Compiled(NamedTuple):
+    log: str                  # the program log: ptxas's -v report
+    lowered: dict[str, str]   # {name expression: lowered (mangled) name}
+    cubin: bytes              # whole (toolkit.nvrtc_cubin)
+
+
+def compile_program(source: str, name_expressions: Iterable[str] = (), *, arch: str = "sm_90",
+                    extra_options=(), filename: str = "kernel.cu") -> Compiled:
+    """Compile `source` for `arch` with -Xptxas -v: its log, lowered names and cubin.
 
     Raises NvrtcCompileError with the NVRTC log if compilation fails.
     """
@@ -234,21 +248,49 @@ def compile_log(source: str, name_expressions: Iterable[str] = (), *, arch: str 
                 f"options: {' '.join(opts)}") from None
         log = nvrtc.getProgramLog(prog).rstrip("\x00")
         lowered = {e: nvrtc.getLoweredName(prog, e) for e in exprs}
+        cubin = toolkit.nvrtc_cubin(prog)
     finally:
         nvrtc.destroyProgram(prog)
-    return log, lowered
+    return Compiled(log, lowered, cubin)
+
+
+def compile_log(source: str, name_expressions: Iterable[str] = (), *, arch: str = "sm_90",
+                extra_options=(), filename: str = "kernel.cu") -> tuple[str, dict[str, str]]:
+    """compile_program's (log, {expression: lowered name}), for callers that read the log."""
+    c = compile_program(source, name_expressions, arch=arch, extra_options=extra_options,
+                        filename=filename)
+    return c.log, c.lowered
+
+
+def code_sizes(compiled: Compiled, mangled: Iterable[str], *, arch: str,
+               filename: str) -> dict[str, int]:
+    """{mangled name: bytes of its .text section} for each kernel named, from the cubin.
+    PtxasParseError naming the file and arch where the cubin cannot be read or lacks one."""
+    mangled = list(mangled)
+    try:
+        sizes = elf.text_sizes(compiled.cubin)
+    except elf.ElfError as exc:
+        raise PtxasParseError(f"the cubin of {filename} for {arch}: {exc}") from None
+    missing = [m for m in mangled if m not in sizes]
+    if missing:
+        raise PtxasParseError(
+            f"the cubin of {filename} for {arch} has no .text section for "
+            f"{', '.join(missing)}; functions: {', '.join(sizes) or 'none'}")
+    return {m: sizes[m] for m in mangled}
 
 
 def ptxas_report_source(source: str, expressions: Mapping[str, str], *, arch: str = "sm_90",
                         extra_options=(), filename: str = "kernel.cu"
                         ) -> dict[str, KernelResources]:
     """The report for one source text: {name: KernelResources} for {name: name expression}."""
-    log, lowered = compile_log(source, expressions.values(), arch=arch,
+    compiled = compile_program(source, expressions.values(), arch=arch,
                                extra_options=extra_options, filename=filename)
+    log, lowered = compiled.log, compiled.lowered
     try:
         parsed = parse_ptxas_log(log)
     except PtxasParseError as exc:
         raise PtxasParseError(f"{exc}\n(in the log of {filename} for {arch})") from None
+    sizes = code_sizes(compiled, lowered.values(), arch=arch, filename=filename)
     out: dict[str, KernelResources] = {}
     for name, expr in expressions.items():
         mangled = lowered[expr]
@@ -260,7 +302,8 @@ def ptxas_report_source(source: str, expressions: Mapping[str, str], *, arch: st
         if rec["arch"] != arch:
             raise PtxasParseError(
                 f"ptxas compiled {mangled} for {rec['arch']!r}, not the requested {arch!r}")
-        out[name] = KernelResources(name=name, mangled=mangled, **rec)
+        out[name] = KernelResources(name=name, mangled=mangled, **rec,
+                                    code_bytes=sizes[mangled])
     return out
 
 

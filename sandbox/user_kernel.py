@@ -46,7 +46,8 @@ from pathlib import Path
 
 from . import limits, registry, toolkit
 from .occupancy import arch_limits, occupancy
-from .ptxas import NvrtcCompileError, PtxasParseError, compile_log, parse_ptxas_log
+from .ptxas import (NvrtcCompileError, PtxasParseError, code_sizes, compile_program,
+                    parse_ptxas_log)
 
 __all__ = ["HeaderError", "UserCompileError", "Header", "parse_header", "contract_args",
            "UserKernel", "UserInstance", "load_kernel", "is_user_kernel_spec",
@@ -808,6 +809,7 @@ class CompileRow:
     threads: int
     blocks_per_sm: int
     limiter: str
+    code_bytes: int                 # the kernel's machine code (its .text in the cubin)
     occupancy_step: bool = False    # blocks/SM differs from the previous row's
 
     def as_dict(self) -> dict:
@@ -816,27 +818,29 @@ class CompileRow:
 
 def compile_report(kernel: UserKernel, *, params_override: dict | None = None,
                    arch: str = "sm_90", cache: str = "f16", q: str = "f32") -> list[CompileRow]:
-    """Registers, spills, shared memory and theoretical blocks/SM per parameter set, from a
-    real NVRTC compile with -Xptxas -v (no GPU needed). UserCompileError on an NVRTC error
-    (the user's file and line first)."""
+    """Registers, spills, shared memory, machine-code size and theoretical blocks/SM per
+    parameter set, from a real NVRTC compile with -Xptxas -v (no GPU needed).
+    UserCompileError on an NVRTC error (the user's file and line first)."""
     rows: list[CompileRow] = []
     for params in kernel.header.param_sets(params_override):
         k = kernel.with_params(params) if params != kernel.params else kernel
         inst = k.instance(cache, q)
         try:
-            log, lowered = compile_log(inst.source_text(), [inst.expression], arch=arch,
+            compiled = compile_program(inst.source_text(), [inst.expression], arch=arch,
                                        extra_options=tuple(f"-D{d}" for d in inst.defines),
                                        filename=str(kernel.path))
         except NvrtcCompileError as exc:
             raise _compile_error(exc, kernel, params) from None
-        parsed = parse_ptxas_log(log)
-        rec = parsed.get(lowered[inst.expression])
+        mangled = compiled.lowered[inst.expression]
+        rec = parse_ptxas_log(compiled.log).get(mangled)
         if rec is None:
             raise PtxasParseError(f"the ptxas log of {kernel.path} has no entry for "
                                   f"{inst.expression}")
+        code = code_sizes(compiled, [mangled], arch=arch, filename=str(kernel.path))[mangled]
         occ = occupancy(arch, rec["registers"], inst.threads, rec["smem_bytes"] + inst.smem_bytes)
         step = bool(rows) and rows[-1].blocks_per_sm != occ.blocks_per_sm
         rows.append(CompileRow(params, inst.name, rec["registers"], rec["spill_stores"],
                                rec["spill_loads"], rec["smem_bytes"], inst.smem_bytes,
-                               inst.threads, occ.blocks_per_sm, occ.limiter, step))
+                               inst.threads, occ.blocks_per_sm, occ.limiter, code_bytes=code,
+                               occupancy_step=step))
     return rows

@@ -173,6 +173,7 @@ def test_new_writes_a_kernel_try_compiles(tmp_path, template):
     res, data = try_json(path, "--no-time")
     assert res.exit_code == 0, res.output
     assert data["compile"] and all(r["registers"] > 0 for r in data["compile"])
+    assert all(r["code_bytes"] > 0 and r["code_bytes"] % 16 == 0 for r in data["compile"])
     inst = uk.load_kernel(str(path)).instance()
     builtin = {"split": 36864, "batched": 93280, "mma16": 188608, "mma32": 229760}[template]
     assert inst.smem_bytes == builtin   # the header's formula is the registry's
@@ -231,6 +232,7 @@ def test_signature_off_the_contract_fails_at_compile(tmp_path, old, new, said):
 def test_test_kernels_compile(path):
     rows = uk.compile_report(uk.load_kernel(str(path)))
     assert rows and all(r.spill_stores == 0 for r in rows)
+    assert all(r.code_bytes > 0 and r.code_bytes % 16 == 0 for r in rows)
     if path.stem == "byok_bad_race":   # it stages q in a static float [ROWS][576] (ROWS = 4)
         assert (rows[0].static_smem, rows[0].dynamic_smem) == (4 * 576 * 4, 0)
     else:
@@ -244,15 +246,16 @@ SPILLS = DATA / "byok_spills.cu"
 @pytest.fixture
 def ptxas_logs(monkeypatch):
     """Every (log, lowered names) that compile_report got from NVRTC, as NVRTC printed it:
-    the real compile_log, watched."""
+    the real compile_program, watched."""
     seen = []
-    real = uk.compile_log
+    real = uk.compile_program
 
     def watched(*args, **kw):
-        seen.append(real(*args, **kw))
-        return seen[-1]
+        compiled = real(*args, **kw)
+        seen.append((compiled.log, compiled.lowered))
+        return compiled
 
-    monkeypatch.setattr(uk, "compile_log", watched)
+    monkeypatch.setattr(uk, "compile_program", watched)
     return seen
 
 
@@ -341,6 +344,26 @@ def test_includes_resolve_and_keep_line_numbers(tmp_path):
     src = uk.expanded_source((DATA / "byok_bad_race.cu").read_text(), "bad.cu", tmp_path)
     assert f'#line 1 "{tmp_path / CORRECT.name}"' in src and '#line 7 "bad.cu"' in src
     assert '#line 1 "mla_walk.cuh"' in src and os.sep not in "mla_walk.cuh"
+
+
+def test_try_compile_table_shows_each_rows_own_cells():
+    """Each cell of `try`'s compile table is its own row's field: the rows' numbers come
+    from the same compile report, and ROWS=4 and 8 differ in threads and code size."""
+    from mlasandbox.cli.render import fmt_bytes
+
+    rows = uk.compile_report(uk.load_kernel(str(CORRECT)), params_override={"ROWS": (4, 8)})
+    assert rows[0].code_bytes != rows[1].code_bytes and rows[0].threads != rows[1].threads
+    res = CliRunner(env={"COLUMNS": "200"}).invoke(
+        main, ["try", str(CORRECT), "--no-time", "--params", "ROWS=4,8"])
+    assert res.exit_code == 0, res.output
+    for r in rows:
+        params = ",".join(f"{k}={v}" for k, v in r.params.items())
+        line = next(ln for ln in res.stdout.splitlines() if f"│ {params} " in ln)
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        step = "  <- occupancy step" if r.occupancy_step else ""
+        assert cells == [params, str(r.registers), "0", fmt_bytes(r.code_bytes),
+                         f"{r.static_smem}+{r.dynamic_smem} B", str(r.threads),
+                         f"{r.blocks_per_sm}{step}".strip(), r.limiter], line
 
 
 def test_sweep_table_marks_the_step_and_judges_against_the_floor():

@@ -92,12 +92,22 @@ def test_regs_json_rows():
     assert a12["spill_stores"] >= 0 and (a12["kind"], a12["heads"]) == ("attn", 12)
     one = rows["attn_rows<cache=f16,q=f32>"]  # HPB 1 of the ladder: per_head and split's kernel
     assert (one["kind"], one["heads"]) == ("attn_rows", 1)
+    for r in rows.values():   # the machine code: whole 16-byte instructions
+        assert r["code_bytes"] > 0 and r["code_bytes"] % 16 == 0, r["name"]
 
 
 def test_regs_table():
-    out = run("regs", "--hpb", "8", "--cache", "bf16", "--q", "cache", "--no-controls").stdout
+    args = ("regs", "--hpb", "8", "--cache", "bf16", "--q", "cache", "--no-controls")
+    out = run(*args).stdout
     assert "attn<heads=8,cache=bf16,q=bf16>" in out and "blocks/SM" in out
     assert "rescale=false" not in out
+    assert "code KiB" in out and "left out" not in out
+    _, data = run_json(*args)
+    row = next(r for r in data["rows"] if r["name"] == "attn<heads=8,cache=bf16,q=bf16>")
+    line = next(ln for ln in out.splitlines() if ln.split()[:1] == [row["name"]])
+    cells = line.split()
+    assert cells[1:4] == [str(row["registers"]), f"{row['spill_stores']}/{row['spill_loads']}",
+                          f"{row['code_bytes'] / 1024:.1f}"], line
 
 
 @pytest.mark.parametrize("args, words", [

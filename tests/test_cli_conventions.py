@@ -2,6 +2,8 @@
 `--variants` for lists, the same `--q` values, and tables that fit 100 columns."""
 from __future__ import annotations
 
+import re
+
 import click
 import pytest
 from click.testing import CliRunner
@@ -58,31 +60,79 @@ def test_grid_help_names_every_variant_family():
 
 
 def _fake_rows():
+    """Three compiled rows and one not compiled. Every field of every row holds a value no
+    other field or row shows, so a cell that shows the wrong field or row is seen."""
     rows = []
-    for i, (name, regs) in enumerate((("attn_rows<cache=bf16,q=bf16>", 80),
-                                      ("mma_attn<heads=32,cache=bf16,q=bf16>", 219),
-                                      ("attn_tiled<hpb=16,cache=bf16,q=bf16>", 127))):
-        rows.append({"name": name, "registers": regs, "spill_stores": 0, "spill_loads": 0,
-                     "stack_bytes": 0, "static_smem": 0, "dynamic_smem": 123456 + i,
-                     "threads": 256, "blocks_per_sm": 1, "step": i == 1,
-                     "warp_occupancy": 0.125, "limiter": "shared memory"})
+    for i, (name, limiter) in enumerate((("attn_rows<cache=bf16,q=bf16>", "registers"),
+                                         ("mma_attn<heads=32,cache=bf16,q=bf16>", "warps"),
+                                         ("attn_tiled<hpb=16,cache=bf16,q=bf16>",
+                                          "shared memory"))):
+        rows.append({"name": name, "registers": 217 + i, "spill_stores": 8 + i,
+                     "spill_loads": 20 + i, "code_bytes": (30 + i) * 1024 + 512,
+                     "stack_bytes": 40 + i, "static_smem": 700 + i,
+                     "dynamic_smem": (61 + i) * 1024, "threads": 96 + 64 * i,
+                     "blocks_per_sm": 3 + i, "step": i == 1,
+                     "warp_occupancy": 0.11 * (i + 1), "limiter": limiter})
     rows.append({"name": "attn_tiled<hpb=16,cache=f16,q=f32>", "needs": "sm_90"})
     return rows
 
 
-def test_regs_table_fits_100_columns_and_keeps_its_numbers():
-    con = Console(width=100, record=True, force_terminal=False, color_system=None)
+def _expected_cells(r) -> dict[str, str]:
+    """{column header: the text its cell must show} for a row of _fake_rows."""
+    if r.get("needs"):
+        return dict(zip(("kernel", "regs", "spill st/ld", "code KiB", "stack", "smem",
+                         "dyn smem", "threads", "blocks/SM", "warps", "limiter"),
+                        (r["name"], *"-" * 7, "needs sm_90", "-", "not compiled")))
+    return {"kernel": r["name"], "regs": str(r["registers"]),
+            "spill st/ld": f"{r['spill_stores']}/{r['spill_loads']}",
+            "code KiB": f"{r['code_bytes'] / 1024:.1f}", "stack": str(r["stack_bytes"]),
+            "smem": f"{r['static_smem']} B", "dyn smem": f"{r['dynamic_smem'] / 1024:.1f} KiB",
+            "threads": str(r["threads"]),
+            "blocks/SM": f"{r['blocks_per_sm']}" + (" <- step" if r["step"] else ""),
+            "warps": f"{r['warp_occupancy']:.0%}", "limiter": r["limiter"]}
+
+
+def _render(width: int) -> str:
+    con = Console(width=width, record=True, force_terminal=False, color_system=None)
     con.print(regs_table(_fake_rows(), "sm_90"))
-    text = con.export_text()
+    return con.export_text()
+
+
+def _in_order(cells) -> re.Pattern:
+    """A whole line that shows these cells, in this order, and nothing else."""
+    return re.compile(r"^\s*" + r"\s+".join(map(re.escape, cells)) + r"\s*$", re.M)
+
+
+def _left_out(text: str) -> list[str]:
+    m = re.search(r"\(left out to fit the width: ([^)]*)\)", " ".join(text.split()))
+    return m.group(1).split(", ") if m else []
+
+
+@pytest.mark.parametrize("width", [250, 140, 100])
+def test_regs_table_cells_show_their_own_field_and_row(width):
+    """Each row's line shows its own values, each under its own header, at a width that
+    keeps every column and at narrower ones that leave some out (named in the caption)."""
+    text = _render(width)
+    dropped = _left_out(text)
+    headers = [c for c in _expected_cells(_fake_rows()[0]) if c not in dropped]
+    assert _in_order(headers).search(text), text
+    for r in _fake_rows():
+        want = _expected_cells(r)
+        assert _in_order(want[h] for h in headers).search(text), (r["name"], text)
+    assert (width == 250) == (dropped == [])
+    assert {"kernel", "regs", "spill st/ld", "blocks/SM"}.isdisjoint(dropped)
+
+
+def test_regs_table_fits_100_columns_and_keeps_its_numbers():
+    text = _render(100)
     assert max(len(line) for line in text.splitlines()) <= 100
-    for name, regs in (("mma_attn<heads=32,cache=bf16,q=bf16>", "219"),
-                       ("attn_tiled<hpb=16,cache=bf16,q=bf16>", "127")):
+    for name, regs in (("mma_attn<heads=32,cache=bf16,q=bf16>", "218"),
+                       ("attn_tiled<hpb=16,cache=bf16,q=bf16>", "219")):
         line = next(ln for ln in text.splitlines() if name in ln)
         assert f" {regs} " in line, line  # the name whole, the register count whole
     assert "needs sm_90" in text and "…" not in text
-    wide = Console(width=200, record=True, color_system=None)
-    wide.print(regs_table(_fake_rows(), "sm_90"))
-    assert "stack" in wide.export_text() and "left out" not in wide.export_text()
+    wide = _render(200)
+    assert "stack" in wide and "code KiB" in wide and "left out" not in wide
 
 
 def test_regs_command_output_fits_100_columns():

@@ -191,7 +191,7 @@ def test_the_paged_ladder_is_judged_against_itself_not_the_batch_one_rows():
     def fake(inst):  # the paged rows take 120 KB of static smem more: one block per SM
         return SimpleNamespace(registers=32, spill_stores=0, spill_loads=0, stack_bytes=0,
                                smem_bytes=120_000 if inst.paged else 0, cmem0_bytes=0,
-                               barriers=1)
+                               barriers=1, code_bytes=4096)
 
     rows = geometry.resource_rows(hpbs=(1, 2), caches=("f16",), q_dtypes=("f32",),
                                   controls=False, kinds=("attn_rows", "attn"),

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mlasandbox import ptxas, registry, sources, toolkit
+from mlasandbox import elf, ptxas, registry, sources, toolkit
 from ptx_watch import FTZ_ENTRY, FTZ_SOURCE, flush_forms, watch_ptx
 
 TOY = (Path(__file__).parent / "data" / "toy_attn.cu").read_text()
@@ -84,10 +84,64 @@ def test_report_of_a_templated_source():
         assert r.registers > 0
         assert r.smem_bytes == 128 * 4      # __shared__ float tile[128]
         assert r.barriers == 1              # __syncthreads
+        assert r.code_bytes > 0 and r.code_bytes % 16 == 0   # 16 bytes an instruction
         assert r.as_dict()["registers"] == r.registers
+        assert r.as_dict()["code_bytes"] == r.code_bytes
     assert rep["toy<64,f16,f32>"].registers > rep["toy<1,f16,f32>"].registers
     with pytest.raises(Exception):
         rep["toy<1,f16,f32>"].registers = 1   # frozen
+
+
+CODE = (Path(__file__).parent / "data" / "toy_code.cu").read_text()
+CODE_EXPR = {f"sleeps<{k}>": f"toy::sleeps<{k}>" for k in (0, 64)}
+CODE_EXPR.update({f"chain<{u}>": f"toy::chain<{u}>" for u in (1, 4, 16)})
+
+
+def check_code_sizes(size: dict[str, int]) -> None:
+    """What the code sizes of toy_code.cu's kernels must be, {name: bytes}."""
+    for name, n in size.items():
+        assert n > 0 and n % 16 == 0, f"{name}: {n} bytes is not whole 16-byte instructions"
+    # sleeps<64> holds 64 NANOSLEEPs more than sleeps<0>: 1,024 bytes more, plus a little
+    # setup and the padding to the section's 128-byte alignment (nvdisasm: 1,152 in all)
+    grow = size["sleeps<64>"] - size["sleeps<0>"]
+    assert 64 * 16 <= grow <= 64 * 16 + 256, f"sleeps<64> - sleeps<0> = {grow} bytes"
+    # the same loop unrolled more: more copies of its body
+    assert size["chain<1>"] < size["chain<4>"] < size["chain<16>"], size
+
+
+def test_code_size_moves_with_the_code():
+    rep = ptxas.ptxas_report_source(CODE, CODE_EXPR, arch="sm_90", filename="toy_code.cu")
+    check_code_sizes({name: r.code_bytes for name, r in rep.items()})
+
+
+_text_sizes = elf.text_sizes   # the real reader, for the wrong ones to start from
+
+
+def _sizes_of(prefix):
+    """A wrong reader: each function's size taken from the section `<prefix><function>`."""
+    return lambda cubin: {s.name[len(prefix):]: s.size for s in elf.sections(cubin)
+                          if s.name.startswith(prefix)}
+
+
+def _next_kernels(cubin):
+    """A wrong reader: each function gets the .text size of the one after it."""
+    real = _text_sizes(cubin)
+    fns = list(real)
+    return {fn: real[fns[(i + 1) % len(fns)]] for i, fn in enumerate(fns)}
+
+
+@pytest.mark.parametrize("wrong_reader", [
+    lambda cubin: {fn: len(cubin) for fn in _text_sizes(cubin)},
+    _sizes_of(".nv.info."), _sizes_of(".nv.constant0."), _next_kernels,
+], ids=["whole cubin", "nv.info", "nv.constant0", "next kernel's text"])
+def test_code_size_check_catches_a_reader_of_the_wrong_thing(monkeypatch, wrong_reader):
+    """Negative control of test_code_size_moves_with_the_code: the report built on a reader
+    that returns the cubin's size, another section of the kernel's or another kernel's text
+    fails check_code_sizes."""
+    monkeypatch.setattr(elf, "text_sizes", wrong_reader)
+    rep = ptxas.ptxas_report_source(CODE, CODE_EXPR, arch="sm_90", filename="toy_code.cu")
+    with pytest.raises(AssertionError):
+        check_code_sizes({name: r.code_bytes for name, r in rep.items()})
 
 
 def test_maxrregcount_makes_it_spill():
@@ -168,6 +222,7 @@ def test_report_covers_every_registry_instance():
         assert r.registers <= 255
         assert r.spill_stores >= 0 and r.spill_loads >= 0 and r.stack_bytes >= 0
         assert r.barriers is not None
+        assert r.code_bytes > 0 and r.code_bytes % 16 == 0, (inst.name, r.code_bytes)
         # shared memory is O(head dims + tile), never O(n_ctx): static + dynamic fits an SM
         assert r.smem_bytes + inst.smem_bytes <= 227 * 1024, inst.name
         # Registers, not local memory: the kernels that hold operands in registers for a

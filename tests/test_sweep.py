@@ -20,7 +20,8 @@ def fake_report(regs):
     out = {}
     for hpb, r in regs.items():
         inst = registry.attn_instance(hpb)
-        out[inst.name] = KernelResources(inst.name, "_Z", "sm_90", r, 0, 0, 0, 0, None, None)
+        out[inst.name] = KernelResources(inst.name, "_Z", "sm_90", r, 0, 0, 0, 0, None, None,
+                                         code_bytes=4096)
     return out
 
 

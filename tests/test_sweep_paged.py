@@ -24,7 +24,7 @@ CFG = dict(batch=4, lengths="3000,100,0,9000", heads=16)
 def _res(name, regs, spills=0, smem=0):
     return KernelResources(name=name, mangled=name, arch="sm_90", registers=regs,
                            spill_stores=spills, spill_loads=spills, stack_bytes=0,
-                           smem_bytes=smem, cmem0_bytes=0, barriers=1)
+                           smem_bytes=smem, cmem0_bytes=0, barriers=1, code_bytes=4096)
 
 
 def _t(us):
