@@ -95,15 +95,23 @@ def include_dirs(extra):
 def whole_cubin(prog):
     """The cubin of a compiled NVRTC program, every byte: CuPy's nvrtc.getCUBIN drops the
     last one (as it does PTX's NUL), and a file of that is not a whole ELF. Read from the
-    libnvrtc CuPy loaded, found in /proc/self/maps."""
+    libnvrtc CuPy loaded: cuda.pathfinder's (CuPy 14 loads it so), else the one mapped."""
     import ctypes
 
-    with open("/proc/self/maps") as f:
-        mapped = {line.split(None, 5)[5].strip() for line in f if len(line.split()) == 6}
-    paths = sorted(p for p in mapped if os.path.basename(p).startswith("libnvrtc.so"))
-    if not paths:
-        raise RuntimeError("the NVRTC library CuPy loaded is not in /proc/self/maps")
-    lib = ctypes.CDLL(paths[0])
+    try:
+        from cuda import pathfinder
+
+        path = pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path
+    except Exception:
+        with open("/proc/self/maps") as f:
+            mapped = {line.split(None, 5)[5].strip() for line in f if len(line.split()) == 6}
+        paths = sorted({os.path.realpath(p) for p in mapped
+                        if os.path.basename(p).startswith("libnvrtc.so")})
+        if len(paths) != 1:
+            raise RuntimeError("cannot tell which NVRTC library CuPy loaded: "
+                               f"{', '.join(paths) or 'none'} mapped")
+        path = paths[0]
+    lib = ctypes.CDLL(path)
     size = ctypes.c_size_t()
     handle = ctypes.c_void_p(int(prog))
     if lib.nvrtcGetCUBINSize(handle, ctypes.byref(size)) != 0 or size.value == 0:

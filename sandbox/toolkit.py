@@ -81,18 +81,29 @@ def nvrtc_version() -> tuple[int, int]:
 
 
 def _loaded_nvrtc() -> ctypes.CDLL:
-    """The NVRTC library this process loaded through CuPy, by the path in /proc/self/maps
-    (the same library and the same program handles as cupy.cuda.nvrtc)."""
+    """The NVRTC library CuPy compiles with (so that its program handles are valid here).
+
+    CuPy 14 loads it through cuda.pathfinder, which caches what it loaded: asking it again
+    gives the same file. Without pathfinder, the one libnvrtc mapped into the process; two
+    different ones (another package's beside CuPy's) are an error, not a guess."""
     _nvrtc()
     nvrtc_version()  # CuPy loads the library on its first call
     try:
+        from cuda import pathfinder
+
+        return ctypes.CDLL(pathfinder.load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception:
+        pass
+    try:
         with open("/proc/self/maps") as f:
-            paths = {line.split(None, 5)[5].strip() for line in f if len(line.split()) == 6}
+            mapped = {line.split(None, 5)[5].strip() for line in f if len(line.split()) == 6}
     except OSError as exc:
         raise ToolkitError(f"cannot read /proc/self/maps to find the NVRTC library: {exc}")
-    found = sorted(p for p in paths if os.path.basename(p).startswith("libnvrtc.so"))
-    if not found:
-        raise ToolkitError("the NVRTC library CuPy loaded is not in /proc/self/maps")
+    found = sorted({os.path.realpath(p) for p in mapped
+                    if os.path.basename(p).startswith("libnvrtc.so")})
+    if len(found) != 1:
+        raise ToolkitError("cannot tell which NVRTC library CuPy loaded: "
+                           f"{', '.join(found) or 'none'} mapped, and no cuda.pathfinder")
     return ctypes.CDLL(found[0])
 
 

@@ -34,8 +34,9 @@ HAVE_GPU, GPU_REASON = toolkit.device_available()
 VARIANTS = registry.variant_names()
 # what a script may import: the standard library's few, CuPy and NumPy (tempfile holds the
 # cubin of an sm_90a kernel between NVRTC and cupy.RawModule(path=...))
+# cuda: cuda.pathfinder, which CuPy 14 installs and loads NVRTC with
 SCRIPT_IMPORTS = {"argparse", "contextlib", "os", "platform", "sys", "tempfile", "numpy",
-                  "cupy", "cupy_backends", "ctypes", "dataclasses"}
+                  "cupy", "cupy_backends", "ctypes", "dataclasses", "cuda"}
 
 
 def top_imports(text: str) -> set:

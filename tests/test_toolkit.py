@@ -186,6 +186,32 @@ def test_nvrtc_cubin_is_the_whole_elf():
     assert len(cubin[:-1]) < elf_extent(cubin[:-1])
 
 
+def test_nvrtc_cubin_without_pathfinder_takes_the_one_mapped_library(monkeypatch):
+    """Without cuda.pathfinder the library is the one libnvrtc mapped into the process: the
+    same cubin."""
+    import builtins
+
+    from cupy.cuda import nvrtc
+
+    real_import = builtins.__import__
+
+    def no_pathfinder(name, *args, **kw):
+        if name == "cuda" or name.startswith("cuda."):
+            raise ImportError("the test's: no cuda.pathfinder")
+        return real_import(name, *args, **kw)
+
+    src = 'extern "C" __global__ void twice(float* x) { x[threadIdx.x] *= 2.0f; }\n'
+    prog = nvrtc.createProgram(src, "twice.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90"])
+        want = toolkit.nvrtc_cubin(prog)
+        monkeypatch.setattr(builtins, "__import__", no_pathfinder)
+        assert toolkit.nvrtc_cubin(prog) == want
+    finally:
+        monkeypatch.undo()
+        nvrtc.destroyProgram(prog)
+
+
 def test_nvrtc_cubin_of_a_ptx_only_program_is_a_clear_error():
     from cupy.cuda import nvrtc
 
