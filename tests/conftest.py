@@ -1,4 +1,5 @@
-"""Shared fixtures: fresh random seeds that a failure can replay; skips summed up by reason.
+"""Shared fixtures: fresh random seeds that a failure can replay; skips summed up by reason;
+no terminal width from the shell (tables are laid out as piped).
 
 Every run draws a new entropy (so a constant seed cannot hide a bug), prints it in the
 header, and every test derives its seeds from it and its own name. A failing test's message
@@ -87,3 +88,13 @@ def cupy_device():
     except Exception as exc:  # ImportError, no driver, no device
         pytest.skip(f"needs a CUDA device: {type(exc).__name__}: {exc}")
     return cupy
+
+
+@pytest.fixture(autouse=True)
+def _no_terminal_width(monkeypatch):
+    """The tables' layout in a test does not depend on the shell that runs it: without
+    COLUMNS a piped console is 200 wide (cli/render.console), and a test that wants another
+    width passes COLUMNS to its CliRunner. A COLUMNS of 80 from the shell dropped columns
+    that five table tests read (seen on the device machine)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
