@@ -46,7 +46,7 @@ from mlasandbox.paged_inputs import make_paged_inputs
 from mlasandbox.reference import decode_paged, to_host
 from test_gpu_paged_kernels import (Case, _inputs, check_mixed_chunks, run_paged,
                                     check_a_merge_that_skips_unwritten_requests_fails)
-from tolerances import MARGIN
+from tolerances import MARGIN, U32
 
 U16 = {"f16": 2.0 ** -11, "bf16": 2.0 ** -8}   # unit roundoff of the 16-bit dtypes
 F32_TOL = 1e-4                                 # the exact kernels' tolerance (compare.py)
@@ -118,7 +118,8 @@ def rounding_tolerance(inp, ref, cache: str, request: int | None = None) -> Tole
     return Tolerance(out=bound, latent=bound, lse_abs=F32_TOL)
 
 
-def check_each_request(res, ref, inp, cache: str, label: str) -> None:
+def check_each_request(res, ref, inp, cache: str, label: str,
+                       lse_abs: float = F32_TOL) -> None:
     """Every request that sees a position, compared alone at its own bound (rounding_bound
     of its rows). The whole batch's relL2 weighs a request by its ||latent||, and a short
     request's latent (an average of a few rows) is far larger than a long one's. The float64
@@ -138,7 +139,8 @@ def check_each_request(res, ref, inp, cache: str, label: str) -> None:
                             for a in (res.latent, res.lse, res.out)))
         want = PagedResult(*(None if a is None else a[b:b + 1]
                              for a in (ref.latent, ref.lse, ref.out)))
-        tol = rounding_tolerance(inp, ref, cache, request=b)
+        tol = dataclasses.replace(rounding_tolerance(inp, ref, cache, request=b),
+                                  lse_abs=lse_abs)
         cmp = compare_paged(got, want, tol)
         assert cmp.ok, (f"{label}: request {b} (length {int(lengths[b])}) alone, tolerance "
                         f"{tol}\n{cmp.summary()}")
@@ -259,6 +261,20 @@ RISING = [
 ]
 
 
+def rising_tolerance(inp, ref, cache: str) -> Tolerance:
+    """rounding_tolerance with lse's bound grown with the scores. A rising row's score
+    s = scale sum_i q_i k_i sums 576 products mostly of one sign (the climb lies along the
+    same direction in q and k), so its f32 accumulation error grows with |s|: about
+    sqrt(576) u32 |s| for rounding errors of random sign, 1.6e-4 at the |lse| of ~115 these
+    inputs reach, over the 1e-4 that random inputs' lse is held to (the H200 measured
+    1.78e-4, seed 674095496). lse gets 1e-4 + MARGIN x sqrt(576) u32 max |lse|."""
+    tol = rounding_tolerance(inp, ref, cache)
+    lse = to_host(ref.lse)
+    top = float(np.abs(lse[np.isfinite(lse)]).max(initial=0.0))
+    lse_abs = F32_TOL + MARGIN * math.sqrt(registry.KEY_DIM) * U32 * top
+    return dataclasses.replace(tol, lse_abs=lse_abs)
+
+
 @gpu
 @sm90
 @pytest.mark.parametrize("case", RISING, ids=str)
@@ -267,10 +283,11 @@ def test_wgmma_rescales_a_running_max_that_keeps_rising(case):
     inp = rising_inputs(case, seed)
     res, _ = run_paged(inp, case.variant, case.max_chunks, target=case.target)
     ref = decode_paged(**inp.decode_args())
-    tol = rounding_tolerance(inp, ref, case.cache)
+    tol = rising_tolerance(inp, ref, case.cache)
     cmp = compare_paged(res, ref, tol)
     assert cmp.ok, f"{case} rising seed={seed} tolerance={tol}\n{cmp.summary()}"
-    check_each_request(res, ref, inp, case.cache, f"{case} rising seed={seed}")
+    check_each_request(res, ref, inp, case.cache, f"{case} rising seed={seed}",
+                       tol.lse_abs)
 
 
 @gpu
