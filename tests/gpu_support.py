@@ -25,15 +25,22 @@ def fresh_seed() -> int:
 
 
 def poison(step) -> None:
-    """NaN-fill everything a run of `step` must write (outputs and split partials)."""
+    """NaN-fill everything a run of `step` (a DecodeStep or a PagedDecodeStep) must write: the
+    outputs (a paged step without wv_b has no out), the split partials and the one-kernel
+    combine's out parts; and set a paged step's chunk counts to -1, which merges no chunk, so
+    counts the attention kernel failed to publish (or left in the per-device scratch by an
+    earlier step of the same inputs) fail every row that sees a position, as in
+    sandbox/battery.py. The fills go on the current stream: a run on another stream (a
+    graph's) must wait for them."""
     import cupy
 
-    for arr in (step.out, step.latent, step.lse):
-        arr.fill(cupy.nan)
-    for name in ("part_acc", "part_m", "part_l", "out_part"):
+    for name in ("out", "latent", "lse", "part_acc", "part_m", "part_l", "out_part"):
         buf = getattr(step, name, None)
         if buf is not None:
             buf.fill(cupy.nan)
+    counts = getattr(step, "chunk_counts", None)
+    if counts is not None:
+        counts.fill(-1)
 
 
 def run_poisoned(step):

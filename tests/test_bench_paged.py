@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from gpu_support import gpu
+from gpu_support import fresh_seed, gpu
 
 from mlasandbox import bench_gpu, metrics, toolkit
 from mlasandbox.auto_variant import AutoFacts, auto_name
@@ -546,15 +546,16 @@ def test_cli_on_a_gpu_says_and_labels_what_auto_ran(monkeypatch, tmp_path):
 
 @gpu
 def test_gpu_paged_bench_checks_times_and_replays_every_variant():
+    seed = fresh_seed()
     cfg = make_paged_config(batch=3, lengths="0,300,5000", heads=16, s_q=2, causal=True,
                             page_size=16, peers=("torch", "flashmla"), aa_rounds=2,
                             target_ms=5.0, max_repeats=20, min_repeats=3,
-                            copy_bytes=64 << 20, gemm_n=2048)
+                            copy_bytes=64 << 20, gemm_n=2048, seed=seed)
     res = run_paged_bench(backend=PagedBackend(), config=cfg)
     ours = [c for c in res["checks"] if c["kind"] == "variant"]
     assert [c["variant"] for c in ours] == list(cfg.variants)
-    assert all(c["ok"] for c in ours), [c["detail"] for c in ours if not c["ok"]]
-    assert res["ok"] and res["noise_floor"]["runs"][0]["same_code"]
+    assert all(c["ok"] for c in ours), (seed, [c["detail"] for c in ours if not c["ok"]])
+    assert res["ok"] and res["noise_floor"]["runs"][0]["same_code"], f"seed={seed}"
     graph = [r for r in res["rows"] if r["phase"] == "graph"]
     assert len(graph) == len(cfg.variants) and all(r["tokens_per_s"] > 0 for r in graph)
     # the latent step (no wv_b) of every variant, its work that of the peers
@@ -578,15 +579,18 @@ def test_gpu_paged_bench_checks_and_times_what_auto_resolves_to_on_this_device()
     from mlasandbox.paged_inputs import make_paged_inputs
 
     # 128 rows x 4096 x 4 requests, q f16: a large step, wgmma64 on an H200 (sm_90)
+    seed = fresh_seed()
     cfg = make_paged_config(batch=4, lengths="4096", heads=128, aa_rounds=2, target_ms=5.0,
-                            max_repeats=20, min_repeats=3, copy_bytes=64 << 20, gemm_n=2048)
+                            max_repeats=20, min_repeats=3, copy_bytes=64 << 20, gemm_n=2048,
+                            seed=seed)
     arch = toolkit.arch_of_device()
     want = auto_name(1, 128, AutoFacts.of_lengths(cfg.lengths, 64, "f16", "f16", arch))
     if arch == "sm_90":
         assert want == "wgmma64"
     res = run_paged_bench(backend=PagedBackend(), config=replace(cfg, variants=("auto", want)))
     assert res["auto"]["variant"] == want and res["auto"]["also_asked"]
-    assert res["ok"] and [c["variant"] for c in res["checks"]] == [want]
+    assert res["ok"] and [c["variant"] for c in res["checks"]] == [want], \
+        (seed, res["checks"])
     assert res["plans"][want]["variant"] == want          # the step built and timed
     ours = [r for r in res["rows"] if r["variant"] != "-"]
     assert ours and all((r["asked"], r["variant"]) == ("auto", want) for r in ours)
@@ -600,11 +604,12 @@ def test_gpu_paged_bench_checks_and_times_what_auto_resolves_to_on_this_device()
 
 @gpu
 def test_gpu_paged_check_has_power_without_the_rescale():
-    cfg = make_paged_config(batch=2, lengths="5000,3000", heads=16, aa_rounds=2)
+    seed = fresh_seed()
+    cfg = make_paged_config(batch=2, lengths="5000,3000", heads=16, aa_rounds=2, seed=seed)
     be = PagedBackend()
     be.prepare_paged(cfg)
     rows = be.check_paged(cfg, rescale=False)
-    assert rows and not any(r["ok"] for r in rows if r["kind"] == "variant"), rows
+    assert rows and not any(r["ok"] for r in rows if r["kind"] == "variant"), (seed, rows)
 
 
 def test_a_peer_the_check_finds_unfit_is_skipped_not_timed():

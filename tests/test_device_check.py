@@ -4,7 +4,7 @@ stand-in backend; the real run is a GPU test."""
 from __future__ import annotations
 
 
-from gpu_support import gpu
+from gpu_support import fresh_seed, gpu
 from mlasandbox import device_check, registry
 
 
@@ -60,11 +60,13 @@ def test_a_control_that_passes_or_cannot_run_fails_the_check():
 
 @gpu
 def test_on_the_device_every_variant_passes_and_every_control_fails():
-    rows = device_check.device_checks(registry.variant_names())
+    seed = fresh_seed()
+    rows = device_check.device_checks(registry.variant_names(), seed=seed)
     bad = [f"{r['name']}: {r['detail']}" for r in rows if not r["ok"]]
-    assert not bad, "\n".join(bad)
+    assert not bad, f"seed={seed}\n" + "\n".join(bad)
     controls = [r for r in rows if "control" in r["name"]]
     splitting = [n for n in registry.variant_names()
                  if registry.variant(n).is_cuda and registry.variant(n).splits]
     assert sorted(r["variant"] for r in controls) == sorted(splitting)
-    assert all(r["ran"] and r["latent_relL2"] > r["tolerance"] for r in controls)
+    assert all(r["ran"] and r["latent_relL2"] > r["tolerance"] for r in controls), \
+        f"seed={seed}"

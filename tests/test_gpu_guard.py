@@ -12,7 +12,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from gpu_support import device_inputs, gpu
+from gpu_support import device_inputs, gpu, poison
 from mlasandbox import registry
 from mlasandbox.dims import Dims
 
@@ -92,6 +92,13 @@ def test_without_sync_check_the_fault_surfaces_at_a_later_checkpoint():
 
 @pytest.mark.parametrize("variant", ["batched12", "tiled16", "mma16"])
 def test_a_launch_with_too_little_shared_memory_traps_instead_of_computing_garbage(variant):
+    """The kernel's own check (mla_common.cuh, require_dynamic_smem: __trap() where the
+    dynamic shared memory is short, before any of it is touched) stops it. The error is the
+    trap's, cudaErrorLaunchFailure, "unspecified launch failure" (CUDA_ERROR_LAUNCH_FAILED
+    from the driver API), and no illegal address or instruction: a kernel that ran on with
+    wrong offsets into global memory would raise "an illegal memory access was encountered".
+    (CUDA reports an out-of-range shared-memory access as a launch failure too: the name
+    alone does not tell that one from the trap.)"""
     r = run_script("""
         import numpy as np, cupy
         from mlasandbox.api import DecodeStep
@@ -109,8 +116,11 @@ def test_a_launch_with_too_little_shared_memory_traps_instead_of_computing_garba
             print('NO ERROR')
         except PhaseError as e:
             print('PHASE', e.phase)
+            print(e)
     """.replace("{variant}", variant))
     assert "PHASE attn" in r.stdout, r.stdout + r.stderr
+    assert "unspecified launch failure" in r.stdout, r.stdout + r.stderr
+    assert "illegal" not in r.stdout.lower(), r.stdout + r.stderr
 
 
 def _inputs(**over):
@@ -216,12 +226,14 @@ def test_inside_a_graph_capture_the_guard_skips_its_poll_and_the_replay_is_the_s
     step = DecodeStep(**inp.decode_args(), variant="split", sync_check=True)
     res = step.run()
     want = [res.out.get(), res.latent.get(), res.lse.get()]
-    for arr in (step.out, step.latent, step.lse):
-        arr.fill(cupy.nan)
     polls = step.guard.polls
     stream = cupy.cuda.Stream(non_blocking=True)
     graph = capture_graph(step.run, stream)
     assert step.guard.captured == len(step.launches) and step.guard.polls == polls
+    # the eager run left this step's partials in the scratch: a replay that ran the merge
+    # alone would reproduce every word from them, so they are poisoned with the outputs
+    poison(step)
+    cupy.cuda.Device().synchronize()   # the fills are on the current stream, the replay not
     graph.launch(stream)
     stream.synchronize()
     for got, ref in zip((step.out, step.latent, step.lse), want):

@@ -140,32 +140,72 @@ def test_one_slice_writes_latent_and_lse_without_the_merge(variant):
         assert np.abs(step.lse.get() - ref.lse).max() < 1e-4, f"{variant} seed={seed}"
 
 
+# 29 = 16 + 13 heads: a full block and a partial one for the 16-head blocks (batched16,
+# tiled16, mma16), 12 + 12 + 5 for batched12, one partial block of 32 for mma32
+SPLIT_HEADS = 29
+
+
 @gpu
 @pytest.mark.parametrize("splits", [1, 2, 3, 7, 16, 33, 64, 129, 200])
 @pytest.mark.parametrize("variant", ["split", "batched12", "batched16", "tiled16", "mma16",
                                      "mma32"])
 def test_every_split_count_matches_one_reference(variant, splits):
-    """One reference, every S, including S > n_ctx (empty slices must be neutral)."""
+    """One reference, every S, including S > n_ctx (empty slices must be neutral: 1 of 16,
+    21 of 64, 71 of 200 at 129 positions)."""
     from mlasandbox.api import DecodeStep
+    from mlasandbox.splits import slice_bounds
 
-    n_ctx = 129
-    inp, seed = device_inputs(Dims(n_head=13), n_ctx, "f16", "f32")
+    n_ctx, h = 129, SPLIT_HEADS
+    inp, seed = device_inputs(Dims(n_head=h), n_ctx, "f16", "f32")
     step = DecodeStep(**inp.decode_args(), variant=variant, splits=splits, sync_check=True)
     assert step.plan.splits == splits
     check_step(step, inp, seed, Tolerance(), f"{variant} S={splits}")
-    if splits > n_ctx:
-        from mlasandbox.splits import slice_bounds
-
+    empty = [s for s in range(splits) if slice_bounds(n_ctx, splits, s)[0] >= n_ctx]
+    # counted apart from slice_bounds: slices of ceil(n_ctx / S) positions, of which the
+    # first ceil(n_ctx / that) hold one
+    n_empty = splits - -(-n_ctx // -(-n_ctx // splits))
+    assert len(empty) == n_empty == step.plan.empty_slices, (empty, n_empty)
+    if not step.single_pass:   # (a single pass writes latent and lse, no partial)
         # the partials were NaN-poisoned before the run: every slice writes its (m, l), an
         # empty one the neutral (-inf, 0, acc 0) that the combine weighs by 0
-        h = 13
         m = step.part_m.get()[:splits * h].reshape(splits, h)
         l = step.part_l.get()[:splits * h].reshape(splits, h)
-        empty = [s for s in range(splits) if slice_bounds(n_ctx, splits, s)[0] >= n_ctx]
-        assert len(empty) == step.plan.empty_slices > 0
-        assert not np.isnan(m).any() and not np.isnan(l).any(), "every partial is written"
+        assert not np.isnan(m).any() and not np.isnan(l).any(), \
+            f"every partial is written, seed={seed}"
         assert np.all(np.isneginf(m[empty])) and np.all(l[empty] == 0), \
-            "empty partials must be neutral"
+            f"empty partials must be neutral, seed={seed}"
+        live = np.setdiff1d(np.arange(splits), empty)
+        assert np.all(l[live] > 0) and np.isfinite(m[live]).all(), \
+            f"every slice with a position carries weight, seed={seed}"
+
+
+# The combine reads a row's split weights a tile of kSplitTile = 256 at a time
+# (mla_combine.cu); its prefetch path, which loads the partials ahead in one step, takes
+# only splits <= 256 (and <= 16 x the column blocks).
+COMBINE_SPLIT_TILE = 256
+
+
+@gpu
+@pytest.mark.parametrize("splits", [257, 600])
+@pytest.mark.parametrize("variant", ["split", "mma16"])
+def test_more_splits_than_one_combine_tile_match_the_reference(variant, splits):
+    """Past 256 partials a row the combine takes its tile loop: the max over the partials
+    past the first 256, then the weights 256 at a time (257: a second tile of one partial;
+    600: three tiles, the last of 88). 96 heads on 132 SMs: 4 column blocks a row
+    (registry.combine_col_blocks), the merge then the projection. n_ctx 21000: every slice
+    holds positions at both counts (ceil(21000 / S) (S - 1) < 21000; 8 positions in the last
+    of 257, 35 in each of 600). Power (the float64 reference on the CPU, seeds 0-2, 96
+    heads): a merge that stopped after the first tile would drop the last 8 positions at 257,
+    latent relL2 4.6e-3 .. 1.2e-2, or the 12040 past slice 256 at 600, 0.44 .. 0.47: 46x and
+    4400x the default 1e-4."""
+    from mlasandbox.api import DecodeStep
+
+    n_ctx = 21000
+    inp, seed = device_inputs(Dims(n_head=96), n_ctx, "f16", "f32")
+    step = DecodeStep(**inp.decode_args(), variant=variant, splits=splits, sync_check=True)
+    assert step.plan.splits == splits > COMBINE_SPLIT_TILE and step.plan.empty_slices == 0
+    assert not step.single_pass
+    check_step(step, inp, seed, Tolerance(), f"{variant} S={splits}")
 
 
 @gpu
@@ -277,6 +317,8 @@ def test_below_the_gate_split_and_per_head_are_bit_identical(n_ctx):
     ra, rb = run_poisoned(a), run_poisoned(b)
     for f in ("out", "latent", "lse"):
         x, y = getattr(ra, f).get(), getattr(rb, f).get()
+        # written (the NaN poison, the same words in both, would be equal too)
+        assert np.isfinite(x).all() and np.isfinite(y).all(), f"{f} not written, seed={seed}"
         assert np.array_equal(x.view(np.uint32), y.view(np.uint32)), f"{f} differs, seed={seed}"
 
 
@@ -294,10 +336,15 @@ def test_q_absorb_matches_the_reference():
         got = as_f64(cupy.asnumpy(qa.run()))
         want = reference.q_absorb(inp.q_nope, inp.q_rope, inp.wk_b)
         # f32: one 128-term f32 dot product per entry, relL2 ~ u32 sqrt(128 / 2) ~ 5e-7
-        # (1e-5 leaves 20x); rounded to the cache dtype (to nearest), every entry moves by
-        # at most u16 |x| on top: relL2 <= u16 + 1e-5, where truncation would reach 2 u16
-        limit = 1e-5 if q_dtype == "f32" else U16[cache] + 1e-5
-        assert rel_l2(got, want) < limit, f"{cache}/{q_dtype} seed={seed}"
+        # (1e-5 leaves 20x). Rounded to the cache dtype: the float64 q of these very inputs
+        # (13 heads; 512 absorbed columns ~ N(0, 1), 64 rope columns exact in 16 bits),
+        # rounded on the CPU over seeds 0-1999, gives relL2 / u16 of 0.401 +- 0.005 to
+        # nearest (the largest 0.418 f16, 0.419 bf16) and 0.80 +- 0.009 by truncation (the
+        # smallest 0.773 f16, 0.763 bf16), in f16 and bf16 alike. 0.6 u16 lies 40 standard
+        # deviations above the one and 20 below the other; the f32 sum's 5e-7 is 1e-3 u16.
+        limit = 1e-5 if q_dtype == "f32" else 0.6 * U16[cache]
+        err = rel_l2(got, want)
+        assert err < limit, f"{cache}/{q_dtype} relL2 {err:.3g} >= {limit:.3g} seed={seed}"
 
 
 @gpu

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from gpu_support import gpu
+from gpu_support import fresh_seed, gpu, poison
 from mlasandbox import registry
 from mlasandbox.dims import Dims
 
@@ -61,16 +61,15 @@ def test_a_captured_step_replays_the_same_work(stream):
     from mlasandbox.bench_gpu import CupyBackend
     from mlasandbox.timing import capture_graph
 
+    seed = fresh_seed()
     be = CupyBackend()
-    be.prepare(Dims(n_head=16), 8192, "f16", "f32", seed=3)
+    be.prepare(Dims(n_head=16), 8192, "f16", "f32", seed=seed)
     step = be._step("batched12", 8192, "auto")
     with be.stream:
         be.qa.run()
         step.run()
     be.stream.synchronize()
     want = (step.out.copy(), step.latent.copy(), step.lse.copy())
-    for arr in (step.out, step.latent, step.lse):
-        arr.fill(cupy.nan)
 
     def phases():  # the guards' own code: they see the capture and skip their poll
         be.qa.run()
@@ -80,10 +79,17 @@ def test_a_captured_step_replays_the_same_work(stream):
     graph = capture_graph(phases, be.stream)
     assert step.guard.captured == len(step.launches) and be.qa.guard.captured == 1
     assert step.guard.polls == polls, "a poll inside the capture would have ended it"
+    # Everything the replay must write, poisoned: the outputs, the partials the eager run
+    # left in the scratch (a replay of the merge alone would give the same words from
+    # them), and the step's q, which is q_absorb's output (bench_gpu: DecodeStep(qa.q, ...)).
+    poison(step)
+    be.qa.q.fill(cupy.nan)
+    cupy.cuda.Device().synchronize()   # the fills are on the current stream, the replay not
     graph.launch(be.stream)
     be.stream.synchronize()
     for got, ref in zip((step.out, step.latent, step.lse), want):
-        np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(ref))
+        np.testing.assert_array_equal(cupy.asnumpy(got), cupy.asnumpy(ref),
+                                      err_msg=f"seed={seed}")
     be.release()
 
 
@@ -177,10 +183,11 @@ def _run(path):
 def test_the_repro_script_passes_on_the_device(tmp_path, variant):
     from mlasandbox.repro import make_case, write_script
 
-    case = make_case(variant, heads=16, contexts=(4095, 4096, 20000), seed=11)
+    seed = fresh_seed()   # the script prints it too
+    case = make_case(variant, heads=16, contexts=(4095, 4096, 20000), seed=seed)
     path = write_script(case, str(tmp_path / "r.py"))
     out = _run(path)
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 0, f"seed={seed}\n{out.stdout}{out.stderr}"
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("PASS:") and variant in last
     for word in ("GPU", "driver", "CUDA runtime", "CuPy", "NumPy"):
@@ -190,17 +197,20 @@ def test_the_repro_script_passes_on_the_device(tmp_path, variant):
 def test_the_repro_bf16_script_passes(tmp_path):
     from mlasandbox.repro import make_case, write_script
 
-    case = make_case("batched12", heads=12, contexts=(12289,), cache="bf16", q="cache")
+    seed = fresh_seed()
+    case = make_case("batched12", heads=12, contexts=(12289,), cache="bf16", q="cache",
+                     seed=seed)
     out = _run(write_script(case, str(tmp_path / "r.py")))
-    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.returncode == 0, f"seed={seed}\n{out.stdout}{out.stderr}"
 
 
 def test_the_repro_negative_control_fails(tmp_path):
     from mlasandbox.repro import make_case, write_script
 
-    case = make_case("split", heads=16, contexts=(20000,), negative_control=True)
+    seed = fresh_seed()
+    case = make_case("split", heads=16, contexts=(20000,), negative_control=True, seed=seed)
     out = _run(write_script(case, str(tmp_path / "neg.py")))
-    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.returncode == 1, f"seed={seed}\n{out.stdout}{out.stderr}"
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith("FAIL:") and "negative control" in last
 
@@ -214,7 +224,8 @@ PAGED_REPRO = [("mma16", 64, "f16", "f32"), ("wgmma64", 16, "f16", "f16"),
 def _paged_case(variant, page_size, cache, q, negative_control, **kw):
     from mlasandbox.repro import make_paged_case
 
-    shape = dict(batch=4, lengths="4097,0,1,300", s_q=2, causal=True, heads=16, seed=11)
+    shape = dict(batch=4, lengths="4097,0,1,300", s_q=2, causal=True, heads=16,
+                 seed=fresh_seed())   # the script prints it in its verdict's header
     return make_paged_case(variant, page_size=page_size, cache=cache, q=q,
                            negative_control=negative_control, **{**shape, **kw})
 
@@ -235,7 +246,7 @@ def _check_paged_verdict(out, case):
     """PASS (exit 0), or FAIL (exit 1) saying so for the negative control."""
     control = case.negative_control
     rc, verdict = (1, "FAIL:") if control else (0, "PASS:")
-    assert out.returncode == rc, out.stdout + out.stderr
+    assert out.returncode == rc, f"seed={case.seed}\n{out.stdout}{out.stderr}"
     last = out.stdout.strip().splitlines()[-1]
     assert last.startswith(verdict) and case.variant in last
     assert f"page={case.page_size}" in last and ("negative control" in last) == control

@@ -33,6 +33,7 @@ from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, PagedResult, pages_needed
 from mlasandbox.paged_inputs import make_paged_inputs
 from test_gpu_kernels import CUBLAS_TOL
+from tolerances import f32_error_scale
 
 PAGED_CUDA = ("split", "batched4", "batched16", "mma16", "mma32")
 PAGED_VARIANTS = PAGED_CUDA + ("cublas",)
@@ -281,16 +282,14 @@ def write_into(dev, host, stream=None) -> None:
 
 
 def replay_and_check(step, graph, dev, host, what: str) -> None:
-    """`host`'s inputs written into the buffers `graph` reads, its outputs NaN-filled, one
-    replay on the step's graph stream, compared with the float64 reference; the kernel's own
-    merge (where it runs) leaves its tickets at 0 for the next replay."""
-    import cupy
-
+    """`host`'s inputs written into the buffers `graph` reads, its outputs, partials and
+    chunk counts poisoned (gpu_support.poison), one replay on the step's graph stream,
+    compared with the float64 reference; the kernel's own merge (where it runs) leaves its
+    tickets at 0 for the next replay."""
     stream = step.graph_stream
     write_into(dev, host, stream)
     with stream:
-        for arr in (step.latent, step.lse, step.out):
-            arr.fill(cupy.nan)
+        poison(step)
     graph.launch(stream)
     stream.synchronize()
     cmp = compare_paged(step.result, reference.decode_paged(**host.decode_args()))
@@ -451,8 +450,13 @@ def test_the_validator_names_the_request_and_the_entry(seeds):
 @pytest.mark.parametrize("variant", ["split", "batched16", "mma16", "mma32"])
 def test_batch_one_paged_matches_contiguous_decode(seeds, variant):
     """The same rows through the table and as one contiguous cache: each within the default
-    tolerance of the float64 reference, so within twice it of each other (the triangle
-    inequality of the relL2 bounds)."""
+    tolerance of the float64 reference, and within the rounding model's bound of each other.
+    tests/tolerances.py bounds the relL2 of a correct f32 schedule on these very inputs by
+    MARGIN x its rms (f32_error_scale, per head, the largest taken: the whole tensor's relL2
+    is a weighted mean of the heads'); the unsplit chain over all 5000 positions is the
+    longest either path runs (chunks and slices only shorten it), so its bound holds for
+    both, and by the triangle inequality they differ by at most twice it: 2.3e-5 .. 3.3e-5
+    for latent and out (seeds 0-4 on the CPU), where the two checks above allow 2e-4."""
     import cupy
 
     n, seed = 5000, seeds.one()
@@ -466,9 +470,11 @@ def test_batch_one_paged_matches_contiguous_decode(seeds, variant):
     assert compare_paged(paged, ref).ok, f"seed={seed}"
     ref1 = reference.decode(host.q[0, 0], rows, host.wv_b, n)
     assert compare(dense, ref1).ok, f"seed={seed}"
-    for f in ("out", "latent"):
+    model = f32_error_scale(host.q[0, 0], rows, host.wv_b, n, host.scale)
+    for f, bound in (("out", model.out_bound()), ("latent", model.latent_bound())):
         err = rel_l2(getattr(paged, f)[0, 0], getattr(dense, f))
-        assert err <= 2e-4, f"{f}: paged vs contiguous relL2 {err:.2e}, seed={seed}"
+        assert err <= 2 * bound, \
+            f"{f}: paged vs contiguous relL2 {err:.2e} > {2 * bound:.2e}, seed={seed}"
 
 
 @gpu
@@ -516,6 +522,8 @@ def _as_cupy(res):
 @pytest.mark.parametrize("cache_dtype", ["f16", "bf16"])
 def test_torch_tensors_in_torch_tensors_out_on_torch_s_stream(seeds, cache_dtype):
     torch = pytest.importorskip("torch", reason="torch is an optional dependency")
+    import cupy
+
     from mlasandbox.paged_api import PagedDecodeStep
 
     seed = seeds.one()
@@ -524,20 +532,32 @@ def test_torch_tensors_in_torch_tensors_out_on_torch_s_stream(seeds, cache_dtype
     dev = on_device(host)
     args = _torch_inputs(torch, dev)
     assert args["kv_cache"].data_ptr() == dev.kv_cache.data.ptr
+    ref = reference.decode_paged(**host.decode_args())
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         step = PagedDecodeStep(**args, variant="mma32", sync_check=True)
         assert step.launch_stream().ptr == stream.cuda_stream
         assert step.kv_cache.data.ptr == args["kv_cache"].data_ptr(), "DLPack made a copy"
+    poison(step)   # on CuPy's current stream, which torch's stream does not wait for
+    cupy.cuda.Device().synchronize()
+    with torch.cuda.stream(stream):
         res = step.run()
+    stream.synchronize()
+    assert all(isinstance(t, torch.Tensor) and t.is_cuda for t in (res.latent, res.lse, res.out))
+    cmp = compare_paged(_as_cupy(res), ref)
+    assert cmp.ok, f"step.run, seed={seed}\n{cmp.summary()}"
+    assert res.latent.data_ptr() == step.latent.data.ptr
+    # decode_paged allocates its own outputs but shares the per-device scratch, where the run
+    # above left this batch's partials and chunk counts: poisoned again, so that a
+    # decode_paged whose attention did not run cannot pass by merging them
+    poison(step)
+    cupy.cuda.Device().synchronize()
+    with torch.cuda.stream(stream):
         res2 = mla.decode_paged(**args)
     stream.synchronize()
-    ref = reference.decode_paged(**host.decode_args())
-    for r in (res, res2):
-        assert all(isinstance(t, torch.Tensor) and t.is_cuda for t in (r.latent, r.lse, r.out))
-        cmp = compare_paged(_as_cupy(r), ref)
-        assert cmp.ok, f"seed={seed}\n{cmp.summary()}"
-    assert res.latent.data_ptr() == step.latent.data.ptr
+    assert all(isinstance(t, torch.Tensor) and t.is_cuda for t in (res2.latent, res2.lse, res2.out))
+    cmp = compare_paged(_as_cupy(res2), ref)
+    assert cmp.ok, f"decode_paged, seed={seed}\n{cmp.summary()}"
 
 
 @gpu
@@ -566,7 +586,7 @@ def test_a_capture_under_torch_cuda_graph_replays_new_lengths(seeds):
                                  np.array([0, 1, 64, 65, 1024, 3, 0, 500]))):
         host = refill(lengths, full.kv_cache.shape[0], seed + k + 1, cache_dtype="bf16")
         write_into(dev, host)
-        step.latent.fill(cupy.nan)
+        poison(step)
         cupy.cuda.Device().synchronize()
         graph.replay()
         torch.cuda.synchronize()

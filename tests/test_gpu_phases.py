@@ -164,10 +164,12 @@ def test_programmatic_steps_replay_in_a_graph_and_the_control_still_fails(varian
         assert step.pdl == supported()
         assert [ln.pdl for ln in step.launches] == [False, step.pdl]  # attn, the combine
         stream = cupy.cuda.Stream(non_blocking=True)
-        poison(step)
-        cupy.cuda.get_current_stream().synchronize()
         graph = capture_graph(step.run, stream)
         assert step.guard.programmatic == (1 if step.pdl else 0)
+        # what the replay must write, poisoned right before it (the scratch partials are
+        # shared with every step on the device); the fills are on the current stream
+        poison(step)
+        cupy.cuda.get_current_stream().synchronize()
         graph.launch(stream)
         stream.synchronize()
         verdicts[rescale] = compare(reference.DecodeResult(step.out, step.latent, step.lse),
