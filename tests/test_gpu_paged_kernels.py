@@ -105,6 +105,17 @@ CASES = [
     Case("mma16", 16, PAST_HELD, page_size=64, max_chunks=4, target=300, q="f16"),
     Case("split", 3, PAST_HELD, s_q=2, causal=True, page_size=16, max_chunks=3, target=260),
 ]
+# Batch 1, pages of a tile or more, chunks of 10 to 157 tiles (the first page's lookup tried
+# ahead of the length in docs/schedule.md, "What did not work"): (case, the chunk's tiles).
+BATCH_ONE = [
+    (Case("mma16", 16, (8192,), page_size=64, max_chunks=4), 32),
+    (Case("mma16", 16, (8256,), page_size=64, max_chunks=4, q="f16"), 33),
+    (Case("mma32", 16, (20000,), s_q=2, causal=True, page_size=64, max_chunks=16), 20),
+    (Case("batched8", 9, (20000,), page_size=64, max_chunks=64, cache="bf16"), 10),
+    (Case("split", 3, (8192,), page_size=64, max_chunks=4), 64),
+    (Case("mma16", 16, (20000,), page_size=64, max_chunks=2, cache="bf16", q="bf16"), 157),
+]
+CASES += [c for c, _ in BATCH_ONE]
 # A grid that offers a second wave (programs = 2 target), with lengths that take it (one
 # request would set one wave) and lengths that do not (even requests): (case, takes it).
 TWO_WAVES = [
@@ -266,6 +277,8 @@ SINGLE_PASS = [
     Case("batched16", 16, (20, 0, 4095), page_size=64, max_chunks=1, cache="bf16", q="bf16"),
     Case("mma16", 16, (4097, 0, 1, 140), page_size=64, max_chunks=1),
     Case("mma32", 8, (1, 700, 2000), s_q=4, causal=True, page_size=1, max_chunks=1),
+    # batch 1 with pages of a tile: the request's first page is its table's first entry
+    Case("batched4", 9, (3000,), s_q=2, causal=True, page_size=64, max_chunks=1),
 ]
 
 
@@ -277,6 +290,15 @@ def test_a_single_pass_writes_latent_and_lse_without_the_merge(case):
     res, _ = run_paged(inp, case.variant, 1, target=case.target, merge=False)
     cmp = compare_paged(res, decode_paged(**{**inp.decode_args(), "wv_b": None}))
     assert cmp.ok, f"{case} seed={seed}\n{cmp.summary()}"
+
+
+def test_the_batch_one_cases_have_the_chunks_they_say():
+    for c, tiles in BATCH_ONE:
+        tile = registry.paged_attention_instance(c.variant).tile_rows
+        n, chunk_len = request_chunks(list(c.lengths), c.max_chunks, tile,
+                                      MIN_TILES_PER_CHUNK * tile, c.target)
+        assert len(c.lengths) == 1 and c.page_size >= tile, c
+        assert chunk_len[0] == tiles * tile and n[0] > 1, (c, n, chunk_len)
 
 
 @gpu
