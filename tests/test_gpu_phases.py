@@ -256,6 +256,7 @@ extern "C" __global__ void late_q(const float* src, float* dst, int n, unsigned 
 }
 """
 LATE_Q_NS = 200_000
+CONTROL_RUNS = 40  # runs of the negative control until one fails (it stops at the first)
 
 
 @gpu
@@ -264,8 +265,10 @@ def test_the_attention_waits_for_a_late_q_and_without_its_wait_reads_it_early(va
     """The attention behind a kernel that writes q 200 us after it starts (late_q above):
     with its pdl_wait every run matches the reference, eager and replayed from a graph; the
     same kernel built without the wait (-DMLA_NO_PDL_WAIT, the negative control) reads the
-    NaN q and fails. The control is asked to fail in one of five runs, not all: a time slice
-    of another process on the GPU may fall inside the 200 us and let q land first."""
+    NaN q and fails. The control is asked to fail in one run of up to CONTROL_RUNS, not in
+    all: a time slice of another process on the GPU may fall inside the 200 us and let q land
+    first. Under the suite's 16 processes the control read q right in all five runs it once
+    had (mma16, H200, 2026-12-05), so it runs until one fails, up to CONTROL_RUNS."""
     import cupy
 
     from mlasandbox.api import DecodeStep
@@ -303,7 +306,7 @@ def test_the_attention_waits_for_a_late_q_and_without_its_wait_reads_it_early(va
             assert cmp.ok, f"{variant} graph seed={seed}\n{cmp.summary()}"
 
         step.attn_kernel = compile_with(step.attn_inst, "MLA_NO_PDL_WAIT")
-        assert not all(verdict(run).ok for _ in range(5)), \
+        assert any(not verdict(run).ok for _ in range(CONTROL_RUNS)), \
             f"{variant}: the attention without its wait read q after it was written (seed={seed})"
 
 
