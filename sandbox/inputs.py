@@ -34,7 +34,8 @@ from .bf16 import BF16_NAN_BITS, as_f32, to_storage
 from .dims import Dims, check_inputs, preset
 from .reference import q_absorb
 
-__all__ = ["DecodeInputs", "make_inputs", "make_rising_inputs", "RISING_SPAN"]
+__all__ = ["DecodeInputs", "make_inputs", "make_rising_inputs", "RISING_SPAN", "rising_q",
+           "rising_ramp"]
 
 
 @dataclass
@@ -125,6 +126,24 @@ def make_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str =
 # 2^128 overflows f32, i.e. e^88.7: a softmax that never moved its reference max after the
 # first tile would overflow, so this span makes a check fail on such a kernel.
 RISING_SPAN = 110.0
+RISING_ALONG = 10.0   # q . u of every row after rising_q (u = ones / sqrt(key_dim))
+
+
+def rising_q(q32: np.ndarray, key_dim: int) -> np.ndarray:
+    """f32 q (the key along the last axis) with its component along u = ones / sqrt(key_dim)
+    set to RISING_ALONG, exactly before rounding: make_rising_inputs' q."""
+    v = np.float32(key_dim ** -0.5)
+    return q32 + (np.float32(RISING_ALONG) - q32.sum(axis=-1, keepdims=True) * v) * v
+
+
+def rising_ramp(n: int, scale: float, key_dim: int) -> np.ndarray:
+    """[n, 1] f32: c_t u, added to cache row t of n, c_t from -RISING_SPAN / slope to
+    8 / slope (slope = scale x RISING_ALONG): against rising_q's q the scores climb by about
+    RISING_SPAN (natural log) over the n rows. make_rising_inputs' ramp."""
+    v = np.float32(key_dim ** -0.5)
+    slope = scale * RISING_ALONG                    # score per unit of c_t
+    c_lo, c_hi = -RISING_SPAN / slope, 8.0 / slope
+    return (np.linspace(c_lo, c_hi, n, dtype=np.float32) * v)[:, None]
 
 
 def make_rising_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str = "f16",
@@ -145,14 +164,8 @@ def make_rising_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype
     base = make_inputs(dims, n_alloc, n_ctx, cache_dtype, q_dtype, seed, nan_fill, np)
     d = dims if isinstance(dims, Dims) else preset(dims)
     n = base.n_ctx
-    v = np.float32(d.key_dim ** -0.5)
-    along = 10.0                                   # q[h] . (v * ones) ~ along
-    slope = base.scale * along                      # score per unit of c_t
-    c_lo, c_hi = -RISING_SPAN / slope, 8.0 / slope
-    q = as_f32(base.q, np)
-    q = q + (np.float32(along) - q.sum(axis=1, keepdims=True) * v) * v
-    ramp = np.linspace(c_lo, c_hi, n, dtype=np.float32) * v
-    cache32 = as_f32(base.cache[:n], np) + ramp[:, None]
+    q = rising_q(as_f32(base.q, np), d.key_dim)
+    cache32 = as_f32(base.cache[:n], np) + rising_ramp(n, base.scale, d.key_dim)
     cache = base.cache  # freshly drawn by make_inputs: ramped in place, rows >= n_ctx untouched
     cache[:n] = _store(cache32, cache_dtype)
     q, wv_b = _store(q, q_dtype), base.wv_b

@@ -40,7 +40,7 @@ from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
 from mlasandbox.compare import Tolerance
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
-from mlasandbox.inputs import RISING_SPAN
+from mlasandbox.inputs import rising_q, rising_ramp
 from mlasandbox.paged import PagedResult
 from mlasandbox.paged_inputs import make_paged_inputs
 from mlasandbox.reference import decode_paged, to_host
@@ -198,20 +198,15 @@ def test_wgmma_takes_a_scale_of_either_sign_or_zero(factor):
 
 def rising_paged(host):
     """make_rising_inputs' climb (sandbox/inputs.py) for every request of a paged batch, through
-    its block table: every (query token, head) row of q gets the component 10 along u = ones
-    / sqrt(key_dim), and position t of a request of n positions gets c_t u, c_t from
-    -RISING_SPAN / slope to 8 / slope (slope = 10 scale), so the request's scores climb by
-    ~RISING_SPAN (natural log) from its first position to its last, ~ slope c_t + N(0, ~2).
+    its block table: every (query token, head) row of q gets rising_q's component along u =
+    ones / sqrt(key_dim), and the n positions of each request rising_ramp(n), so the
+    request's scores climb by ~RISING_SPAN (natural log) from its first position to its last.
     Rows past each length and unused pages keep their NaN. Host arrays in (make_paged_inputs
     with xp=numpy), a new PagedInputs of host arrays out."""
     key = host.q.shape[-1]
     cache_dt = "bf16" if host.kv_cache.dtype == np.uint16 else "f16"
     q_dt = "f32" if host.q.dtype == np.float32 else cache_dt
-    v = np.float32(key ** -0.5)
-    along = 10.0
-    slope = host.scale * along
-    q = as_f32(host.q, np)
-    q = q + (np.float32(along) - q.sum(axis=-1, keepdims=True) * v) * v
+    q = rising_q(as_f32(host.q, np), key)
     cache = host.kv_cache.copy()
     page = cache.shape[1]
     for b, n in enumerate(np.asarray(host.cache_seqlens)):
@@ -220,8 +215,8 @@ def rising_paged(host):
             continue
         ids = np.asarray(host.block_table[b, :-(-n // page)], dtype=np.int64)
         rows = cache[ids].reshape(-1, key)
-        ramp = np.linspace(-RISING_SPAN / slope, 8.0 / slope, n, dtype=np.float32) * v
-        rows[:n] = to_storage(as_f32(rows[:n], np) + ramp[:, None], cache_dt, np)
+        rows[:n] = to_storage(as_f32(rows[:n], np) + rising_ramp(n, host.scale, key), cache_dt,
+                              np)
         cache[ids] = rows.reshape(len(ids), page, key)
     return dataclasses.replace(host, q=to_storage(q, q_dt, np), kv_cache=cache)
 
