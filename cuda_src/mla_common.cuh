@@ -198,7 +198,7 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 #ifndef MLA_LAZY_LOG2
 #define MLA_LAZY_LOG2 8.f
 #endif
-constexpr float kLazyLog2 = MLA_LAZY_LOG2;
+[[maybe_unused]] constexpr float kLazyLog2 = MLA_LAZY_LOG2;
 
 // ---- the shared-memory swizzle ---------------------------------------------------------
 // Chunk c (16 bytes) of tile row r lives at chunk (c ^ (r & 7)) of that row, for rows of
@@ -217,9 +217,9 @@ __device__ __forceinline__ int swizzled_chunk(int r, int c, int chunks_per_row) 
 // score partials borrow the spare tile buffer, later tiles compute on their bits, often NaN,
 // which the float pipes take at full speed).
 #ifdef MLA_ABLATE_CACHE_LOADS
-constexpr bool kAblateCacheLoads = true;
+[[maybe_unused]] constexpr bool kAblateCacheLoads = true;
 #else
-constexpr bool kAblateCacheLoads = false;
+[[maybe_unused]] constexpr bool kAblateCacheLoads = false;
 #endif
 
 // ---- the tile copy ------------------------------------------------------------------------
@@ -340,7 +340,7 @@ __device__ __forceinline__ void stage_q(const QT* __restrict__ q, int head0, int
 // 16-byte word of a 16-bit one) where stage_q issues one load, one index division and one
 // store per value: the prologue of a one-tile block was half its instructions.
 // kQ8Batch chunks (40 floats) a thread are in flight per memory round trip.
-constexpr int kQ8Batch = 5;
+[[maybe_unused]] constexpr int kQ8Batch = 5;
 __device__ __forceinline__ void load8_f32(const float* p, float (&v)[8]) {
     const float4 a = __ldcg(reinterpret_cast<const float4*>(p));
     const float4 b = __ldcg(reinterpret_cast<const float4*>(p) + 1);

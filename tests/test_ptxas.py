@@ -231,3 +231,25 @@ def test_report_covers_every_registry_instance():
         # control, not a kernel anyone times (it spills 4 bytes under NVRTC 13.5).
         if "rescale=false" not in inst.name:
             assert r.spill_stores == 0 and r.spill_loads == 0, f"{inst.name} spills"
+
+
+def _front_end_warnings(log: str) -> list[str]:
+    # NVRTC's front end writes "file(line): warning #N-D: ..."; ptxas's own lines say "ptxas"
+    return [ln for ln in log.splitlines() if ": warning #" in ln]
+
+
+def test_the_warning_check_sees_an_unused_namespace_constant():
+    # negative control: the form the shared header once had (a constant only some files use)
+    src = "namespace mla { constexpr int kUnused = 5; }\n" + TOY
+    log = ptxas.compile_program(src, [TOY_EXPR["toy<1,f16,f32>"]]).log
+    assert any("kUnused" in w for w in _front_end_warnings(log)), log
+
+
+@pytest.mark.parametrize("src", sorted({i.source for i in registry.all_instances()}))
+def test_every_source_compiles_without_front_end_warnings(src):
+    # A warning printed on every compile is noise that hides the one that matters; one
+    # instance of a source reaches every namespace-scope declaration of it and its headers.
+    inst = next(i for i in registry.all_instances() if i.source == src)
+    log = ptxas.compile_program(sources.read_source(src), [inst.expression],
+                                arch=ptxas.target_arch(inst, "sm_90"), filename=src).log
+    assert _front_end_warnings(log) == [], log
