@@ -239,7 +239,8 @@ def _front_end_warnings(log: str) -> list[str]:
 
 
 def test_the_warning_check_sees_an_unused_namespace_constant():
-    # negative control: the form the shared header once had (a constant only some files use)
+    # negative control: a namespace constant that the compiled kernel never reads, as a shared
+    # header holds for the sources that include it without using it
     src = "namespace mla { constexpr int kUnused = 5; }\n" + TOY
     log = ptxas.compile_program(src, [TOY_EXPR["toy<1,f16,f32>"]]).log
     assert any("kUnused" in w for w in _front_end_warnings(log)), log
