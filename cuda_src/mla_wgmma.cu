@@ -44,9 +44,10 @@
 // the rescale of O is skipped unless a row's max grew by more than 2^8. Each handoff from
 // one warpgroup to the other is an mbarrier (kBarP0 .. kBarK1Free below).
 // Copies: each warpgroup copies its own stage (the pages looked up during the scores before):
-// a whole tile in one page by bulk tensor copy (TMA, 4 or 5 boxes of 64 x 64 from one thread,
-// through the cache's tensor map, the kernel's last argument) where the host passes the map
-// (pages of 64 or more; sandbox/tensor_map.py), else by cp.async from every thread; in two
+// a whole tile in one page by bulk tensor copy (TMA, a group's four latent blocks in one box,
+// the rope block in another, from one thread, through the cache's tensor maps, the kernel's
+// last argument) where the host passes them (pages of 64 or more; sandbox/tensor_map.py),
+// else by cp.async from every thread; in two
 // groups: the blocks its own products free first go out as soon as
 // they are free, the rest once the other warpgroup is done with them; the scores start on
 // the first group and wait for the second after 20 (warpgroup 0) or 16 (1) of their 36
@@ -75,7 +76,10 @@ constexpr int kColBlock = 64;                        // 16-bit elements of a 128
 constexpr int kKeyBlocks = kWgKey / kColBlock;       // 9
 constexpr int kBlockBytes = 64 * 128;                // one column block of 64 rows
 constexpr int kWgTileBytes = kKeyBlocks * kBlockBytes;
+constexpr int kGroupBlocks = 4;                      // latent column blocks of a copy group
+constexpr int kMapBytes = 128;                       // sizeof(CUtensorMap)
 static_assert(kWgKey % kColBlock == 0 && kWgLora == 2 * 256, "two warpgroups of 256 columns");
+static_assert(2 * kGroupBlocks * kColBlock == kWgLora, "two copy groups of latent blocks a tile");
 // Rows the bulk copy's boxes are moved by: 0, but for a negative control's planted defect
 // (tests/test_gpu_wgmma.py), which shows the reference check sees the TMA path.
 #ifndef MLA_WGMMA_TMA_ROW_SHIFT
@@ -153,18 +157,24 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// ---- the bulk tensor copy (TMA) of whole tiles, through the cache's tensor map ----
-// The map (sandbox/tensor_map.py) lies in global memory, written by a host copy: acquired
-// once by each issuing thread before its first box.
-__device__ __forceinline__ void tma_acquire(const void* map) {
-    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(map) : "memory");
+// ---- the bulk tensor copy (TMA) of whole tiles, through the cache's tensor maps ----
+// Two maps, kMapBytes apart (sandbox/tensor_map.py): the 3-D map of the latent column blocks
+// (a box: kGroupBlocks blocks of 64 rows, one copy group's four blocks in one instruction,
+// where four 2-D boxes cost about 350 issue cycles of the issuing thread against 90), then
+// the 2-D map whose box is one block (the rope block). They lie in global memory, written by
+// a host copy: acquired once by each issuing thread before its first box.
+__device__ __forceinline__ void tma_acquire(const void* maps) {
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n"
+                 ::"l"(maps) : "memory");
+    asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n"
+                 ::"l"(static_cast<const char*>(maps) + kMapBytes) : "memory");
 }
 // One arrival that also expects `bytes` of bulk copies to complete on the barrier's phase.
 __device__ __forceinline__ void mbar_arrive_expect_bytes(unsigned long long* bar, unsigned bytes) {
     asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n"
                  ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
 }
-// Box (col, row) of the map, 64 elements of 64 rows, into `dst` in the 128-byte swizzle;
+// Box (col, row) of the 2-D map, 64 elements of 64 rows, into `dst` in the 128-byte swizzle;
 // its bytes count against `bar`'s expected transactions.
 __device__ __forceinline__ void tma_box(void* dst, const void* map, int col, int row,
                                         unsigned long long* bar) {
@@ -172,6 +182,16 @@ __device__ __forceinline__ void tma_box(void* dst, const void* map, int col, int
         "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
         " [%0], [%1, {%2, %3}], [%4];\n"
         ::"r"(smem_u32(dst)), "l"(map), "r"(col), "r"(row), "r"(smem_u32(bar)) : "memory");
+}
+// Box (0, row, block) of the 3-D map: 64 rows of column blocks block .. block + 3, each 64 x
+// 128 bytes in the 128-byte swizzle, one after the other from `dst` (a stage's layout).
+__device__ __forceinline__ void tma_blocks(void* dst, const void* map, int block, int row,
+                                           unsigned long long* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3, %4}], [%5];\n"
+        ::"r"(smem_u32(dst)), "l"(map), "r"(0), "r"(row), "r"(block), "r"(smem_u32(bar))
+        : "memory");
 }
 // Arrives on `bar` once this thread's earlier cp.async copies have landed, adding the arrival
 // to the phase's count first (on a barrier of one counted arrival: the TMA path's).
@@ -369,12 +389,13 @@ __device__ __noinline__ void seesaw_copy_async(unsigned char* stage, const Cache
 // `rope`, of tile t's 64 positions into `stage` (positions >= row_end zero-filled, so a tile
 // past the slice is all zeros: its scores are masked and its p is 0); `landed` completes its
 // phase once the group is in.
-// With a tensor map (`map`, every tile of the slice in one page), a whole tile goes by bulk
+// With the tensor maps (`map`, every tile of the slice in one page), a whole tile goes by bulk
 // tensor copy: once every warp of the warpgroup is past the products that read the blocks,
-// thread 0 expects the bytes and issues 4 or 5 boxes; `landed` counts that one arrival. A
-// tile with rows past row_end goes by cp.async (the copy engine would read those rows, which
-// the cache need not hold valid), each thread's arrival added to the count as its copies
-// land and thread 0's counted arrival after all of them are added.
+// thread 0 expects the bytes and issues one 3-D box of the four blocks (and a 2-D box of the
+// rope block); `landed` counts that one arrival. A tile with rows past row_end goes by
+// cp.async (the copy engine would read those rows, which the cache need not hold valid),
+// each thread's arrival added to the count as its copies land and thread 0's counted
+// arrival after all of them are added.
 // Without a map, cp.async by every thread, `landed` counting the 128 threads' arrivals.
 template <typename W>
 __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk, const void* map,
@@ -391,12 +412,12 @@ __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk,
             if (wt == 0) {
                 const int y =
                     (pg[0] << walk.page_shift) + (row0 & in_page) + MLA_WGMMA_TMA_ROW_SHIFT;
-                mbar_arrive_expect_bytes(landed, (rope ? 5 : 4) * kBlockBytes);
-#pragma unroll
-                for (int i = 0; i < 4; ++i)
-                    tma_box(stage + (four + i) * kBlockBytes, map, kColBlock * (four + i), y,
-                            landed);
-                if (rope) tma_box(stage + 8 * kBlockBytes, map, kWgLora, y, landed);
+                mbar_arrive_expect_bytes(landed,
+                                         (rope ? kGroupBlocks + 1 : kGroupBlocks) * kBlockBytes);
+                tma_blocks(stage + four * kBlockBytes, map, four, y, landed);
+                if (rope)
+                    tma_box(stage + 8 * kBlockBytes, static_cast<const char*>(map) + kMapBytes,
+                            kWgLora, y, landed);
             }
             return;
         }

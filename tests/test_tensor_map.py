@@ -67,6 +67,26 @@ def test_the_map_is_the_kernel_s_tile_layout():
     assert re.search(r"constexpr int kColBlock = %d;" % tensor_map.BOX_COLS, src)
 
 
+def test_the_blocks_map_is_a_copy_group_of_the_kernel_s_stage():
+    """One box of the 3-D map is a copy group's four latent blocks, landing block after block
+    (dimension 2 outermost) as the stage holds them; the kernel finds the rope map
+    MAP_BYTES after it."""
+    p = tensor_map.blocks_map_params(rows=64 * 1000)
+    assert p.dims == (64, 64000, 9) and p.strides == (1152, 128)
+    assert p.box == (64, 64, 4) and p.element_strides == (1, 1, 1)
+    assert p.swizzle == tensor_map.SWIZZLE_128B and p.data_type == tensor_map.DATA_TYPE_UINT16
+    # the box's bytes are the four blocks' a stage lays out back to back
+    assert p.box[0] * 2 * p.box[1] * p.box[2] == 4 * 64 * 128
+    assert tensor_map.MAPS_BYTES == 2 * tensor_map.MAP_BYTES == 256
+    src = Path(__file__).resolve().parents[1].joinpath("cuda_src", "mla_wgmma.cu").read_text()
+    assert re.search(r"constexpr int kGroupBlocks = %d;" % tensor_map.BOX_BLOCKS, src)
+    assert re.search(r"constexpr int kMapBytes = %d;" % tensor_map.MAP_BYTES, src)
+    with pytest.raises(ValueError, match="no 64-row box"):
+        tensor_map.blocks_map_params(rows=63)
+    with pytest.raises(ValueError, match="fewer than 4"):
+        tensor_map.blocks_map_params(rows=640, key_dim=192)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(rows=0), "1 to 2\\^32 cache rows"),
     (dict(rows=2 ** 32 + 1), "1 to 2\\^32 cache rows"),
@@ -96,6 +116,11 @@ def test_encode_passes_the_parameters_and_returns_the_driver_s_128_bytes():
     assert raw == bytes(range(128))
     assert seen == dict(dtype=1, rank=2, addr=0x7000_0000_0100, dims=[576, 128],
                         strides=[1152], box=[64, 64], estr=[1, 1], rest=(0, 3, 3, 0))
+    raw = tensor_map.encode(0x7000_0000_0100, tensor_map.blocks_map_params(rows=128),
+                            encoder=fake)
+    assert seen == dict(dtype=1, rank=3, addr=0x7000_0000_0100, dims=[64, 128, 9],
+                        strides=[1152, 128], box=[64, 64, 4], estr=[1, 1, 1],
+                        rest=(0, 3, 3, 0))
 
 
 def test_encode_reports_the_driver_s_refusal_and_a_misaligned_base():
