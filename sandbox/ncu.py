@@ -11,6 +11,7 @@ ones), then prints the report's raw and source pages as CSV for mlasandbox.stall
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -87,7 +88,11 @@ def kernel_filter(instance: registry.KernelInstance) -> str:
 
 
 def _tail(text: str, lines: int = 15) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:])
+    """ncu's own ==ERROR== lines (which the child's traceback can push out of a tail), then
+    the last `lines` lines of its output."""
+    all_lines = text.strip().splitlines()
+    errors = [ln for ln in all_lines[:-lines] if ln.startswith("==ERROR==")][:10]
+    return "\n".join(errors + all_lines[-lines:])
 
 
 def _run(cmd: list, timeout: float) -> str:
@@ -99,6 +104,30 @@ def _run(cmd: list, timeout: float) -> str:
     if done.returncode != 0:
         raise NcuError(f"ncu exited {done.returncode}:\n{_tail(out)}")
     return out
+
+
+def lock_path() -> str:
+    """The file whose lock one profiling run of this user holds at a time."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"mlasandbox-ncu-{uid}.lock")
+
+
+@contextlib.contextmanager
+def _one_profile_at_a_time():
+    """Hold lock_path()'s exclusive lock: ncu sessions of several processes (the GPU suite's
+    workers, two `mlasandbox stalls` in two shells) would share the GPU's performance
+    counters, which ncu does not support. Without fcntl (not POSIX), no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(lock_path(), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
@@ -129,7 +158,8 @@ def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
         cmd = [exe, "-f", "-o", report, "--section", "SourceCounters", "--section",
                "WarpStateStats", "--metrics", metrics, "-k", f"regex:{kernel_filter(instance)}",
                "--launch-count", "1", sys.executable, "-m", "mlasandbox.ncu", *child]
-        log = _run(cmd, timeout)
+        with _one_profile_at_a_time():
+            log = _run(cmd, timeout)
         if not os.path.exists(report + ".ncu-rep"):
             raise NcuError(f"ncu profiled no {instance.name} launch:\n{_tail(log)}")
         rep = report + ".ncu-rep"

@@ -386,6 +386,40 @@ def _profile_on_a_shared_gpu(*args, **kwargs):
     return ncu.profile_attention(*args, **kwargs)
 
 
+def test_ncu_profiles_one_process_at_a_time(monkeypatch):
+    """The profiling run holds the lock file's exclusive lock (a second holder, here a second
+    open file in this process, cannot take it then); outside the run anyone can."""
+    fcntl = pytest.importorskip("fcntl")
+
+    def held() -> bool:
+        with open(ncu.lock_path(), "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return False
+
+    seen = []
+    monkeypatch.setattr(ncu, "find_ncu", lambda explicit=None: "ncu-stand-in")
+    monkeypatch.setattr(ncu, "_run", lambda cmd, timeout: seen.append(held()) or "")
+    assert not held()  # the control: nobody holds it now
+    with pytest.raises(ncu.NcuError, match="profiled no"):
+        ncu.profile_attention("mma16", 16, 1024)
+    assert seen == [True]
+    assert not held()
+
+
+def test_an_ncu_failure_keeps_ncus_error_lines_ahead_of_the_tail():
+    """ncu's ==ERROR== line (what _profile_on_a_shared_gpu matches) survives a long traceback
+    of the child after it."""
+    out = "==PROF== Connected\n==ERROR== LaunchFailed\n" + "\n".join(
+        f"  traceback line {i}" for i in range(40))
+    tail = ncu._tail(out)
+    assert tail.splitlines()[0] == "==ERROR== LaunchFailed"
+    assert tail.splitlines()[-1] == "  traceback line 39" and "line 20" not in tail
+
+
 def test_only_ncus_device_failures_are_profiled_again(monkeypatch):
     calls = []
 
