@@ -386,10 +386,12 @@ def _profile_on_a_shared_gpu(*args, **kwargs):
     return ncu.profile_attention(*args, **kwargs)
 
 
-def test_ncu_profiles_one_process_at_a_time(monkeypatch):
+def test_ncu_profiles_one_process_at_a_time(monkeypatch, tmp_path):
     """The profiling run holds the lock file's exclusive lock (a second holder, here a second
-    open file in this process, cannot take it then); outside the run anyone can."""
+    open file in this process, cannot take it then); outside the run anyone can. The file is
+    this test's own, so a real profile on another worker of the GPU suite cannot hold it."""
     fcntl = pytest.importorskip("fcntl")
+    monkeypatch.setattr(ncu, "lock_path", lambda: str(tmp_path / "ncu.lock"))
 
     def held() -> bool:
         with open(ncu.lock_path(), "a") as f:
