@@ -487,7 +487,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
 
     unsigned long long* bars = reinterpret_cast<unsigned long long*>(smem + Smem::bars);
     unsigned long long* full = bars + kBarFull + 2 * wg;  // this warpgroup's two groups
-    // The bulk tensor copy where the host passed the cache's map; it sends whole tiles of
+    // The bulk tensor copy where the host passed the cache's maps; it sends whole tiles of
     // one page (the host passes none under pages of 64 positions, and checked here too).
     const void* map = kv_map != nullptr && walk.template tile_in_page<kWgTile>(row_start)
                           ? kv_map : nullptr;

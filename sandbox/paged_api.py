@@ -230,8 +230,8 @@ class PagedDecodeStep:
         if not user:  # a single-pass plan runs no merge: the instance that skips the partials
             self.attn_inst = registry.instance_for_plan(self.attn_inst, self.plan.single_pass)
         self.attn_kernel = user.kernel(self.attn_inst) if user else get_kernel(self.attn_inst)
-        # the wgmma family's bulk tensor copies read the cache through a tensor map
-        # (sandbox/tensor_map.py); None: cp.async
+        # the wgmma family's bulk tensor copies read the cache through its tensor maps
+        # (sandbox/tensor_map.py, one device buffer); None: cp.async
         if self.variant.family == "wgmma":
             self.kv_map = tensor_map.step_map(self.kv_cache)
         self.combine_kernel = get_kernel(self.combine_inst)
@@ -332,7 +332,7 @@ class PagedDecodeStep:
                 self.lse)
 
     def attn_launch_args(self) -> tuple:
-        """attn_args() and, for the wgmma family, the cache's tensor map last (a null pointer
+        """attn_args() and, for the wgmma family, the cache's tensor maps last (a null pointer
         where the copies go by cp.async); for the mma family its merge's tickets (a null
         pointer where the combine merges) and the merge's rescale flag. The contract a user
         kernel takes stays attn_args()."""

@@ -75,7 +75,7 @@ PAGED_ATTN_ARGS = ("q", "kv_cache", "block_table", "cache_seqlens", "n_rows", "n
                    "causal", "max_pages", "page_shift", "max_chunks", "min_chunk",
                    "scale_log2", "part_acc", "part_m", "part_l", "target", "batch",
                    "chunk_counts", "latent", "lse")
-# The wgmma family's launch takes the cache's tensor map after them
+# The wgmma family's launch takes the cache's tensor maps after them
 # (PagedDecodeStep.attn_launch_args).
 PAGED_WGMMA_ARGS = PAGED_ATTN_ARGS + ("kv_map",)
 # The mma family's launch takes its own merge's tickets and rescale flag after them: zeroed

@@ -834,14 +834,14 @@ if __name__ == "__main__":
     sys.exit(main())
 '''
 
-# The wgmma family's tensor map: sandbox/tensor_map.py verbatim but its __future__ import
-# (step_map: PagedDecodeStep's map), and a null pointer where it gives none (cp.async).
-TENSOR_MAP = '''# ==== the cache's tensor map (sandbox/tensor_map.py, verbatim but its __future__ import)
+# The wgmma family's tensor maps: sandbox/tensor_map.py verbatim but its __future__ import
+# (step_map: PagedDecodeStep's maps), and a null pointer where it gives none (cp.async).
+TENSOR_MAP = '''# ==== the cache's tensor maps (sandbox/tensor_map.py, verbatim but its __future__ import)
 @@TENSOR_MAP_SOURCE@@
 
 
 def cache_map(cache):
-    """The map argument of the attention kernel for the device cache `cache`."""
+    """The maps argument of the attention kernel for the device cache `cache`."""
     kv_map = step_map(cache)
     return np.uint64(0) if kv_map is None else kv_map
 '''

@@ -600,7 +600,7 @@ def kernel_params(source: str, name: str) -> tuple:
 
 def test_the_paged_kernels_take_the_scripts_arguments():
     """Every paged attention kernel's parameters, read from its source, are PAGED_ATTN_ARGS
-    by name and in order, the wgmma family's PAGED_WGMMA_ARGS (the tensor map last) and the
+    by name and in order, the wgmma family's PAGED_WGMMA_ARGS (the tensor maps last) and the
     mma family's PAGED_MMA_ARGS (its merge's tickets and rescale flag last): the script
     launches each with the tuple its ATTN["args"] names."""
     kinds = [k for k in registry.PAGED_KINDS if k not in ("combine", "check_paged")]

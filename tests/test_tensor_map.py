@@ -1,4 +1,4 @@
-"""The cache's tensor map on the CPU: the encoder's arguments against cuda.h's enums and the
+"""The cache's tensor maps on the CPU: the encoder's arguments against cuda.h's enums and the
 kernel's layout, and the call into libcuda through a stand-in (the real encode runs in the
 wgmma GPU tests, where the bulk copy meets the float64 reference)."""
 from __future__ import annotations
