@@ -7,8 +7,8 @@
   memory. A torch bfloat16 tensor is viewed as int16 before it crosses and as uint16 after, so
   the kernels see raw bf16 words, the sandbox's bf16 storage; uint16 CuPy words keep meaning
   bf16.
-* Launches go on the caller's current stream: torch's (`torch.cuda.current_stream()`, wrapped
-  as a `cupy.cuda.ExternalStream`) for torch inputs, so a capture under `torch.cuda.graph`
+* Launches go on the caller's current stream: torch's (`torch.cuda.current_stream()`, handed
+  to `cupy.cuda.Stream.from_external` under the CUDA stream protocol) for torch inputs, so a capture under `torch.cuda.graph`
   records them; CuPy's current stream otherwise. The conversions run on that stream too, so
   DLPack's stream handshake has nothing to order.
 * Every input must come from one framework and sit on the caller's current device (torch's
@@ -53,6 +53,19 @@ def _torch():
     return torch
 
 
+class _StreamProtocol:
+    """A torch stream under the CUDA stream protocol (`__cuda_stream__`: version 0 and the
+    cudaStream_t), which CuPy 14's Stream.from_external takes in place of the deprecated
+    ExternalStream; torch releases before the protocol have `cuda_stream` alone. Holding the
+    torch stream keeps it alive as long as CuPy's wrapper."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __cuda_stream__(self):
+        return (0, int(self.stream.cuda_stream))
+
+
 @dataclass(frozen=True)
 class Caller:
     """The caller's framework and device: where launches go and what results come back as."""
@@ -66,7 +79,7 @@ class Caller:
 
         if self.framework == "torch":
             s = _torch().cuda.current_stream(self.device_id)
-            return cupy.cuda.ExternalStream(int(s.cuda_stream), self.device_id)
+            return cupy.cuda.Stream.from_external(_StreamProtocol(s))
         return cupy.cuda.get_current_stream(self.device_id)
 
     @contextmanager

@@ -344,7 +344,8 @@ def fake_torch(monkeypatch):
     torch.from_dlpack = lambda arr: ("torch view of", arr)
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.setattr(cupy, "from_dlpack", lambda t: _FakeCupyArray(t))
-    monkeypatch.setattr(cupy.cuda, "ExternalStream", lambda ptr, dev: ("external", ptr, dev))
+    monkeypatch.setattr(cupy.cuda.Stream, "from_external",
+                        lambda obj: ("external", obj.__cuda_stream__()))
     monkeypatch.setattr(interop.Caller, "on", lambda self, stream=None: nullcontext())
     return types.SimpleNamespace(torch=torch, streams=streams)
 
@@ -365,7 +366,7 @@ def test_torch_inputs_cross_by_dlpack_with_bf16_as_words(fake_torch):
 
 def test_torch_results_and_streams_are_torch_s(fake_torch):
     caller = interop.Caller("torch", 0)
-    assert caller.current_stream() == ("external", 77, 0)
+    assert caller.current_stream() == ("external", (0, 77))
     assert fake_torch.streams == [0]
     assert caller.to_caller("latent") == ("torch view of", "latent")
     assert caller.to_caller(None) is None
