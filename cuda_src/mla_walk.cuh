@@ -278,6 +278,14 @@ __device__ __forceinline__ float single_pass_lse(float m, float l) {
     return l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
 }
 
+// Asks `bytes` of global memory at `p` into L2 (a bulk prefetch: no register, no barrier
+// waits on it; a hint the memory system may drop).
+__device__ __forceinline__ void l2_prefetch(const void* p, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+#endif
+}
+
 template <typename CacheT>
 struct ContiguousWalk {
     const CacheT* cache;
@@ -298,6 +306,18 @@ struct ContiguousWalk {
     __device__ __forceinline__ int row_end(int, int slice_end) const { return slice_end; }
     template <int kRows, int kThreadsT>
     __device__ __forceinline__ void fetch(int, int, int) {}
+    // Tiles first .. first + count - 1 of the slice into L2, whole tiles only (the caller's
+    // thread, one bulk prefetch a tile).
+    template <int kRows>
+    __device__ __forceinline__ void l2_ahead(int first, int count, int row_start,
+                                             int row_end) const {
+        for (int t = first; t < first + count; ++t) {
+            const int row0 = row_start + t * kRows;
+            if (row0 + kRows > row_end) break;
+            l2_prefetch(cache + static_cast<size_t>(row0) * (MLA_KV_LORA + MLA_ROPE),
+                        kRows * (MLA_KV_LORA + MLA_ROPE) * sizeof(CacheT));
+        }
+    }
     template <int kRows, int kChunks, int kStages, int kThreadsT, bool kSwizzle = true>
     __device__ __forceinline__ void copy_tile(uint4* tiles, int buf, int tile_index, int row_start,
                                               int row_end) {
@@ -560,6 +580,24 @@ struct PagedWalk {
     __device__ __forceinline__ bool tile_in_page(int row_start) const {
         static_assert((kRows & (kRows - 1)) == 0, "tiles of a power-of-two rows");
         return (1 << page_shift) >= kRows && (row_start & (kRows - 1)) == 0;
+    }
+    // Tiles first .. first + count - 1 of the slice into L2 where each lies in one page (its
+    // entry looked up by the caller's thread, one bulk prefetch a tile); whole tiles only.
+    template <int kRows>
+    __device__ __forceinline__ void l2_ahead(int first, int count, int row_start,
+                                             int row_end) const {
+        if (!tile_in_page<kRows>(row_start)) return;
+        const int* pages = request_pages();
+        const int in_page = (1 << page_shift) - 1;
+        for (int t = first; t < first + count; ++t) {
+            const int row0 = row_start + t * kRows;
+            if (row0 + kRows > row_end) break;
+            const size_t tile_row =
+                (static_cast<size_t>(__ldg(pages + (row0 >> page_shift))) << page_shift) +
+                (row0 & in_page);
+            l2_prefetch(cache + tile_row * (MLA_KV_LORA + MLA_ROPE),
+                        kRows * (MLA_KV_LORA + MLA_ROPE) * sizeof(CacheT));
+        }
     }
     // The pages of this thread's rows of tile `tile_index` (rows past row_end: page 0, never
     // read, and their table entries are not looked up). A tile in one page: its entry, in

@@ -85,6 +85,13 @@ static_assert(2 * kGroupBlocks * kColBlock == kWgLora, "two copy groups of laten
 #ifndef MLA_WGMMA_TMA_ROW_SHIFT
 #define MLA_WGMMA_TMA_ROW_SHIFT 0
 #endif
+// Own tiles a warpgroup asks into L2 at its start, past the two its stage holds: a block's
+// first pair runs cold (its code fetched from memory after the bench's L2 flush), and only
+// the ring's two tiles are in flight meanwhile.
+#ifndef MLA_WGMMA_L2_AHEAD
+#define MLA_WGMMA_L2_AHEAD 0
+#endif
+enum : int { kL2Ahead = MLA_WGMMA_L2_AHEAD };  // an enum: NVRTC emits namespace constants
 // The value product's B descriptor (MN-major): lbo between 64-column blocks, sbo between
 // groups of 8 positions.
 #ifndef MLA_WGMMA_V_LBO
@@ -512,6 +519,12 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     seesaw_pages(walk, wg, row_start, row_end, wt, pg);
     seesaw_copy(own_stage, walk, map, wg, row_start, row_end, wt, pg, early, wg == 0, full);
     seesaw_copy(own_stage, walk, map, wg, row_start, row_end, wt, pg, late, wg == 1, full + 1);
+    // own tiles wg + 2, wg + 4, ... (tiles past the stage's two) asked into L2
+    if (kL2Ahead > 0 && map != nullptr && wt == 0) {
+#pragma unroll 1
+        for (int j = 1; j <= kL2Ahead; ++j)
+            walk.template l2_ahead<kWgTile>(wg + 2 * j, 1, row_start, row_end);
+    }
     mbar_wait(bars + kBarQ, 0);  // q has landed, every thread's rows of it
 
     // the end of each row's visible positions in the slice (causal rows see fewer)
