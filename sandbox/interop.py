@@ -8,9 +8,9 @@
   the kernels see raw bf16 words, the sandbox's bf16 storage; uint16 CuPy words keep meaning
   bf16.
 * Launches go on the caller's current stream: torch's (`torch.cuda.current_stream()`, handed
-  to `cupy.cuda.Stream.from_external` under the CUDA stream protocol) for torch inputs, so a capture under `torch.cuda.graph`
-  records them; CuPy's current stream otherwise. The conversions run on that stream too, so
-  DLPack's stream handshake has nothing to order.
+  to `cupy.cuda.Stream.from_external` under the CUDA stream protocol) for torch inputs, so a
+  capture under `torch.cuda.graph` records them; CuPy's current stream otherwise. The
+  conversions run on that stream too, so DLPack's stream handshake has nothing to order.
 * Every input must come from one framework and sit on the caller's current device (torch's
   current device for torch inputs, CuPy's otherwise).
 """
