@@ -34,7 +34,7 @@ CUDA_VARIANTS = tuple(n for n in registry.variant_names() if registry.variant(n)
 # What describes a profile to run; --from reads one made earlier, so none of them applies.
 PROFILE_OPTIONS = ("variant", "heads", "n_ctx", "cache", "q_dtype", "splits", "seed",
                    "ncu_path", "save_dir", "batch", "lengths_spec", "page_size", "s_q",
-                   "causal", "serving")
+                   "causal", "serving", "warm")
 # The files ncu's run leaves in --save DIR (mlasandbox.ncu.profile_attention).
 SAVED_FILES = ("stalls.ncu-rep", "raw.csv", "source.csv")
 # An opcode "waits" when its share of a block's samples is at least this many times its share
@@ -141,6 +141,10 @@ def _paged_spec(o: dict, ctx) -> tuple[PagedSpec, int, str]:
 @click.option("--save", "save_dir", default=None, metavar="DIR",
               type=click.Path(file_okay=False), callback=non_empty_path,
               help="Keep ncu's report and its raw.csv / source.csv pages in DIR.")
+@click.option("--warm", is_flag=True,
+              help="Profile a second launch with ncu's caches kept: the kernel's code (and what "
+                   "of its data fits) in L2 from the launch before. By default every pass "
+                   "starts from flushed caches, as the bench's launches do.")
 @click.option("--from", "from_path", default=None, metavar="PATH", type=click.Path(),
               callback=non_empty_path,
               help="Read a profile saved with --save (or ncu's per-SASS CSV, .gz allowed) "
@@ -148,7 +152,8 @@ def _paged_spec(o: dict, ctx) -> tuple[PagedSpec, int, str]:
 @paged_options(SERVING_PRESETS, serving_help())
 @json_option
 def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_opcodes, ncu_path,
-           save_dir, from_path, batch, lengths_spec, page_size, s_q, causal, serving, json_out):
+           save_dir, warm, from_path, batch, lengths_spec, page_size, s_q, causal, serving,
+           json_out):
     """Where a variant's warps wait: ncu's stall samples per SASS instruction.
 
     Instructions that ran equally often form a block (a loop body is one), so the hot loops
@@ -200,7 +205,7 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
         require_gpu("stalls profiles a kernel on a GPU (or reads a saved profile with "
                     "--from)")
         config = {"variant": variant, "n_head": heads, "n_ctx": n_ctx, "cache": cache, "q": q,
-                  "splits": splits, "seed": seed}
+                  "splits": splits, "seed": seed, "warm": warm}
         what = f"H={heads}, n_ctx={n_ctx}"
         kw = {}
         if paged is not None:
@@ -211,7 +216,9 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
             what = f"B={len(paged.lengths)}, H={heads}, s_q={paged.s_q}, page {paged.page_size}"
             kw["paged"] = paged
         try:
-            with err.status(f"ncu: profiling {variant} ({what})"):
+            if warm:
+                kw["warm"] = True
+            with err.status(f"ncu: profiling {variant} ({what}{', warm' if warm else ''})"):
                 run = _profile(variant=variant, n_head=heads, n_ctx=n_ctx, cache=cache, q=q,
                                splits=None if splits == "auto" else splits, seed=seed,
                                ncu=ncu_path, save_dir=save_dir, **kw)

@@ -1,13 +1,14 @@
 """Run Nsight Compute over one attention launch of a variant: the data of `mlasandbox stalls`.
 
 ncu profiles a process, so the launch runs in a child, `python -m mlasandbox.ncu`, which draws
-the inputs, compiles, and runs the attn phase once: of a batch-1 step (one contiguous cache of
-n_ctx positions), or, given a PagedSpec, of a paged serving step (the paged launch of the
-variant's kernel; wgmma64 has no other). ncu, filtered to that kernel's name,
-collects the per-SASS warp-state samples (sections SourceCounters and WarpStateStats) and the
-kernel-wide metrics of mlasandbox.stalls.KERNEL_METRICS into one report, replaying the kernel
-for as many passes as they need (with the clock locked: durations read longer than timed
-ones), then prints the report's raw and source pages as CSV for mlasandbox.stalls to read.
+the inputs, compiles, and runs the attn phase once (twice for a warm profile): of a batch-1
+step (one contiguous cache of n_ctx positions), or, given a PagedSpec, of a paged serving step
+(the paged launch of the variant's kernel; wgmma64 has no other). ncu, filtered to that
+kernel's name, collects the per-SASS warp-state samples (sections SourceCounters and
+WarpStateStats) and the kernel-wide metrics of mlasandbox.stalls.KERNEL_METRICS into one
+report, replaying the kernel for as many passes as they need (with the clock locked:
+durations read longer than timed ones; every pass after a flush of the caches unless warm),
+then prints the report's raw and source pages as CSV for mlasandbox.stalls to read.
 """
 from __future__ import annotations
 
@@ -133,9 +134,17 @@ def _one_profile_at_a_time():
 def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
                       q: str = "f32", splits: int | None = None, seed: int = 0,
                       ncu: str | None = None, save_dir: str | None = None,
-                      timeout: float = 600.0, paged: PagedSpec | None = None) -> NcuRun:
+                      timeout: float = 600.0, paged: PagedSpec | None = None,
+                      warm: bool = False) -> NcuRun:
     """Profile the attention kernel of one decode step of `variant` under ncu: batch 1 over
-    n_ctx positions, or the paged step `paged` (n_ctx unused)."""
+    n_ctx positions, or the paged step `paged` (n_ctx unused).
+
+    By default ncu flushes every cache before each replay pass (`--cache-control all`), as
+    the bench flushes L2 before each launch: the kernel's code comes from DRAM, as its data
+    does. `warm`: the child launches the phase twice and ncu profiles the second launch with
+    the caches kept (`--cache-control none`), so the code and whatever of the data L2 holds
+    are there from the launch before; the two profiles side by side show what a cold start
+    costs (docs/wgmma-deep-dive.md, "The cold start")."""
     var = registry.variant(variant)
     if not var.is_cuda:
         raise ValueError(f"variant {variant!r} launches no attention kernel of its own (it runs "
@@ -149,6 +158,10 @@ def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
              if paged is None else
              ["paged", variant, str(n_head), cache, q, str(splits or 0), str(seed),
               *paged.argv()])
+    if warm:
+        child = ["warm", *child]
+    caches = ["--cache-control", "none", "--launch-skip", "1"] if warm else \
+        ["--cache-control", "all"]
     exe = find_ncu(ncu)
     with tempfile.TemporaryDirectory() as tmp:
         where = save_dir or tmp
@@ -157,7 +170,7 @@ def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
         metrics = ",".join(KERNEL_METRICS)
         cmd = [exe, "-f", "-o", report, "--section", "SourceCounters", "--section",
                "WarpStateStats", "--metrics", metrics, "-k", f"regex:{kernel_filter(instance)}",
-               "--launch-count", "1", sys.executable, "-m", "mlasandbox.ncu", *child]
+               *caches, "--launch-count", "1", sys.executable, "-m", "mlasandbox.ncu", *child]
         with _one_profile_at_a_time():
             log = _run(cmd, timeout)
         if not os.path.exists(report + ".ncu-rep"):
@@ -173,8 +186,8 @@ def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
     return NcuRun(raw, source, instance.name, tuple(cmd))
 
 
-def _launch_paged(argv: list) -> int:
-    """One paged attn phase of VARIANT H CACHE Q SPLITS SEED PAGE_SIZE S_Q CAUSAL LENGTHS
+def _paged_step(argv: list):
+    """The paged step of VARIANT H CACHE Q SPLITS SEED PAGE_SIZE S_Q CAUSAL LENGTHS
     (comma-separated)."""
     import cupy
 
@@ -185,26 +198,32 @@ def _launch_paged(argv: list) -> int:
     inputs = make_paged_inputs(Dims(n_head=int(n_head)), [int(n) for n in lengths.split(",")],
                                s_q=int(s_q), page_size=int(page_size), cache_dtype=cache,
                                q_dtype=q, causal=bool(int(causal)), seed=int(seed), xp=cupy)
-    step = PagedDecodeStep(**inputs.decode_args(), variant=variant,
-                           splits=int(splits) or None)
-    step.run_attn()
-    cupy.cuda.Device().synchronize()
-    return 0
+    return PagedDecodeStep(**inputs.decode_args(), variant=variant, splits=int(splits) or None)
 
 
-def _launch(argv: list) -> int:
-    """The child ncu profiles: one attn phase of VARIANT H N_CTX CACHE Q SPLITS SEED, or of
-    a paged step (`paged` first, _launch_paged)."""
+def _batch1_step(argv: list):
+    """The batch-1 step of VARIANT H N_CTX CACHE Q SPLITS SEED."""
     import cupy
 
-    if argv and argv[0] == "paged":
-        return _launch_paged(argv[1:])
     variant, n_head, n_ctx, cache, q, splits, seed = argv
     n_head, n_ctx, splits, seed = int(n_head), int(n_ctx), int(splits), int(seed)
     inputs = make_inputs(Dims(n_head=n_head), n_ctx, n_ctx, cache, q, seed=seed, xp=cupy)
-    step = DecodeStep(**inputs.decode_args(), variant=variant, splits=splits or None)
-    step.run_attn()
-    cupy.cuda.Device().synchronize()
+    return DecodeStep(**inputs.decode_args(), variant=variant, splits=splits or None)
+
+
+def _launch(argv: list) -> int:
+    """The child ncu profiles: the attn phase of a batch-1 step (_batch1_step's arguments) or
+    of a paged step (`paged` first, _paged_step's), once; twice after `warm` (ncu profiles
+    the second launch)."""
+    import cupy
+
+    launches = 1
+    if argv and argv[0] == "warm":
+        launches, argv = 2, argv[1:]
+    step = _paged_step(argv[1:]) if argv and argv[0] == "paged" else _batch1_step(argv)
+    for _ in range(launches):
+        step.run_attn()
+        cupy.cuda.Device().synchronize()
     return 0
 
 

@@ -259,6 +259,10 @@ def test_cli_profiles_through_ncu_and_names_ncu_failures(monkeypatch, saved):
     assert res.exit_code == 0, res.output
     assert calls == [{"variant": "batched16", "n_head": 96, "n_ctx": 8192, "cache": "bf16",
                       "q": "bf16", "splits": 7, "seed": 0, "ncu": None, "save_dir": None}]
+    calls.clear()
+    res = run("stalls", "--variant", "mma16", "--warm", "--json")
+    assert res.exit_code == 0, res.output
+    assert calls[0]["warm"] is True and json.loads(res.output)["config"]["warm"] is True
 
     def broken(**opts):
         raise ncu.NcuError("ncu exited 1:\n==ERROR== ERR_NVGPUCTRPERM")
@@ -348,6 +352,64 @@ def test_a_paged_profile_runs_the_paged_child_and_filters_the_paged_kernel(monke
         "void mla::mma_attn_paged<(int)16, __half, float>(const T3 *)")
     with pytest.raises(ValueError, match="wgmma64 serves the paged step only"):
         ncu.profile_attention("wgmma64", 16, 4096)
+
+
+def test_a_warm_profile_keeps_the_caches_and_profiles_the_second_launch(monkeypatch):
+    """Cold (the default): every pass after ncu's flush of the caches, the first launch.
+    Warm: the caches kept, the child launches twice, ncu skips the first."""
+    monkeypatch.setattr(ncu, "find_ncu", lambda *a: "/fake/ncu")
+    seen = []
+
+    def fake_run(cmd, timeout):
+        seen.append(cmd)
+        if "-o" in cmd:
+            open(cmd[cmd.index("-o") + 1] + ".ncu-rep", "w").close()
+        return "page"
+
+    monkeypatch.setattr(ncu, "_run", fake_run)
+
+    def opts(cmd):
+        at = cmd.index("mlasandbox.ncu")
+        return cmd[:at], cmd[at + 1:]
+
+    ncu.profile_attention("mma16", 16, 4096)
+    before, child = opts(seen[0])
+    assert before[before.index("--cache-control") + 1] == "all"
+    assert "--launch-skip" not in before and child[0] == "mma16"
+    spec = ncu.PagedSpec((300, 5000), 64, 1, False)
+    ncu.profile_attention("wgmma64", 64, 0, q="f16", paged=spec, warm=True)
+    before, child = opts(seen[-3])
+    assert before[before.index("--cache-control") + 1] == "none"
+    assert before[before.index("--launch-skip") + 1] == "1"
+    assert before[before.index("--launch-count") + 1] == "1"
+    assert child[:3] == ["warm", "paged", "wgmma64"]
+
+
+@pytest.mark.parametrize("argv, kind", [
+    (["mma16", "16", "4096", "f16", "f32", "0", "0"], "batch1"),
+    (["warm", "mma16", "16", "4096", "f16", "f32", "0", "0"], "batch1"),
+    (["paged", "mma16", "16", "f16", "f32", "0", "0", "64", "1", "0", "300,5"], "paged"),
+    (["warm", "paged", "mma16", "16", "f16", "f32", "0", "0", "64", "1", "0", "300"], "paged")])
+def test_the_child_launches_the_attn_phase_once_or_twice_when_warm(monkeypatch, argv, kind):
+    import cupy
+
+    launched = []
+
+    class Step:
+        def run_attn(self):
+            launched.append(kind)
+
+    def step(n_args):
+        def make(args):
+            assert args == argv[-n_args:]
+            return Step()
+        return make
+
+    monkeypatch.setattr(ncu, "_batch1_step", step(7))
+    monkeypatch.setattr(ncu, "_paged_step", step(10))
+    monkeypatch.setattr(cupy.cuda, "Device", lambda *a: SimpleNamespace(synchronize=lambda: None))
+    assert ncu._launch(argv) == 0
+    assert launched == [kind] * (2 if argv[0] == "warm" else 1)
 
 
 def _have_ncu() -> bool:
@@ -482,12 +544,14 @@ def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
 
 @pytest.mark.skipif(not _have_ncu(), reason="needs ncu (Nsight Compute)")
 @gpu
-@pytest.mark.parametrize("variant, spec, kernel", [
-    ("mma16", ncu.PagedSpec((300, 0, 5000), 16, 2, True), "mma_attn_paged"),
-    ("wgmma64", ncu.PagedSpec((4096, 70), 64, 1, False), "wgmma_attn_paged")])
-def test_on_the_gpu_ncu_profiles_a_paged_step_and_finds_its_tile_loop(variant, spec, kernel):
+@pytest.mark.parametrize("variant, spec, kernel, warm", [
+    ("mma16", ncu.PagedSpec((300, 0, 5000), 16, 2, True), "mma_attn_paged", False),
+    ("wgmma64", ncu.PagedSpec((4096, 70), 64, 1, False), "wgmma_attn_paged", False),
+    ("wgmma64", ncu.PagedSpec((4096, 70), 64, 1, False), "wgmma_attn_paged", True)])
+def test_on_the_gpu_ncu_profiles_a_paged_step_and_finds_its_tile_loop(variant, spec, kernel,
+                                                                       warm):
     q = "f16" if variant == "wgmma64" else "f32"
-    run_ = _profile_on_a_shared_gpu(variant, 16, 0, q=q, paged=spec)
+    run_ = _profile_on_a_shared_gpu(variant, 16, 0, q=q, paged=spec, warm=warm)
     name, lines = stalls.read_source_csv(run_.source_csv)
     assert kernel in name
     report = stalls.summarize(name, lines)
