@@ -443,6 +443,20 @@ __device__ __forceinline__ unsigned seesaw_koff(int wg, int i) {
                             : (i < 16 ? 4 + (i >> 2) : i < 20 ? 8 : (i - 20) >> 2);
     return blk * kBlockBytes + (i & 3) * 32;
 }
+struct Scores32 { float v[32]; };
+// -inf at the columns past each row's end (out of line: only a tile a row ends in runs it)
+__device__ __noinline__ Scores32 mask_past_end(Scores32 x, int lim0, int lim1) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int col = 8 * j + e;
+            if (col >= lim0) x.v[4 * j + e] = -INFINITY;
+            if (col >= lim1) x.v[4 * j + 2 + e] = -INFINITY;
+        }
+    return x;
+}
+
 template <typename CacheT, typename QT, bool kPartials, typename W>
 __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& walk, float scale_log2,
                                                 float* __restrict__ part_acc,
@@ -573,30 +587,24 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
                        float (&own_scale)[2], unsigned (&pa)[4][4], float (&sums)[2],
                        unsigned char* p_out, unsigned long long* ready) {
         const int base = row_start + t_own * kWgTile;
-        float mx0 = -INFINITY, mx1 = -INFINITY;
-        if (base + kWgTile <= re_all) {  // every row sees the whole tile: no mask
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 32; ++i) sp[i] *= scale_log2;
+        if (base + kWgTile > re_all) {  // a row ends inside the tile: -inf past its end
+            Scores32 x;
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    sp[4 * j + e] *= scale_log2;
-                    sp[4 * j + 2 + e] *= scale_log2;
-                    mx0 = fmaxf(mx0, sp[4 * j + e]);
-                    mx1 = fmaxf(mx1, sp[4 * j + 2 + e]);
-                }
-        } else {
-            const int lim0 = re0 - base - 2 * c, lim1 = re1 - base - 2 * c;
+            for (int i = 0; i < 32; ++i) x.v[i] = sp[i];
+            x = mask_past_end(x, re0 - base - 2 * c, re1 - base - 2 * c);
 #pragma unroll
-            for (int j = 0; j < 8; ++j)
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int col = 8 * j + e;  // the column less 2 c, as lim0 and lim1 are
-                    sp[4 * j + e] = col < lim0 ? sp[4 * j + e] * scale_log2 : -INFINITY;
-                    sp[4 * j + 2 + e] = col < lim1 ? sp[4 * j + 2 + e] * scale_log2 : -INFINITY;
-                    mx0 = fmaxf(mx0, sp[4 * j + e]);
-                    mx1 = fmaxf(mx1, sp[4 * j + 2 + e]);
-                }
+            for (int i = 0; i < 32; ++i) sp[i] = x.v[i];
         }
+        float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                mx0 = fmaxf(mx0, sp[4 * j + e]);
+                mx1 = fmaxf(mx1, sp[4 * j + 2 + e]);
+            }
 #pragma unroll
         for (int o2 = 1; o2 < 4; o2 <<= 1) {
             mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, o2));
