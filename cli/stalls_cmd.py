@@ -215,9 +215,9 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
                                "causal": paged.causal}
             what = f"B={len(paged.lengths)}, H={heads}, s_q={paged.s_q}, page {paged.page_size}"
             kw["paged"] = paged
+        if warm:
+            kw["warm"] = True
         try:
-            if warm:
-                kw["warm"] = True
             with err.status(f"ncu: profiling {variant} ({what}{', warm' if warm else ''})"):
                 run = _profile(variant=variant, n_head=heads, n_ctx=n_ctx, cache=cache, q=q,
                                splits=None if splits == "auto" else splits, seed=seed,

@@ -143,8 +143,8 @@ def profile_attention(variant: str, n_head: int, n_ctx: int, cache: str = "f16",
     the bench flushes L2 before each launch: the kernel's code comes from DRAM, as its data
     does. `warm`: the child launches the phase twice and ncu profiles the second launch with
     the caches kept (`--cache-control none`), so the code and whatever of the data L2 holds
-    are there from the launch before; the two profiles side by side show what a cold start
-    costs (docs/wgmma-deep-dive.md, "The cold start")."""
+    are there from the launch before. docs/wgmma-deep-dive.md ("The cold start") compares the
+    two, and where ncu's kernel-wide and per-SASS readings of them disagree."""
     var = registry.variant(variant)
     if not var.is_cuda:
         raise ValueError(f"variant {variant!r} launches no attention kernel of its own (it runs "
