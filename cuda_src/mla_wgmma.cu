@@ -679,7 +679,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             softmax(sp, t_own, m_base, scale0, pa, sums, p_s, bars + kBarP0);
             l_run[0] = l_run[0] * scale0[0] + sums[0];
             l_run[1] = l_run[1] * scale0[1] + sums[1];
-            rescale(scale0);
+            if (k > 0) rescale(scale0);  // O is still zero in the first pair
             values_rs(stage0, pa);
             wgmma_wait<0>();
             fence_regs(o);
@@ -716,7 +716,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
                 m0[h] = mx_s[r0 + 8 * h];
                 scale0[h] = m0[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m0[h]);
             }
-            rescale(scale0);
+            if (k > 0) rescale(scale0);  // O is still zero in the first pair
             values_ss(stage0, p_addr);
             softmax(sp, t_own, m0, scale1, pa, sums, own_stage + 8 * kBlockBytes, bars + kBarP1);
             l_run[0] = l_run[0] * scale0[0] * scale1[0] + sums[0];
