@@ -217,7 +217,8 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, const unsigned (&r)[4
 // The three products, f32 accumulators: m64n64k16 (scores: A = q, B = the tile, K-major, both
 // in shared memory) and m64n256k16 with B MN-major (values: the tile's latent columns), its A
 // (p) from shared memory (_ss) or from this thread's registers (_rs: the four 16-bit pairs of
-// the m64k16 A fragment, the layout of the score accumulator a thread already holds).
+// the m64k16 A fragment, the layout of the score accumulator a thread already holds). `acc`
+// is the instruction's scale-d: D += A B, or D = A B where it is 0.
 #define MLA_WGMMA_D128                                                         \
     "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "                       \
     "%12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, "             \
@@ -273,22 +274,22 @@ struct NAME {                                                                   
             : "l"(a), "l"(b), "r"(1));                                                            \
     }                                                                                             \
     __device__ static void m64n256_ss(float (&d)[128], unsigned long long a,                      \
-                                      unsigned long long b) {                                     \
+                                      unsigned long long b, int acc = 1) {                        \
         asm volatile(                                                                             \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                         \
             "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {" MLA_WGMMA_D128            \
             "}, %128, %129, p, 1, 1, 0, 1;\n}\n"                                                  \
             : MLA_WGMMA_D128_OUT                                                                  \
-            : "l"(a), "l"(b), "r"(1));                                                            \
+            : "l"(a), "l"(b), "r"(acc));                                                          \
     }                                                                                             \
     __device__ static void m64n256_rs(float (&d)[128], const unsigned (&a)[4],                    \
-                                      unsigned long long b) {                                     \
+                                      unsigned long long b, int acc = 1) {                        \
         asm volatile(                                                                             \
             "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"                                         \
             "wgmma.mma_async.sync.aligned.m64n256k16.f32." T "." T " {" MLA_WGMMA_D128            \
             "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"                                 \
             : MLA_WGMMA_D128_OUT                                                                  \
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));                        \
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(acc));                      \
     }                                                                                             \
 }
 
@@ -528,9 +529,10 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
     const unsigned own_addr = wg == 0 ? stage0 : stage1;
     const Sw128Desc q_desc(q_addr, 16, 1024), own_desc(own_addr, 16, 1024);  // the scores' A, B
 
-    float o[128];  // O[64 rows][256w + 8j + 2c + {0,1}]: o[4j + {0,1}] row r0, o[4j + {2,3}] + 8
-#pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    // O[64 rows][256w + 8j + 2c + {0,1}]: o[4j + {0,1}] row r0, o[4j + {2,3}] + 8. Not zeroed:
+    // the first pair's first value product writes it (scale-d 0), so that the 128 moves are
+    // not code a launch runs once, cold (docs/wgmma-deep-dive.md, the cold start).
+    float o[128];
     // the running max (the same in both warpgroups after every pair) and this warpgroup's
     // share of the row sum: the f32 p of its own tiles, on the scale of m_run
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
@@ -641,20 +643,23 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
         }
     };
     // The value product O += P V[:, 256 wg ..] of a tile in stage `stage_addr`, P from
-    // registers (the own tile) or from shared memory at p_src (the other warpgroup's).
-    auto values_rs = [&](unsigned stage_addr, const unsigned (&pa)[4][4]) {
+    // registers (the own tile) or from shared memory at p_src (the other warpgroup's);
+    // O = P V where acc is 0 (its first k16 step ignores O: the first pair's).
+    auto values_rs = [&](unsigned stage_addr, const unsigned (&pa)[4][4], int acc = 1) {
         const Sw128Desc v(stage_addr + early * kBlockBytes, MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Op::m64n256_rs(o, pa[kk], v.at(kk * 16 * 128));
+        for (int kk = 0; kk < 4; ++kk)
+            Op::m64n256_rs(o, pa[kk], v.at(kk * 16 * 128), kk > 0 || acc);
         wgmma_commit();
     };
-    auto values_ss = [&](unsigned stage_addr, unsigned p_src) {
+    auto values_ss = [&](unsigned stage_addr, unsigned p_src, int acc = 1) {
         const Sw128Desc p(p_src, 16, 1024);
         const Sw128Desc v(stage_addr + early * kBlockBytes, MLA_WGMMA_V_LBO, MLA_WGMMA_V_SBO);
         wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) Op::m64n256_ss(o, p.at(kk * 32), v.at(kk * 16 * 128));
+        for (int kk = 0; kk < 4; ++kk)
+            Op::m64n256_ss(o, p.at(kk * 32), v.at(kk * 16 * 128), kk > 0 || acc);
         wgmma_commit();
     };
 
@@ -680,7 +685,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
             l_run[0] = l_run[0] * scale0[0] + sums[0];
             l_run[1] = l_run[1] * scale0[1] + sums[1];
             if (k > 0) rescale(scale0);  // O is still zero in the first pair
-            values_rs(stage0, pa);
+            values_rs(stage0, pa, k > 0);
             wgmma_wait<0>();
             fence_regs(o);
             // stage 0's blocks 0-3 and 8 are spent: the next tile's early group
@@ -717,7 +722,7 @@ __device__ __forceinline__ void wgmma_attn_body(const QT* __restrict__ q, W& wal
                 scale0[h] = m0[h] == -INFINITY ? 1.f : exp2f(m_run[h] - m0[h]);
             }
             if (k > 0) rescale(scale0);  // O is still zero in the first pair
-            values_ss(stage0, p_addr);
+            values_ss(stage0, p_addr, k > 0);
             softmax(sp, t_own, m0, scale1, pa, sums, own_stage + 8 * kBlockBytes, bars + kBarP1);
             l_run[0] = l_run[0] * scale0[0] * scale1[0] + sums[0];
             l_run[1] = l_run[1] * scale0[1] * scale1[1] + sums[1];
