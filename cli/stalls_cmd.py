@@ -247,6 +247,12 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
     out.print(f"{name}: {report.samples:,.0f} stall samples over {report.instructions} SASS "
               "instructions;"
               f" by reason: {_reasons(report.reasons, report.samples, 6)}")
+    if report.code is not None:
+        c = report.code
+        out.print(f"code: the launch ran {c.lines_run} of the kernel's {c.lines} lines of "
+                  f"{st.CODE_LINE} bytes ({c.lines_run * st.CODE_LINE / 1024:.1f} of "
+                  f"{c.code_bytes / 1024:.1f} KiB); each line's first run fetches it, from "
+                  "DRAM after an L2 flush")
     for b in report.blocks:
         out.print(block_table(
             b, f"instructions run {b.executed:,} times each: {b.instructions} of them, "

@@ -16,6 +16,11 @@ This module turns those rows into the table that says why a kernel is slow:
   and 17-19% of its samples, mostly math-pipe throttle (an ncu profile on an H200 at 16
   heads, 131072 context).
 
+* **code footprint**: how many of the kernel's 128-byte lines of code the launch ran. Each
+  line's first run fetches it, from DRAM where the L2 was flushed (as the bench flushes it):
+  wgmma64 at 1 x 64 x 128 runs 389 of its 883 lines, and a replay of the same module just
+  before takes 2-5 us off a launch (docs/wgmma-deep-dive.md, "The cold start").
+
 Also the kernel-wide figures of ncu's raw page (issue active, warp instructions, stalls per
 issue). Reads text only: no GPU, no ncu (mlasandbox.ncu runs ncu); `read_saved` reads the
 files of `stalls --from`.
@@ -35,7 +40,7 @@ from dataclasses import asdict, dataclass
 from .limits import (MAX_INPUT_FILE_BYTES, input_text, read_input_bytes, read_input_text,
                      size_text)
 
-__all__ = ["SassLine", "OpcodeShare", "Block", "StallReport", "NcuFormatError",
+__all__ = ["SassLine", "OpcodeShare", "Block", "CodeFootprint", "StallReport", "NcuFormatError",
            "read_source_csv", "summarize", "read_raw_csv", "KERNEL_METRICS", "STALL_REASONS",
            "stall_metric", "saved_files", "read_saved", "MAX_PAGE_BYTES"]
 
@@ -79,12 +84,20 @@ class Block:
 
 
 @dataclass(frozen=True)
+class CodeFootprint:
+    code_bytes: int       # first to last instruction of the listing, 16 bytes each
+    lines: int            # the 128-byte lines it covers
+    lines_run: int        # those holding an instruction the launch ran
+
+
+@dataclass(frozen=True)
 class StallReport:
     kernel: str
     instructions: int     # SASS instructions in the listing
     samples: float
     reasons: tuple        # ((reason, samples), ...) over the whole kernel, most first
     blocks: tuple         # Block, most samples first
+    code: CodeFootprint | None = None  # None where the addresses are not numbers
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -145,6 +158,24 @@ def read_source_csv(text: str) -> tuple[str, list[SassLine]]:
     return kernel, out
 
 
+CODE_LINE = 128      # bytes an instruction cache line holds (8 SASS instructions)
+_INSTRUCTION = 16    # bytes of one SASS instruction (sm_70 and later)
+
+
+def code_footprint(lines: list[SassLine]) -> CodeFootprint | None:
+    """The listing's size and the 128-byte lines the launch ran, from the instructions'
+    addresses (ncu prints where the code was loaded); None if an address is not hex."""
+    try:
+        addrs = [int(line.address, 16) for line in lines]
+    except ValueError:
+        return None
+    if not addrs:
+        return None
+    covered = {a // CODE_LINE for a in addrs}
+    run = {a // CODE_LINE for a, line in zip(addrs, lines) if line.executed > 0}
+    return CodeFootprint(max(addrs) - min(addrs) + _INSTRUCTION, len(covered), len(run))
+
+
 def _ranked(counter: Counter) -> tuple:
     return tuple((k, v) for k, v in counter.most_common() if v > 0)
 
@@ -180,7 +211,8 @@ def summarize(kernel: str, lines: list[SassLine], top_blocks: int = 6,
         blocks.append(Block(executed, len(members), samples, samples / all_samples,
                             _ranked(reasons), tuple(opcodes)))
     blocks.sort(key=lambda b: (-b.samples, -b.executed))
-    return StallReport(kernel, len(lines), all_samples, _ranked(total), tuple(blocks[:top_blocks]))
+    return StallReport(kernel, len(lines), all_samples, _ranked(total), tuple(blocks[:top_blocks]),
+                       code_footprint(lines))
 
 
 # The kernel-wide metrics `mlasandbox stalls` asks ncu for, with their labels.

@@ -26,6 +26,9 @@ from gpu_support import HAVE_GPU, gpu
 
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
                         "ncu_tiled16_sass.csv.gz")
+# wgmma64 at 1 x 64 x 128 (one paged launch, page 64, f16, L2 flushed; an H100, 2026-12-05,
+# the kernels of 78c74e7): only the address, source, executions and stall columns ncu filled.
+RECORDED_WGMMA = os.path.join(os.path.dirname(RECORDED), "ncu_wgmma64_1x64x128_sass.csv.gz")
 
 HEADER = ('"Address","Source","Instructions Executed","stall_selected","stall_math",'
           '"stall_wait","stall_selected (Not Issued)"')
@@ -72,6 +75,30 @@ def test_blocks_group_equally_often_run_instructions_and_share_their_samples():
     assert conv.reasons == (("math", 20.0), ("selected", 2.0))
     ffma = loop.opcodes[0]
     assert ffma.opcode == "FFMA.FTZ" and ffma.instructions == 3 and ffma.samples == 32
+
+
+def test_code_footprint_counts_the_lines_of_code_that_ran():
+    # 20 instructions at 16 bytes: lines 0 (0-7), 1 (8-15) and 2 (16-19); line 1 never ran
+    rows = [("FFMA R1, R2, R3, R1", 0 if 8 <= i < 16 else 1, 0, 0, 0) for i in range(20)]
+    kernel, lines = stalls.read_source_csv(sass_csv(rows))
+    code = stalls.summarize(kernel, lines).code
+    assert (code.code_bytes, code.lines, code.lines_run) == (320, 3, 2)
+    # negative control: one run instruction in line 1 makes it count
+    rows[12] = ("FFMA R1, R2, R3, R1", 5, 0, 0, 0)
+    kernel, lines = stalls.read_source_csv(sass_csv(rows))
+    assert stalls.summarize(kernel, lines).code.lines_run == 3
+    # an address that is not a number: no footprint, the rest of the report stands
+    odd = [stalls.SassLine("pc?", ln.source, ln.opcode, ln.executed, ln.samples) for ln in lines]
+    report = stalls.summarize(kernel, odd)
+    assert report.code is None and report.instructions == 20
+
+
+def test_the_recorded_wgmma64_launch_ran_389_of_its_883_lines():
+    with gzip.open(RECORDED_WGMMA, "rt", encoding="utf-8") as f:
+        kernel, lines = stalls.read_source_csv(f.read())
+    assert "wgmma_attn_paged" in kernel and len(lines) == 7064
+    code = stalls.summarize(kernel, lines).code
+    assert (code.code_bytes, code.lines, code.lines_run) == (7064 * 16, 883, 389)
 
 
 def test_blocks_below_the_minimum_share_and_past_the_top_are_left_out():
@@ -198,6 +225,15 @@ def test_cli_reads_the_recorded_gzipped_page_as_it_is():
     res = run("stalls", "--from", RECORDED, "--blocks", "1")
     assert res.exit_code == 0, res.output
     assert "run 147,456 times each: 295 of them" in res.output
+
+
+def test_cli_prints_and_writes_the_code_footprint():
+    res = run("stalls", "--from", RECORDED_WGMMA, "--blocks", "1")
+    assert res.exit_code == 0, res.output
+    assert "code: the launch ran 389 of the kernel's 883 lines of 128 bytes" in res.output
+    assert "(48.6 of 110.4 KiB)" in res.output
+    data = json.loads(run("stalls", "--from", RECORDED_WGMMA, "--json").output)
+    assert data["code"] == {"code_bytes": 7064 * 16, "lines": 883, "lines_run": 389}
 
 
 def test_cli_refuses_a_missing_or_foreign_profile(tmp_path):
