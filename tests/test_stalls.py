@@ -595,6 +595,10 @@ def test_on_the_gpu_ncu_profiles_a_paged_step_and_finds_its_tile_loop(variant, s
     runs = [b.executed for b in report.blocks]
     assert report.samples > 0 and len(runs) >= 2 and max(runs) > min(runs) >= 1, runs
     assert stalls.read_raw_csv(run_.raw_csv)["smsp__inst_executed.sum"] > 0
+    # ncu prints where the code was loaded: a footprint, some but not all of its lines run
+    code = report.code
+    assert code is not None and 0 < code.lines_run < code.lines, code
+    assert code.code_bytes == 16 * len(lines)
 
 
 def test_kernel_names_lose_their_parameter_list_not_their_template_arguments():
