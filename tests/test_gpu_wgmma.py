@@ -82,6 +82,26 @@ CASES = [
 ]
 
 
+def _chunk_tiles(case) -> list[int]:
+    """The tile count of every chunk of the case's plan (chunks.py: the kernels' rule)."""
+    tile = registry.WGMMA_TILE
+    n, chunk_len = request_chunks(list(case.lengths), case.max_chunks, tile,
+                                  MIN_TILES_PER_CHUNK * tile, case.target)
+    return [-(-(min(length, (c + 1) * cl) - c * cl) // tile)
+            for length, count, cl in zip(case.lengths, n, chunk_len) for c in range(count)]
+
+
+def test_the_case_grid_reaches_one_tile_odd_and_even_chunks():
+    """A chunk of an odd tile count ends on a pair without its second tile, where warpgroup 1
+    adds p0 V0_R alone and warpgroup 0 stops after p0 V0_L; a chunk of one tile is that pair
+    alone. The grid must hold both, chunks of an odd count above one, and chunks whose every
+    pair is whole (CPU: the plan, not the kernel)."""
+    tiles = [t for case in CASES if not case.causal for t in _chunk_tiles(case)]
+    assert 1 in tiles
+    assert any(t % 2 == 1 and t > 1 for t in tiles)
+    assert any(t % 2 == 0 for t in tiles)
+
+
 def rounding_bound(inp, ref, cache: str, request: int | None = None) -> float:
     """MARGIN x the rms relL2 that rounding p to `cache` predicts (module docstring), + 1e-4;
     of the whole batch, or with `request` of that request's rows alone (its own sum over
