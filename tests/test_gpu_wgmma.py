@@ -92,10 +92,10 @@ def _chunk_tiles(case) -> list[int]:
 
 
 def test_the_case_grid_reaches_one_tile_odd_and_even_chunks():
-    """A chunk of an odd tile count ends on a pair without its second tile, where warpgroup 1
-    adds p0 V0_R alone and warpgroup 0 stops after p0 V0_L; a chunk of one tile is that pair
-    alone. The grid must hold both, chunks of an odd count above one, and chunks whose every
-    pair is whole (CPU: the plan, not the kernel)."""
+    """A chunk of an odd tile count ends on a pair whose second tile lies past the chunk:
+    warpgroup 1 runs it on a tile cp.async zero-fills (p = 0), whatever the page size; a chunk
+    of one tile is that pair alone. The grid must hold both, chunks of an odd count above one,
+    and chunks whose every pair is whole (CPU: the plan, not the kernel)."""
     tiles = [t for case in CASES if not case.causal for t in _chunk_tiles(case)]
     assert 1 in tiles
     assert any(t % 2 == 1 and t > 1 for t in tiles)
