@@ -36,7 +36,7 @@ import pytest
 from gpu_support import HAVE_GPU, fresh_seed, gpu, poison
 from mlasandbox import registry, tensor_map
 from mlasandbox.bf16 import as_f32, as_f64, to_storage
-from mlasandbox.chunks import MIN_TILES_PER_CHUNK, request_chunks
+from mlasandbox.chunks import MIN_TILES_PER_CHUNK, chunk_bounds, request_chunks
 from mlasandbox.compare import Tolerance
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
@@ -87,8 +87,9 @@ def _chunk_tiles(case) -> list[int]:
     tile = registry.WGMMA_TILE
     n, chunk_len = request_chunks(list(case.lengths), case.max_chunks, tile,
                                   MIN_TILES_PER_CHUNK * tile, case.target)
-    return [-(-(min(length, (c + 1) * cl) - c * cl) // tile)
-            for length, count, cl in zip(case.lengths, n, chunk_len) for c in range(count)]
+    spans = (chunk_bounds(length, cl, c)
+             for length, count, cl in zip(case.lengths, n, chunk_len) for c in range(count))
+    return [-(-(end - start) // tile) for start, end in spans]
 
 
 def test_the_case_grid_reaches_one_tile_odd_and_even_chunks():
