@@ -4,13 +4,19 @@
 //   WvT      wv_b element: __half or __nv_bfloat16
 //   RESCALE  true: the real merge. false: the NEGATIVE CONTROL, which drops the
 //            exp(m_i - m) rescale; every correctness check must reject it.
+//   PREFETCH float4s of partials a thread loads before the max is known (below): 8
+//            (kPrefetch; three blocks an SM by its launch bounds) or 16
+//            (kDeepPrefetch, the deep merge: at most 128 registers by its launch bounds, two
+//            blocks an SM, so half the column blocks prefetch as many chunks in one wave;
+//            registry.merge_form picks it for a paged merge of 132..264 blocks at half the
+//            column blocks, where 8 would leave a partial second wave)
 // Fixed geometry
 //   kCombineThreads = 256 threads; a block merges cols = 512 / gridDim.y latent columns of one
 //   row, gridDim.y (the column blocks) a power of two up to kMaxColBlocks = 16 (32 columns:
 //   8 threads of a float4). Its threads are 256 / (cols / 4) split groups of cols / 4
 //   threads, each thread a float4 of columns; kSplitTile = 256 split weights per step. Up to
-//   kPrefetch = 8 splits a thread (and 256 in all), the partials are loaded together with
-//   the (m, l) pairs: the whole merge waits on memory once.
+//   PREFETCH splits a thread (and 256 in all), the partials are loaded together with the
+//   (m, l) pairs: the whole merge waits on memory once.
 //   sandbox/registry.py passes its block size and kMaxColBlocks; the kernel static_asserts them.
 //
 // Launch: grid = (H, column blocks), block = kCombineThreads, no dynamic shared memory.
@@ -36,9 +42,9 @@
 // partial, so it may be launched with programmatic stream serialization behind the attention
 // kernel; it then lets the projection launch (pdl_launch_dependents).
 //
-// mla::combine_paged<WvT, RESCALE>, the paged launch: grid = (n_rows, column blocks, B).
-// Block (r, cb, b) merges row r of request b over chunks 0..n-1 of that request (n as the
-// attention launch wrote it, chunk_counts[b]; the chunk rule is mla_walk.cuh's), partials
+// mla::combine_paged<WvT, RESCALE, PREFETCH>, the paged launch: grid = (n_rows, column
+// blocks, B). Block (r, cb, b) merges row r of request b over chunks 0..n-1 of that request
+// (n as the attention launch wrote it, chunk_counts[b]; the chunk rule is mla_walk.cuh's), partials
 // [B][max_chunks][n_rows]; latent [B][n_rows][512], lse [B][n_rows], and with wv_b,
 // out [B][n_rows][v_head] = wv_b[r % n_head] @ latent, out_part [B][n_rows][gridDim.y][v_head]
 // and tickets [B][n_rows]. A row with l == 0 (an empty request, a causal row that sees
@@ -52,7 +58,14 @@ constexpr int kCombineThreads = 256;
 constexpr int kMaxColBlocks = 16;
 constexpr int kMinBlockCols = MLA_KV_LORA / kMaxColBlocks;  // 32
 constexpr int kSplitTile = 256;
-constexpr int kPrefetch = 8;  // float4s of partials a thread loads before the max is known
+constexpr int kPrefetch = 8;       // float4s of partials a thread loads before the max is known
+constexpr int kDeepPrefetch = 16;  // the deep merge's: 64 registers of them
+// Blocks an SM each merge is built for (its launch bounds): at most 85 registers (80 on NVRTC
+// 13.0), and the deep merge's at most 128, what makes half the column blocks one wave
+// (registry.merge_form). Without the bound ptxas is free to take more: a bound of one block
+// gave the merge 102 registers on NVRTC 13.0 (two blocks an SM).
+constexpr int kMinBlocks = 3;
+constexpr int kDeepMinBlocks = 2;
 constexpr int kWPrefetch = 4;  // 16-byte words of wv_b a thread loads before the wait (cols <= 128)
 static_assert(kCombineThreads / 2 >= 1 && MLA_KV_LORA / kMaxColBlocks % 16 == 0,
               "thread pairs per wv_b row, whole 16-byte words of a half of the columns");
@@ -117,7 +130,7 @@ struct PagedMerge {
 // partials are all empty (l == 0) gets latent 0, lse -inf (and out 0): a batch-1 row never
 // is one, since n_ctx >= 1 fills a slice. A row the attention kernel wrote itself
 // (merge.attn_wrote()) is not merged; with wv_b its latent is projected.
-template <typename WvT, bool RESCALE, typename M>
+template <typename WvT, bool RESCALE, int PREFETCH, typename M>
 __device__ __forceinline__ void combine_body(M merge, const float* __restrict__ part_acc,
                                              const float* __restrict__ part_m,
                                              const float* __restrict__ part_l,
@@ -130,7 +143,11 @@ __device__ __forceinline__ void combine_body(M merge, const float* __restrict__ 
                   "registry.COMBINE_THREADS differs from kCombineThreads");
     static_assert(MLA_COMBINE_COL_BLOCKS == kMaxColBlocks,
                   "registry.COMBINE_COL_BLOCKS differs from kMaxColBlocks");
+    static_assert(MLA_COMBINE_PREFETCH == kPrefetch && MLA_COMBINE_DEEP_PREFETCH == kDeepPrefetch,
+                  "registry.COMBINE_PREFETCH differs from kPrefetch, kDeepPrefetch");
 #endif
+    static_assert(PREFETCH == kPrefetch || PREFETCH == kDeepPrefetch,
+                  "the merge prefetches kPrefetch or kDeepPrefetch float4s a thread");
     __shared__ float scratch[kCombineThreads / 32];
     __shared__ float w_s[kSplitTile];
     __shared__ float4 group_acc[kCombineThreads];  // [group][col4]; group 0's row: the latent
@@ -174,20 +191,20 @@ __device__ __forceinline__ void combine_body(M merge, const float* __restrict__ 
         const size_t stride = static_cast<size_t>(merge.stride());
         const float* acc_base = part_acc + merge.first() * MLA_KV_LORA + cb * cols + 4 * col4;
         const size_t split_stride = stride * MLA_KV_LORA;
-        // Where a thread has at most kPrefetch splits of columns (and one tile of weights), its
+        // Where a thread has at most PREFETCH splits of columns (and one tile of weights), its
         // partials are loaded with split tid's (l, m) before the max is known: one round trip
         // to memory instead of three (l, then m, then acc).
-        const bool prefetch = splits <= kSplitTile && splits <= groups * kPrefetch;
+        const bool prefetch = splits <= kSplitTile && splits <= groups * PREFETCH;
         float my_l = 0.f, my_m = -INFINITY;
         if (tid < splits) {
             const size_t k = merge.first() + tid * stride;
             my_l = part_l[k];
             my_m = part_m[k];
         }
-        float4 pre[kPrefetch];
+        float4 pre[PREFETCH];
         if (prefetch) {
 #pragma unroll
-            for (int j = 0; j < kPrefetch; ++j) {
+            for (int j = 0; j < PREFETCH; ++j) {
                 const int i = group + j * groups;
                 if (i < splits) pre[j] = *reinterpret_cast<const float4*>(acc_base + i * split_stride);
             }
@@ -209,7 +226,7 @@ __device__ __forceinline__ void combine_body(M merge, const float* __restrict__ 
             }
             __syncthreads();
 #pragma unroll
-            for (int j = 0; j < kPrefetch; ++j) {
+            for (int j = 0; j < PREFETCH; ++j) {
                 const int i = group + j * groups;
                 if (i < splits) {
                     const float w = w_s[i];
@@ -318,15 +335,16 @@ __device__ __forceinline__ void combine_body(M merge, const float* __restrict__ 
     if (tid == 0) tickets[merge.row()] = 0;
 }
 
-template <typename WvT, bool RESCALE>
-__global__ void __launch_bounds__(kCombineThreads)
+template <typename WvT, bool RESCALE, int PREFETCH>
+__global__ void
+__launch_bounds__(kCombineThreads, PREFETCH == kDeepPrefetch ? kDeepMinBlocks : kMinBlocks)
 combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
         const float* __restrict__ part_l, int n_head, int splits, const WvT* __restrict__ wv_b,
         int v_head, float* __restrict__ out, float* __restrict__ latent, float* __restrict__ lse,
         float* __restrict__ out_part, unsigned int* __restrict__ tickets) {
-    combine_body<WvT, RESCALE>(ContiguousMerge{n_head, splits, static_cast<int>(blockIdx.x)},
-                               part_acc, part_m, part_l, wv_b, v_head, out, latent, lse,
-                               out_part, tickets);
+    combine_body<WvT, RESCALE, PREFETCH>(
+        ContiguousMerge{n_head, splits, static_cast<int>(blockIdx.x)}, part_acc, part_m, part_l,
+        wv_b, v_head, out, latent, lse, out_part, tickets);
 }
 
 // The paged launch: grid (n_rows, column blocks, B). chunk_counts[b] is request b's chunk count
@@ -336,8 +354,9 @@ combine(const float* __restrict__ part_acc, const float* __restrict__ part_m,
 // single(): the built-in families), so a block of such a request has nothing to merge and,
 // merge only (wv_b null), returns at once. 0 (user kernels, which may write partials only):
 // every request is merged. n == 0 (an empty request) is merged either way: latent 0, lse -inf.
-template <typename WvT, bool RESCALE>
-__global__ void __launch_bounds__(kCombineThreads)
+template <typename WvT, bool RESCALE, int PREFETCH>
+__global__ void
+__launch_bounds__(kCombineThreads, PREFETCH == kDeepPrefetch ? kDeepMinBlocks : kMinBlocks)
 combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part_m,
               const float* __restrict__ part_l, const int* __restrict__ cache_seqlens,
               int n_rows, int n_head, int max_chunks, int attn_writes_single,
@@ -347,10 +366,9 @@ combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part
     // chunk_counts, like the partials, is the attention kernel's: PagedMerge::settle reads
     // it after the wait, and a written row without wv_b returns there
     const int r = blockIdx.x, b = blockIdx.z;
-    combine_body<WvT, RESCALE>(PagedMerge{n_rows, n_head, max_chunks, r, b, chunk_counts,
-                                          attn_writes_single},
-                               part_acc, part_m, part_l, wv_b, v_head, out, latent, lse,
-                               out_part, tickets);
+    combine_body<WvT, RESCALE, PREFETCH>(
+        PagedMerge{n_rows, n_head, max_chunks, r, b, chunk_counts, attn_writes_single}, part_acc,
+        part_m, part_l, wv_b, v_head, out, latent, lse, out_part, tickets);
 }
 
 }  // namespace mla

@@ -217,7 +217,6 @@ class PagedDecodeStep:
         self.attn_inst = (user.instance(sh.cache_dtype, sh.q_dtype) if user else
                           registry.paged_attention_instance(self.variant, sh.cache_dtype,
                                                             sh.q_dtype))
-        self.combine_inst = registry.paged_combine_instance(sh.cache_dtype, rescale)
         info = device_info(self.device_id)
         # the driver's occupancy of the attention kernel, which the plan's wave target uses
         bps = user.blocks_per_sm(self.attn_inst) if user else blocks_per_sm(self.attn_inst)
@@ -234,7 +233,6 @@ class PagedDecodeStep:
         # (sandbox/tensor_map.py, one device buffer); None: cp.async
         if self.variant.family == "wgmma":
             self.kv_map = tensor_map.step_map(self.kv_cache)
-        self.combine_kernel = get_kernel(self.combine_inst)
         self.project_inst = self.project_kernel = None
         if self.out is not None:
             kind = registry.project_kind(sh.batch * sh.s_q, sh.n_head, info.num_sms)
@@ -261,6 +259,15 @@ class PagedDecodeStep:
             self.out_part = scratch_for_device(dev, "out_part",
                                                rows * self.col_blocks * d.v_head)
             self.tickets = scratch_for_device(dev, "tickets", rows, "uint32")
+        prefetch = registry.COMBINE_PREFETCH
+        if self.launches_merge and not self.fused_combine:
+            # the merge only: the deep merge where half the column blocks make one wave
+            per_sm = [blocks_per_sm(registry.paged_combine_instance(sh.cache_dtype, rescale, p))
+                      for p in (registry.COMBINE_PREFETCH, registry.COMBINE_DEEP_PREFETCH)]
+            self.col_blocks, prefetch = registry.merge_form(sh.batch * self.n_rows,
+                                                            info.num_sms, *per_sm)
+        self.combine_inst = registry.paged_combine_instance(sh.cache_dtype, rescale, prefetch)
+        self.combine_kernel = get_kernel(self.combine_inst)
 
     def _attn_merges(self, choice: bool | None) -> bool:
         """Whether the attention kernel merges each request's chunks itself (its last program,
@@ -303,7 +310,8 @@ class PagedDecodeStep:
 
     @property
     def combine_grid(self) -> tuple:
-        """The merge's grid: (rows, column blocks, B) (registry.combine_col_blocks)."""
+        """The merge's grid: (rows, column blocks, B) (registry.combine_col_blocks; merge only:
+        registry.merge_form)."""
         return (self.n_rows, self.col_blocks, self.shape.batch)
 
     @property

@@ -43,7 +43,8 @@ __all__ = [
     "UNIT_ROUNDOFF",
     "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
     "PROJECT_V_ROWS", "PROJECT_M_ROWS", "PROJECT_WIDE_V_ROWS", "PROJECT_WIDE_M_ROWS",
-    "project_kind", "project_instance", "combine_col_blocks",
+    "project_kind", "project_instance", "combine_col_blocks", "merge_form",
+    "COMBINE_PREFETCH", "COMBINE_DEEP_PREFETCH",
     "project_grid", "q_absorb_grid", "combine_in_one_kernel",
 ]
 
@@ -76,6 +77,12 @@ COMBINE_THREADS = 256
 # The combine's column blocks per row are a launch choice (combine_col_blocks), a power of two
 # up to COMBINE_COL_BLOCKS (kMaxColBlocks in mla_combine.cu: 32 columns, 8 float4 threads).
 COMBINE_COL_BLOCKS = 16
+# float4s of partials a merge thread loads before the max is known (kPrefetch, kDeepPrefetch,
+# the combine's PREFETCH template value): the deep merge holds twice as many at a 128-register
+# budget (two blocks an SM), so half the column blocks load a row's chunks in one round trip
+# (merge_form picks it).
+COMBINE_PREFETCH = 8
+COMBINE_DEEP_PREFETCH = 16
 # A paged plan of at most this many chunk slots a request, with q in the cache dtype, is merged
 # by the mma family's own kernel (the request's last program, mla_walk.cuh PagedWalk::finish;
 # kAttnMergeMaxChunks) and the step launches no merge: paged_api.PagedDecodeStep.merges_in_attn.
@@ -329,7 +336,7 @@ class Family:
     """One kernel template of cuda_src/: what every instance of it shares.
 
     `template_args` are the template values of the C++ name, in order, among "heads",
-    "cache", "q", "rescale", "partials", "round_p". `heads` are the heads-per-block values instantiated
+    "cache", "q", "rescale", "prefetch", "partials", "round_p". `heads` are the heads-per-block values instantiated
     (attn_rows: 1, not a template value). `macro` names its launch values in compile_defines()
     (MLA_<macro>_THREADS, ...). `min_arch` is the oldest architecture NVRTC compiles it for
     (sm_75, the oldest NVRTC 13 targets, for plain CUDA; sm_80: cp.async, ldmatrix and
@@ -365,7 +372,8 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
            paged_function="mla::mma_attn_paged"),
     Family("q_absorb", "mla_q_absorb.cu", "mla::q_absorb", ("cache", "q"), "Q_ABSORB",
            Q_ABSORB_THREADS, min_arch="sm_75"),
-    Family("combine", "mla_combine.cu", "mla::combine", ("cache", "rescale"), "COMBINE",
+    Family("combine", "mla_combine.cu", "mla::combine", ("cache", "rescale", "prefetch"),
+           "COMBINE",
            COMBINE_THREADS, min_arch="sm_75", paged_function="mla::combine_paged"),
     # paged only: the sm_90a tensor-core kernel (wgmma section below)
     Family("wgmma_attn", "mla_wgmma.cu", "mla::wgmma_attn_paged", ("cache", "q", "partials"),
@@ -389,12 +397,15 @@ def compile_defines() -> tuple[str, ...]:
 
     Each kernel static_asserts them (mla_common.cuh, "the registry's launch values"):
     MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
-    and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_ATTN_MERGE_MAX_CHUNKS,
+    and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_COMBINE_PREFETCH,
+    MLA_COMBINE_DEEP_PREFETCH, MLA_ATTN_MERGE_MAX_CHUNKS,
     MLA_Q_ABSORB_COL_BLOCKS, MLA_PROJECT_V_ROWS, MLA_PROJECT_M_ROWS and their
     MLA_PROJECT_WIDE_ pair. They only feed
     static_asserts, so they change no code.
     """
     out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}",
+           f"MLA_COMBINE_PREFETCH={COMBINE_PREFETCH}",
+           f"MLA_COMBINE_DEEP_PREFETCH={COMBINE_DEEP_PREFETCH}",
            f"MLA_ATTN_MERGE_MAX_CHUNKS={ATTN_MERGE_MAX_CHUNKS}",
            f"MLA_Q_ABSORB_COL_BLOCKS={Q_ABSORB_COL_BLOCKS}",
            f"MLA_PROJECT_V_ROWS={PROJECT_V_ROWS}", f"MLA_PROJECT_M_ROWS={PROJECT_M_ROWS}",
@@ -421,7 +432,9 @@ class KernelInstance:
     the partials of a single-pass plan (None for the other kinds), `round_p` whether the
     kernel rounds p to the cache dtype for its value product, so that its relL2 bound is
     ROUND_P_RELL2_BOUND (mma_attn: a template value; wgmma_attn: always True, no template
-    value; None for the other kinds). `paged`: the family's paged
+    value; None for the other kinds), `prefetch` the combine's float4s of partials a thread
+    loads before the max (COMBINE_PREFETCH or COMBINE_DEEP_PREFETCH; None for the other
+    kinds). `paged`: the family's paged
     launch (Family.paged_function: a batch of requests in a paged cache), not its batch-1 one.
     """
 
@@ -432,6 +445,7 @@ class KernelInstance:
     rescale: bool | None = None
     partials: bool | None = None
     round_p: bool | None = None
+    prefetch: int | None = None
     paged: bool = False
 
     def __post_init__(self):
@@ -448,7 +462,8 @@ class KernelInstance:
         flag = {k: None if v is None else str(v).lower()
                 for k, v in (("rescale", self.rescale), ("partials", self.partials),
                              ("round_p", self.round_p))}
-        vals = {"heads": self.heads, "cache": self.cache, "q": self.q, **flag}
+        vals = {"heads": self.heads, "cache": self.cache, "q": self.q,
+                "prefetch": self.prefetch, **flag}
         return {k: vals[k] for k in self.family.template_args}
 
     @property
@@ -469,7 +484,8 @@ class KernelInstance:
             return function
         cxx = {"heads": str(self.heads), "cache": CXX_TYPES.get(self.cache),
                "q": CXX_TYPES.get(self.q), "rescale": str(self.rescale).lower(),
-               "partials": str(self.partials).lower(), "round_p": str(self.round_p).lower()}
+               "partials": str(self.partials).lower(), "round_p": str(self.round_p).lower(),
+               "prefetch": str(self.prefetch)}
         return f"{function}<{', '.join(cxx[k] for k in f.template_args)}>"
 
     @property
@@ -561,11 +577,16 @@ def attention_instance(var: Variant, cache: str = "f16", q: str = "f32") -> Kern
     return attn_instance(var.hpb, cache, q)
 
 
-def combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance:
+def combine_instance(cache: str = "f16", rescale: bool = True,
+                     prefetch: int = COMBINE_PREFETCH) -> KernelInstance:
     """The merge + wv_b kernel. rescale=False is the negative control: a combine that
-    drops the exp(m_i - m) rescale, which every correctness check must reject."""
+    drops the exp(m_i - m) rescale, which every correctness check must reject. prefetch:
+    COMBINE_PREFETCH, or COMBINE_DEEP_PREFETCH for the deep merge (merge_form)."""
     _check_dtype("wv_b", cache, ("f16", "bf16"))
-    return KernelInstance("combine", cache, rescale=bool(rescale))
+    if prefetch not in (COMBINE_PREFETCH, COMBINE_DEEP_PREFETCH):
+        raise ValueError(f"prefetch must be {COMBINE_PREFETCH} or {COMBINE_DEEP_PREFETCH} "
+                         f"float4s a thread, got {prefetch!r}")
+    return KernelInstance("combine", cache, rescale=bool(rescale), prefetch=int(prefetch))
 
 
 def paged_attention_instance(var: Variant | str, cache: str = "f16",
@@ -595,10 +616,11 @@ def instance_for_plan(inst: KernelInstance, single_pass: bool) -> KernelInstance
     return inst
 
 
-def paged_combine_instance(cache: str = "f16", rescale: bool = True) -> KernelInstance:
-    """The paged merge + wv_b kernel (combine_paged); rescale=False is its negative control."""
-    inst = combine_instance(cache, rescale)
-    return KernelInstance(inst.kind, inst.cache, rescale=inst.rescale, paged=True)
+def paged_combine_instance(cache: str = "f16", rescale: bool = True,
+                           prefetch: int = COMBINE_PREFETCH) -> KernelInstance:
+    """The paged merge + wv_b kernel (combine_paged); rescale=False is its negative control,
+    prefetch as combine_instance's."""
+    return dataclasses.replace(combine_instance(cache, rescale, prefetch), paged=True)
 
 
 def paged_check_instance() -> KernelInstance:
@@ -666,6 +688,29 @@ def combine_col_blocks(rows: int, num_sms: int) -> int:
     return cb
 
 
+def merge_form(rows: int, num_sms: int, blocks_per_sm: int,
+               deep_blocks_per_sm: int) -> tuple[int, int]:
+    """(column blocks, prefetch) of a merge-only paged launch over `rows` rows, given the
+    resident blocks an SM of the merge (COMBINE_PREFETCH) and of the deep merge
+    (COMBINE_DEEP_PREFETCH; its launch bounds ask for two). The deep merge at half of
+    combine_col_blocks where the merge's grid takes more than one wave and the half grid
+    gives every SM one or two blocks: one wave, and each thread still loads as many
+    chunks' partials before the max (half the column blocks have half the split groups,
+    each loading twice as many). Else combine_col_blocks with COMBINE_PREFETCH.
+    At batch 1 x 64 / 128 heads (64 / 128 rows, wgmma64's 128 / 64 chunks) on 132 SMs the
+    merge is 512 blocks at three an SM (80 registers), 1.29 waves, and the deep merge 256 at
+    two. Measured on an H100 (attn + merge, graph, cold L2, us;
+    docs/combine-and-q-absorb-deep-dive.md): 1 x 131072 x 128 85.7 against 87.4, x 64 75.8
+    against 77.6. At B = 8 x 128 heads (1,024 rows, one column block: nothing to halve) the
+    deep merge was 3.1 us slower (3.9 waves)."""
+    cb = combine_col_blocks(rows, num_sms)
+    half = cb // 2
+    if (half >= 1 and rows * cb > blocks_per_sm * num_sms
+            and num_sms <= rows * half <= deep_blocks_per_sm * num_sms):
+        return half, COMBINE_DEEP_PREFETCH
+    return cb, COMBINE_PREFETCH
+
+
 def project_grid(n_head: int, v_head: int, m_rows: int, kind: str = "project") -> tuple:
     """The grid of the projection `kind` ("project" or "project_wide"): (heads, blocks of its
     tile's wv_b rows, blocks of its latent rows); m_rows latent rows per head (batch 1: 1;
@@ -699,13 +744,12 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
             if q == cache:
                 out.append(wgmma_instance(cache, q))
                 out.append(wgmma_instance(cache, q, partials=False))
-        out.append(combine_instance(cache, True))
-        out.append(paged_combine_instance(cache, True))
+        for rescale in (True, False) if negative_controls else (True,):
+            out.append(combine_instance(cache, rescale))
+            out.append(paged_combine_instance(cache, rescale))
+            out.append(paged_combine_instance(cache, rescale, COMBINE_DEEP_PREFETCH))
         out.append(project_instance(cache))
         out.append(project_instance(cache, "project_wide"))
-        if negative_controls:
-            out.append(combine_instance(cache, False))
-            out.append(paged_combine_instance(cache, False))
     out.append(paged_check_instance())
     # one instance may be reached twice (q=cache listed via both spellings); keep the first
     return list(dict.fromkeys(out))

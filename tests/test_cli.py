@@ -70,8 +70,8 @@ def test_regs_json_rows():
                          "mma_attn<heads=32,cache=f16,q=f32,round_p=false>",
                          "mma_attn<heads=16,cache=f16,q=f32,round_p=true>",
                          "mma_attn<heads=32,cache=f16,q=f32,round_p=true>",
-                         "q_absorb<cache=f16,q=f32>", "combine<cache=f16,rescale=true>",
-                         "combine<cache=f16,rescale=false>", "project<cache=f16>",
+                         "q_absorb<cache=f16,q=f32>", "combine<cache=f16,rescale=true,prefetch=8>",
+                         "combine<cache=f16,rescale=false,prefetch=8>", "project<cache=f16>",
                          "project_wide<cache=f16>",
                          # the paged launches of the same kernels, and the index validator
                          "attn_rows<cache=f16,q=f32,paged=true>",
@@ -80,8 +80,11 @@ def test_regs_json_rows():
                          "mma_attn<heads=32,cache=f16,q=f32,round_p=false,paged=true>",
                          "mma_attn<heads=16,cache=f16,q=f32,round_p=true,paged=true>",
                          "mma_attn<heads=32,cache=f16,q=f32,round_p=true,paged=true>",
-                         "combine<cache=f16,rescale=true,paged=true>",
-                         "combine<cache=f16,rescale=false,paged=true>", "check_paged"}
+                         "combine<cache=f16,rescale=true,prefetch=8,paged=true>",
+                         "combine<cache=f16,rescale=false,prefetch=8,paged=true>",
+                         # the deep merge (registry.merge_form)
+                         "combine<cache=f16,rescale=true,prefetch=16,paged=true>",
+                         "combine<cache=f16,rescale=false,prefetch=16,paged=true>", "check_paged"}
     # The threads and dynamic smem in these rows are the registry's; the compile that made
     # the rows static_asserted them against each kernel (tests/test_kernel_facts.py).
     a12 = rows["attn<heads=12,cache=f16,q=f32>"]

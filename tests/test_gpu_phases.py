@@ -1,5 +1,5 @@
 """The small phases on the device: q_absorb split over column blocks, the merge at every
-column-block count, the batched projection, programmatic dependent launch (plain, inside a
+column-block count (the paged one at both prefetch depths), the batched projection, programmatic dependent launch (plain, inside a
 captured graph, with the negative control; the attention behind q_absorb) and the launch floor.
 
 Tolerances: the projection is a 512-term f32 sum per output (`project`: four chains of 128
@@ -78,6 +78,99 @@ def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks,
         stream.synchronize()
         for a, b in zip(first, (again.out, again.latent, again.lse)):
             assert np.array_equal(a, cupy.asnumpy(b)), "the merge is not deterministic"
+
+
+# ---- the paged merge at both prefetch depths, on partials made here ----------------------
+# Chunk counts on both sides of what a thread prefetches (groups x prefetch, groups = 2 x
+# column blocks: 16 .. 512) and of the 256 weights of one step (kSplitTile), an empty request
+# (latent 0, lse -inf) and one of a single chunk (merged: attn_writes_single is 0 here).
+MERGE_COUNTS = (0, 1, 2, 17, 33, 64, 65, 129, 257)
+MERGE_ROWS = 3
+# Tolerance: each latent element is sum_i w_i acc_i / l over n <= 257 chunks in f32 (FMAs in a
+# thread, then the split groups added in order), w_i = exp2f(m_i - m) to ~2 ulp. acc_i = l_i
+# v_i with v_i ~ N(1, 0.25) here, so the terms are positive and a relative error of at most
+# n u32 = 257 x 2^-24 = 1.5e-5 bounds every element (the rms is ~sqrt(n) u32 ~ 1e-6); lse =
+# (m + log2 l) ln 2 with |m| <= 20 errs by a few ulp of 30. The merge without its rescale
+# (w_i = 1 where m_i spans +-20) is off by O(1).
+MERGE_TOL = 2e-5
+
+
+def _paged_merge(cb, prefetch, rescale, seed):
+    """combine_paged<f16, rescale, prefetch> over MERGE_COUNTS on the grid (rows, cb, B), its
+    partials past each request's count NaN (never read) and its outputs NaN-poisoned: (latent,
+    lse, the float64 reference's latent and lse)."""
+    import cupy
+
+    from mlasandbox.kernels import get_kernel
+
+    rng = np.random.default_rng(seed)
+    B, C, R = len(MERGE_COUNTS), max(MERGE_COUNTS), MERGE_ROWS
+    m = rng.uniform(-20, 20, (B, C, R))
+    l = rng.uniform(0.5, 100, (B, C, R))
+    acc = l[..., None] * rng.normal(1, 0.25, (B, C, R, 512))
+    empty = rng.random((B, C, R)) < 0.1   # a chunk a row does not see: l 0, m -inf, acc 0
+    m[empty], l[empty], acc[empty] = -np.inf, 0.0, 0.0
+    want_lat, want_lse = np.zeros((B, R, 512)), np.full((B, R), -np.inf)
+    for b, n in enumerate(MERGE_COUNTS):
+        m[b, n:], l[b, n:], acc[b, n:] = np.nan, np.nan, np.nan
+        for r in range(R):
+            seen = l[b, :n, r] > 0
+            if not seen.any():
+                continue
+            top = m[b, :n, r][seen].max()
+            w = np.exp2(m[b, :n, r][seen] - top)
+            tot = (w * l[b, :n, r][seen]).sum()
+            want_lat[b, r] = (w[:, None] * acc[b, :n, r][seen]).sum(0) / tot
+            want_lse[b, r] = (top + np.log2(tot)) * np.log(2)
+    inst = registry.paged_combine_instance("f16", rescale, prefetch)
+    f32 = lambda a: cupy.asarray(a, cupy.float32)   # noqa: E731
+    counts = cupy.asarray(MERGE_COUNTS, cupy.int32)
+    latent = cupy.full((B, R, 512), cupy.nan, cupy.float32)
+    lse = cupy.full((B, R), cupy.nan, cupy.float32)
+    i32, null = np.int32, np.uint64(0)
+    get_kernel(inst)((R, cb, B), (inst.threads,), (
+        f32(acc), f32(m), f32(l), counts, i32(R), i32(R), i32(C), i32(0), null, i32(128),
+        null, latent, lse, null, null, counts))
+    return cupy.asnumpy(latent), cupy.asnumpy(lse), want_lat, want_lse
+
+
+@gpu
+@pytest.mark.parametrize("prefetch", [registry.COMBINE_PREFETCH, registry.COMBINE_DEEP_PREFETCH])
+@pytest.mark.parametrize("col_blocks", [1, 2, 4, 8, 16])
+def test_the_paged_merge_at_both_depths_matches_float64_at_every_chunk_count(col_blocks,
+                                                                             prefetch):
+    seed = fresh_seed()
+    lat, lse, want_lat, want_lse = _paged_merge(col_blocks, prefetch, True, seed)
+    assert not np.isnan(lat).any() and not np.isnan(lse).any(), f"not written (seed={seed})"
+    for b, n in enumerate(MERGE_COUNTS):
+        if not np.isfinite(want_lse[b]).any():
+            assert (lat[b] == 0).all() and (lse[b] == -np.inf).all(), f"n={n} seed={seed}"
+            continue
+        assert rel_l2(lat[b], want_lat[b]) < MERGE_TOL, f"n={n} seed={seed}"
+        np.testing.assert_allclose(lse[b], want_lse[b], rtol=MERGE_TOL, err_msg=f"n={n}")
+    again = _paged_merge(col_blocks, prefetch, True, seed)
+    assert np.array_equal(again[0], lat), "the merge is not deterministic"
+
+
+@gpu
+@pytest.mark.parametrize("prefetch", [registry.COMBINE_PREFETCH, registry.COMBINE_DEEP_PREFETCH])
+def test_negative_control_the_paged_merge_without_rescale_misses_the_tolerance(prefetch):
+    seed = fresh_seed()
+    lat, _, want, _ = _paged_merge(2, prefetch, False, seed)
+    many = [b for b, n in enumerate(MERGE_COUNTS) if n > 1]
+    assert rel_l2(lat[many], want[many]) > 100 * MERGE_TOL, f"seed={seed}"
+
+
+@gpu
+@pytest.mark.parametrize("prefetch, per_sm", [(registry.COMBINE_PREFETCH, 3),
+                                              (registry.COMBINE_DEEP_PREFETCH, 2)])
+def test_each_merge_keeps_the_blocks_an_sm_its_launch_bounds_ask_for(prefetch, per_sm):
+    """registry.merge_form counts waves with the driver's occupancy; the launch bounds
+    (kMinBlocks, kDeepMinBlocks) hold it at three and two blocks an SM."""
+    from mlasandbox.kernels import blocks_per_sm
+
+    for cache in ("f16", "bf16"):
+        assert blocks_per_sm(registry.paged_combine_instance(cache, True, prefetch)) >= per_sm
 
 
 KINDS = ["project", "project_wide"]

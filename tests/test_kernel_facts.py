@@ -110,8 +110,8 @@ def test_names_and_expressions_follow_from_the_fields():
     rows = registry.rows_instance("f16", "f32")
     assert rows.heads == 1 and rows.name == "attn_rows<cache=f16,q=f32>"
     c = registry.combine_instance("bf16", rescale=False)
-    assert c.name == "combine<cache=bf16,rescale=false>" and c.q is None
-    assert c.expression == "mla::combine<__nv_bfloat16, false>"
+    assert c.name == "combine<cache=bf16,rescale=false,prefetch=8>" and c.q is None
+    assert c.expression == "mla::combine<__nv_bfloat16, false, 8>"
     assert registry.q_absorb_instance("f16", "f16").name == "q_absorb<cache=f16,q=f16>"
     p = registry.project_instance("bf16")
     assert p.name == "project<cache=bf16>" and p.expression == "mla::project<__nv_bfloat16>"
@@ -175,6 +175,9 @@ def _reader_of(macro: str):
     MLA_<F>_THREADS / _TILE / _SMEM, else the kernel of that small-phase fact."""
     small = {
         "MLA_COMBINE_COL_BLOCKS": registry.combine_instance(),
+        "MLA_COMBINE_PREFETCH": registry.combine_instance(),
+        "MLA_COMBINE_DEEP_PREFETCH": registry.paged_combine_instance(
+            "f16", True, registry.COMBINE_DEEP_PREFETCH),
         # the paged walk (mla_walk.cuh) of a kernel that merges its own chunks
         "MLA_ATTN_MERGE_MAX_CHUNKS": registry.paged_attention_instance("mma16", "f16", "f16"),
         "MLA_Q_ABSORB_COL_BLOCKS": registry.q_absorb_instance(),

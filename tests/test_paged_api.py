@@ -522,7 +522,8 @@ def fake_device(monkeypatch):
     monkeypatch.setattr(registry, "paged_attention_instance", raising=False,
                         value=lambda var, cache, q: instance("attn", var.hpb, 64, 256, 1000))
     monkeypatch.setattr(registry, "paged_combine_instance", raising=False,
-                        value=lambda cache, rescale: instance(f"combine{rescale}"))
+                        value=lambda cache, rescale, prefetch=8:
+                        instance(f"combine{rescale}p{prefetch}"))
     monkeypatch.setattr(registry, "paged_check_instance", raising=False,
                         value=lambda: instance("check", threads=128))
     monkeypatch.setattr(registry, "project_instance", raising=False,
@@ -594,8 +595,9 @@ def test_a_step_launches_attn_then_combine_with_its_plan(fake_device, seeds):
                                                  1000)
     assert len(a_args) == 23 and int(a_args[21]) == 0 and int(a_args[22]) == 1
     assert all(x is y or x == y for x, y in zip(a_args, step.attn_args()))
-    # 96 rows: 4 column blocks (384 blocks >= 2 x 132 SMs)
-    assert c_name == "combineTrue<paged=true>" and c_grid == (32, 4, 3)
+    # 96 rows, merge only: combine_col_blocks gives 4 (384 blocks >= 2 x 132 SMs), 1.45 waves
+    # at the fake device's two blocks an SM, so the deep merge runs at 2 (192 blocks)
+    assert c_name == "combineTruep16<paged=true>" and c_grid == (32, 2, 3)
     assert all(x is y or x == y for x, y in zip(c_args, step.combine_args()))
     assert p_name == "project<paged=true>" and p_grid == (16, 4, 1)  # 6 latent rows a head
     assert p_args[0] is step.latent and p_args[1] is step.wv_b and p_args[-1] is step.out

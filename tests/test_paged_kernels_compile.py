@@ -111,8 +111,11 @@ def test_paged_names_expressions_and_facts():
     assert registry.paged_attention_instance("batched8").expression == \
         "mla::attn_paged<8, __half, float>"
     comb = registry.paged_combine_instance("bf16", rescale=False)
-    assert comb.name == "combine<cache=bf16,rescale=false,paged=true>"
-    assert comb.expression == "mla::combine_paged<__nv_bfloat16, false>"
+    assert comb.name == "combine<cache=bf16,rescale=false,prefetch=8,paged=true>"
+    assert comb.expression == "mla::combine_paged<__nv_bfloat16, false, 8>"
+    deep = registry.paged_combine_instance("f16", True, registry.COMBINE_DEEP_PREFETCH)
+    assert deep.name == "combine<cache=f16,rescale=true,prefetch=16,paged=true>"
+    assert deep.expression == "mla::combine_paged<__half, true, 16>"
     assert comb.min_arch == "sm_75" and registry.paged_check_instance().min_arch == "sm_75"
 
 

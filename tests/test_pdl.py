@@ -91,6 +91,33 @@ def test_the_merge_takes_the_fewest_column_blocks_that_give_two_per_sm(rows, sms
     assert cb == 1 or rows * (cb // 2) < 2 * sms  # one fewer halving would not do
 
 
+@pytest.mark.parametrize("rows, per_sm, deep_per_sm, want", [
+    (128, 3, 2, (2, 16)),    # batch 1 x 128 heads: 512 blocks at three an SM, 1.29 waves
+    (64, 3, 2, (4, 16)),     # x 64 heads: the same
+    (256, 3, 2, (1, 16)),    # B = 2 x 128 heads: 2 column blocks -> 1
+    (96, 3, 2, (4, 8)),      # 384 blocks: one wave at three an SM already
+    (16, 3, 2, (16, 8)),     # half would leave SMs without a block (128 < 132)
+    (1024, 3, 2, (1, 8)),    # one column block: nothing to halve
+    (128, 4, 2, (4, 8)),     # a merge of four blocks an SM: 512 is one wave
+    (128, 3, 1, (4, 8)),     # a deep merge of one block an SM: 256 would be two waves
+])
+def test_the_deep_merge_runs_where_half_the_column_blocks_make_one_wave(rows, per_sm,
+                                                                         deep_per_sm, want):
+    assert registry.merge_form(rows, 132, per_sm, deep_per_sm) == want
+
+
+def test_the_merge_form_is_one_wave_where_it_is_deep_and_keeps_the_prefetch_reach():
+    for rows in range(1, 1200):
+        cb0 = registry.combine_col_blocks(rows, 132)
+        cb, pf = registry.merge_form(rows, 132, 3, 2)
+        if pf == registry.COMBINE_DEEP_PREFETCH:
+            assert 132 <= rows * cb <= 2 * 132 < rows * cb0 and cb0 == 2 * cb, rows
+            # split groups x prefetch: 2 cb x 16 = 2 cb0 x 8, what each thread loads ahead
+            assert 2 * cb * pf == 2 * cb0 * registry.COMBINE_PREFETCH
+        else:
+            assert (cb, pf) == (cb0, registry.COMBINE_PREFETCH), rows
+
+
 def test_the_rules_refuse_an_empty_launch():
     with pytest.raises(ValueError, match="rows and num_sms"):
         registry.combine_col_blocks(0, 132)

@@ -171,7 +171,7 @@ def test_the_scripts_launch_arguments_are_decodesteps():
 def test_the_negative_control():
     case = repro.make_case("split", contexts=(20000,), blocks_per_sm=2, negative_control=True)
     text = repro.render_script(case)
-    assert "mla::combine<__half, false>" in text and "EXPECT = 'FAIL'" in text
+    assert "mla::combine<__half, false, 8>" in text and "EXPECT = 'FAIL'" in text
     assert "NEGATIVE CONTROL" in text
     assert repro.default_filename(case).endswith("_negctl.py")
     for variant, kw in (("per_head", {}), ("split", {"contexts": (4095, 20000)}),
