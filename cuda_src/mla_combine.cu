@@ -38,6 +38,16 @@
 // merge-only form and the projection are two); a paged batch has many rows a head, and the
 // tensor-core projection reads wv_b once per 32 of them (mla_project.cu).
 //
+// mla::combine_warp_paged<RESCALE>, the warp merge of a paged batch (merge only): one warp a
+// (row, column block) of kWarpColBlocks = 2 blocks a row, no barrier and no shared memory.
+// grid = (ceil(n_rows * 2 / 8), 1, B), block = kCombineThreads (8 warps); warp w of block
+// (x, 0, b) merges column block u % 2 of row u / 2 of request b, u = 8 x + w. Each lane holds
+// two float4s of columns of every chunk: the first kWarpPrefetch = 8 chunks' partials and
+// (m, l) are loaded at once, the rest's (m, l) then partials after the max (a shuffle
+// reduction). registry.merge_form runs it where the block merge has one column block a row
+// and more blocks than one wave (B = 8 x 128 heads: 1,024 rows), at two blocks an SM by its
+// launch bounds: 256 rows a wave, each row's chain two loads long with no barrier.
+//
 // Programmatic dependent launch: the kernel waits (mla::pdl_wait) before it reads any
 // partial, so it may be launched with programmatic stream serialization behind the attention
 // kernel; it then lets the projection launch (pdl_launch_dependents).
@@ -67,6 +77,10 @@ constexpr int kDeepPrefetch = 16;  // the deep merge's: 64 registers of them
 constexpr int kMinBlocks = 3;
 constexpr int kDeepMinBlocks = 2;
 constexpr int kWPrefetch = 4;  // 16-byte words of wv_b a thread loads before the wait (cols <= 128)
+constexpr int kWarpColBlocks = 2;  // the warp merge: column blocks a row, one warp each
+constexpr int kWarpPrefetch = 8;   // chunks whose partials a lane loads before the max
+constexpr int kWarpF4 = MLA_KV_LORA / kWarpColBlocks / 4 / 32;  // float4s of a chunk a lane holds
+static_assert(kWarpF4 * 4 * 32 * kWarpColBlocks == MLA_KV_LORA, "whole float4s a lane");
 static_assert(kCombineThreads / 2 >= 1 && MLA_KV_LORA / kMaxColBlocks % 16 == 0,
               "thread pairs per wv_b row, whole 16-byte words of a half of the columns");
 static_assert(kMinBlockCols % 4 == 0 && kCombineThreads % (kMinBlockCols / 4) == 0,
@@ -369,6 +383,110 @@ combine_paged(const float* __restrict__ part_acc, const float* __restrict__ part
     combine_body<WvT, RESCALE, PREFETCH>(
         PagedMerge{n_rows, n_head, max_chunks, r, b, chunk_counts, attn_writes_single}, part_acc,
         part_m, part_l, wv_b, v_head, out, latent, lse, out_part, tickets);
+}
+
+// The warp merge (merge only; see the header). A row whose chunks are all empty gets latent
+// 0 and lse -inf; a request of one chunk the attention kernel wrote (attn_writes_single) is
+// skipped, as in combine_paged.
+template <bool RESCALE>
+__global__ void __launch_bounds__(kCombineThreads, kDeepMinBlocks)
+combine_warp_paged(const float* __restrict__ part_acc, const float* __restrict__ part_m,
+                   const float* __restrict__ part_l, const int* __restrict__ cache_seqlens,
+                   int n_rows, int n_head, int max_chunks, int attn_writes_single,
+                   const void* __restrict__ wv_b, int v_head, float* __restrict__ out,
+                   float* __restrict__ latent, float* __restrict__ lse,
+                   float* __restrict__ out_part, unsigned int* __restrict__ tickets,
+                   const int* __restrict__ chunk_counts) {
+#ifdef MLA_REGISTRY_FACTS
+    static_assert(MLA_COMBINE_WARP_THREADS == kCombineThreads,
+                  "registry.COMBINE_THREADS differs from kCombineThreads");
+    static_assert(MLA_COMBINE_WARP_COL_BLOCKS == kWarpColBlocks &&
+                      MLA_COMBINE_WARP_PREFETCH == kWarpPrefetch,
+                  "registry.COMBINE_WARP_COL_BLOCKS / _PREFETCH differ from the kernel's");
+#endif
+    if (wv_b != nullptr) __trap();  // merge only: the projection is mla_project.cu's
+    const int lane = threadIdx.x & 31;
+    const int u = blockIdx.x * (kCombineThreads / 32) + (threadIdx.x >> 5);
+    const int cb = u % kWarpColBlocks, r = u / kWarpColBlocks, b = blockIdx.z;
+    pdl_wait();  // the partials and the chunk counts are the attention kernel's
+    pdl_launch_dependents();
+    if (r >= n_rows) return;
+    const int n = chunk_counts[b];
+    if (attn_writes_single != 0 && n == 1) return;
+    const size_t first = static_cast<size_t>(b) * max_chunks * n_rows + r;
+    const size_t stride = static_cast<size_t>(n_rows) * MLA_KV_LORA;
+    constexpr int kCols = MLA_KV_LORA / kWarpColBlocks;
+    const float* acc_base = part_acc + first * MLA_KV_LORA + cb * kCols + 4 * kWarpF4 * lane;
+
+    float4 pre[kWarpPrefetch][kWarpF4];
+    float pm[kWarpPrefetch], pl[kWarpPrefetch];
+#pragma unroll
+    for (int j = 0; j < kWarpPrefetch; ++j) {
+        pm[j] = -INFINITY;
+        pl[j] = 0.f;
+        if (j < n) {
+            pm[j] = part_m[first + static_cast<size_t>(j) * n_rows];
+            pl[j] = part_l[first + static_cast<size_t>(j) * n_rows];
+#pragma unroll
+            for (int k = 0; k < kWarpF4; ++k)
+                pre[j][k] = *reinterpret_cast<const float4*>(acc_base + j * stride + 4 * k);
+        }
+    }
+    float m = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kWarpPrefetch; ++j) m = pl[j] > 0.f ? fmaxf(m, pm[j]) : m;
+    // past the prefetch the lanes share the (m, l) loads, then the warp takes the max
+    for (int i = kWarpPrefetch + lane; i < n; i += 32) {
+        const size_t k = first + static_cast<size_t>(i) * n_rows;
+        const float li = part_l[k], mi = part_m[k];
+        m = li > 0.f ? fmaxf(m, mi) : m;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+
+    float4 acc[kWarpF4];
+#pragma unroll
+    for (int k = 0; k < kWarpF4; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+    float l = 0.f;  // every lane sums every chunk's weight: the same l in each
+    const auto add = [&](float w, const float4 (&a)[kWarpF4]) {
+#pragma unroll
+        for (int k = 0; k < kWarpF4; ++k) {
+            acc[k].x = fmaf(w, a[k].x, acc[k].x);
+            acc[k].y = fmaf(w, a[k].y, acc[k].y);
+            acc[k].z = fmaf(w, a[k].z, acc[k].z);
+            acc[k].w = fmaf(w, a[k].w, acc[k].w);
+        }
+    };
+#pragma unroll
+    for (int j = 0; j < kWarpPrefetch; ++j) {
+        if (j < n) {
+            const float w = pl[j] > 0.f ? (RESCALE ? exp2f(pm[j] - m) : 1.f) : 0.f;
+            l = fmaf(w, pl[j], l);
+            add(w, pre[j]);
+        }
+    }
+#pragma unroll 4
+    for (int i = kWarpPrefetch; i < n; ++i) {
+        const size_t k0 = first + static_cast<size_t>(i) * n_rows;
+        const float li = part_l[k0];
+        const float w = li > 0.f ? (RESCALE ? exp2f(part_m[k0] - m) : 1.f) : 0.f;
+        l = fmaf(w, li, l);
+        float4 a[kWarpF4];
+#pragma unroll
+        for (int k = 0; k < kWarpF4; ++k)
+            a[k] = *reinterpret_cast<const float4*>(acc_base + i * stride + 4 * k);
+        add(w, a);
+    }
+    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    float* dst = latent + (static_cast<size_t>(b) * n_rows + r) * MLA_KV_LORA + cb * kCols +
+                 4 * kWarpF4 * lane;
+#pragma unroll
+    for (int k = 0; k < kWarpF4; ++k)
+        *reinterpret_cast<float4*>(dst + 4 * k) =
+            make_float4(acc[k].x * inv_l, acc[k].y * inv_l, acc[k].z * inv_l, acc[k].w * inv_l);
+    if (lane == 0 && cb == 0)
+        lse[static_cast<size_t>(b) * n_rows + r] =
+            l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
 }
 
 }  // namespace mla

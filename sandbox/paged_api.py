@@ -259,14 +259,14 @@ class PagedDecodeStep:
             self.out_part = scratch_for_device(dev, "out_part",
                                                rows * self.col_blocks * d.v_head)
             self.tickets = scratch_for_device(dev, "tickets", rows, "uint32")
-        prefetch = registry.COMBINE_PREFETCH
+        self.merge = registry.MergeForm("combine", self.col_blocks, registry.COMBINE_PREFETCH)
         if self.launches_merge and not self.fused_combine:
-            # the merge only: the deep merge where half the column blocks make one wave
+            # the merge only: the deep or the warp merge where the block merge is not one wave
             per_sm = [blocks_per_sm(registry.paged_combine_instance(sh.cache_dtype, rescale, p))
                       for p in (registry.COMBINE_PREFETCH, registry.COMBINE_DEEP_PREFETCH)]
-            self.col_blocks, prefetch = registry.merge_form(sh.batch * self.n_rows,
-                                                            info.num_sms, *per_sm)
-        self.combine_inst = registry.paged_combine_instance(sh.cache_dtype, rescale, prefetch)
+            self.merge = registry.merge_form(sh.batch * self.n_rows, info.num_sms, *per_sm)
+            self.col_blocks = self.merge.col_blocks
+        self.combine_inst = registry.paged_merge_instance(self.merge, sh.cache_dtype, rescale)
         self.combine_kernel = get_kernel(self.combine_inst)
 
     def _attn_merges(self, choice: bool | None) -> bool:
@@ -310,9 +310,10 @@ class PagedDecodeStep:
 
     @property
     def combine_grid(self) -> tuple:
-        """The merge's grid: (rows, column blocks, B) (registry.combine_col_blocks; merge only:
-        registry.merge_form)."""
-        return (self.n_rows, self.col_blocks, self.shape.batch)
+        """The merge's grid (registry.merge_grid): (rows, column blocks, B) for the block
+        merge (registry.combine_col_blocks; merge only: registry.merge_form), fewer blocks of
+        eight rows' warps for the warp merge."""
+        return registry.merge_grid(self.merge, self.n_rows, self.shape.batch)
 
     @property
     def project_grid(self) -> tuple:

@@ -43,8 +43,9 @@ __all__ = [
     "UNIT_ROUNDOFF",
     "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
     "PROJECT_V_ROWS", "PROJECT_M_ROWS", "PROJECT_WIDE_V_ROWS", "PROJECT_WIDE_M_ROWS",
-    "project_kind", "project_instance", "combine_col_blocks", "merge_form",
-    "COMBINE_PREFETCH", "COMBINE_DEEP_PREFETCH",
+    "project_kind", "project_instance", "combine_col_blocks", "merge_form", "MergeForm",
+    "merge_grid", "paged_merge_instance", "WARP_MERGE", "COMBINE_PREFETCH", "COMBINE_DEEP_PREFETCH",
+    "COMBINE_WARP_COL_BLOCKS", "COMBINE_WARP_PREFETCH",
     "project_grid", "q_absorb_grid", "combine_in_one_kernel",
 ]
 
@@ -83,6 +84,10 @@ COMBINE_COL_BLOCKS = 16
 # (merge_form picks it).
 COMBINE_PREFETCH = 8
 COMBINE_DEEP_PREFETCH = 16
+# The warp merge (combine_warp_paged): one warp a (row, column block), kWarpColBlocks a row,
+# each lane loading kWarpPrefetch chunks' partials before the max (merge_form picks it).
+COMBINE_WARP_COL_BLOCKS = 2
+COMBINE_WARP_PREFETCH = 8
 # A paged plan of at most this many chunk slots a request, with q in the cache dtype, is merged
 # by the mma family's own kernel (the request's last program, mla_walk.cuh PagedWalk::finish;
 # kAttnMergeMaxChunks) and the step launches no merge: paged_api.PagedDecodeStep.merges_in_attn.
@@ -373,8 +378,11 @@ FAMILIES: dict[str, Family] = {f.kind: f for f in (
     Family("q_absorb", "mla_q_absorb.cu", "mla::q_absorb", ("cache", "q"), "Q_ABSORB",
            Q_ABSORB_THREADS, min_arch="sm_75"),
     Family("combine", "mla_combine.cu", "mla::combine", ("cache", "rescale", "prefetch"),
-           "COMBINE",
-           COMBINE_THREADS, min_arch="sm_75", paged_function="mla::combine_paged"),
+           "COMBINE", COMBINE_THREADS, min_arch="sm_75", paged_function="mla::combine_paged"),
+    # paged only: the warp merge of many rows (merge_form)
+    Family("combine_warp", "mla_combine.cu", "mla::combine_warp_paged", ("rescale",),
+           "COMBINE_WARP", COMBINE_THREADS, min_arch="sm_75",
+           paged_function="mla::combine_warp_paged"),
     # paged only: the sm_90a tensor-core kernel (wgmma section below)
     Family("wgmma_attn", "mla_wgmma.cu", "mla::wgmma_attn_paged", ("cache", "q", "partials"),
            "WGMMA", WGMMA_THREADS, WGMMA_TILE, WGMMA_ROWS, wgmma_smem_bytes, "sm_90a",
@@ -398,7 +406,8 @@ def compile_defines() -> tuple[str, ...]:
     Each kernel static_asserts them (mla_common.cuh, "the registry's launch values"):
     MLA_<F>_THREADS, MLA_<F>_TILE and MLA_<F>_SMEM, a list of (heads, bytes) pairs, per family,
     and the small phases' geometry: MLA_COMBINE_COL_BLOCKS, MLA_COMBINE_PREFETCH,
-    MLA_COMBINE_DEEP_PREFETCH, MLA_ATTN_MERGE_MAX_CHUNKS,
+    MLA_COMBINE_DEEP_PREFETCH, MLA_COMBINE_WARP_COL_BLOCKS, MLA_COMBINE_WARP_PREFETCH,
+    MLA_ATTN_MERGE_MAX_CHUNKS,
     MLA_Q_ABSORB_COL_BLOCKS, MLA_PROJECT_V_ROWS, MLA_PROJECT_M_ROWS and their
     MLA_PROJECT_WIDE_ pair. They only feed
     static_asserts, so they change no code.
@@ -406,6 +415,8 @@ def compile_defines() -> tuple[str, ...]:
     out = ["MLA_REGISTRY_FACTS", f"MLA_COMBINE_COL_BLOCKS={COMBINE_COL_BLOCKS}",
            f"MLA_COMBINE_PREFETCH={COMBINE_PREFETCH}",
            f"MLA_COMBINE_DEEP_PREFETCH={COMBINE_DEEP_PREFETCH}",
+           f"MLA_COMBINE_WARP_COL_BLOCKS={COMBINE_WARP_COL_BLOCKS}",
+           f"MLA_COMBINE_WARP_PREFETCH={COMBINE_WARP_PREFETCH}",
            f"MLA_ATTN_MERGE_MAX_CHUNKS={ATTN_MERGE_MAX_CHUNKS}",
            f"MLA_Q_ABSORB_COL_BLOCKS={Q_ABSORB_COL_BLOCKS}",
            f"MLA_PROJECT_V_ROWS={PROJECT_V_ROWS}", f"MLA_PROJECT_M_ROWS={PROJECT_M_ROWS}",
@@ -688,27 +699,70 @@ def combine_col_blocks(rows: int, num_sms: int) -> int:
     return cb
 
 
+@dataclass(frozen=True)
+class MergeForm:
+    """How a merge-only paged launch merges: `kind` "combine" (a block of 256 threads a
+    row's column block; prefetch COMBINE_PREFETCH or COMBINE_DEEP_PREFETCH) or
+    "combine_warp" (a warp a row's column block, COMBINE_WARP_COL_BLOCKS a row)."""
+
+    kind: str
+    col_blocks: int
+    prefetch: int
+
+
+WARP_MERGE = MergeForm("combine_warp", COMBINE_WARP_COL_BLOCKS, COMBINE_WARP_PREFETCH)
+
+
 def merge_form(rows: int, num_sms: int, blocks_per_sm: int,
-               deep_blocks_per_sm: int) -> tuple[int, int]:
-    """(column blocks, prefetch) of a merge-only paged launch over `rows` rows, given the
-    resident blocks an SM of the merge (COMBINE_PREFETCH) and of the deep merge
-    (COMBINE_DEEP_PREFETCH; its launch bounds ask for two). The deep merge at half of
-    combine_col_blocks where the merge's grid takes more than one wave and the half grid
-    gives every SM one or two blocks: one wave, and each thread still loads as many
-    chunks' partials before the max (half the column blocks have half the split groups,
-    each loading twice as many). Else combine_col_blocks with COMBINE_PREFETCH.
-    At batch 1 x 64 / 128 heads (64 / 128 rows, wgmma64's 128 / 64 chunks) on 132 SMs the
-    merge is 512 blocks at three an SM (80 registers), 1.29 waves, and the deep merge 256 at
-    two. Measured on an H100 (attn + merge, graph, cold L2, us;
-    docs/combine-and-q-absorb-deep-dive.md): 1 x 131072 x 128 85.7 against 87.4, x 64 75.8
-    against 77.6. At B = 8 x 128 heads (1,024 rows, one column block: nothing to halve) the
-    deep merge was 3.1 us slower (3.9 waves)."""
+               deep_blocks_per_sm: int) -> MergeForm:
+    """The form of a merge-only paged launch over `rows` rows, given the resident blocks an
+    SM of the block merge (COMBINE_PREFETCH) and of the deep merge (COMBINE_DEEP_PREFETCH;
+    its launch bounds ask for two). Where the block merge at combine_col_blocks takes more
+    than one wave:
+    * the deep merge at half of those column blocks, where the half grid gives every SM one
+      or two blocks: one wave, and each thread still loads as many chunks' partials before
+      the max (half the column blocks have half the split groups, each loading twice as
+      many). Batch 1 x 64 / 128 heads (64 / 128 rows, wgmma64's 128 / 64 chunks) on 132
+      SMs: 512 blocks at three an SM (80 registers), 1.29 waves, against 256 at two.
+      Measured on an H100 (attn + merge, graph, cold L2, us;
+      docs/combine-and-q-absorb-deep-dive.md): 1 x 131072 x 128 84.2 against 87.0, x 64
+      74.3 against 75.6.
+    * the warp merge (WARP_MERGE) where there is one column block a row, nothing to halve:
+      at B = 8 x N(32768, 16384) x 128 heads (1,024 rows, 2.6 waves of the block merge; the
+      deep merge there was 3.1 us slower, 3.9 waves) its probe took 170.5 against 173.5 on
+      an H100. At batch 1 (64 and 128 rows of 64-132 chunks) every warp form tried was
+      1.6-5 us slower than the deep merge.
+    Else the block merge at combine_col_blocks with COMBINE_PREFETCH."""
     cb = combine_col_blocks(rows, num_sms)
     half = cb // 2
-    if (half >= 1 and rows * cb > blocks_per_sm * num_sms
-            and num_sms <= rows * half <= deep_blocks_per_sm * num_sms):
-        return half, COMBINE_DEEP_PREFETCH
-    return cb, COMBINE_PREFETCH
+    if rows * cb > blocks_per_sm * num_sms:
+        if half >= 1 and num_sms <= rows * half <= deep_blocks_per_sm * num_sms:
+            return MergeForm("combine", half, COMBINE_DEEP_PREFETCH)
+        if cb == 1:
+            return WARP_MERGE
+    return MergeForm("combine", cb, COMBINE_PREFETCH)
+
+
+def merge_grid(form: MergeForm, n_rows: int, batch: int) -> tuple:
+    """The grid of a paged merge of `form` over n_rows rows a request: the block merge
+    (n_rows, column blocks, B); the warp merge (ceil(n_rows x column blocks / 8), 1, B), its
+    eight warps a block."""
+    if form.kind == "combine_warp":
+        warps = COMBINE_THREADS // 32
+        return (-(-n_rows * form.col_blocks // warps), 1, batch)
+    return (n_rows, form.col_blocks, batch)
+
+
+def paged_merge_instance(form: MergeForm, cache: str = "f16",
+                         rescale: bool = True) -> KernelInstance:
+    """The kernel of a paged merge of `form`: combine_paged at its prefetch, or
+    combine_warp_paged (no cache type: it reads only f32 partials); rescale=False is the
+    negative control of either."""
+    if form.kind == "combine_warp":
+        return KernelInstance("combine_warp", None, rescale=bool(rescale), paged=True)
+    if form.kind != "combine":
+        raise ValueError(f"merge kind must be 'combine' or 'combine_warp', got {form.kind!r}")
+    return paged_combine_instance(cache, rescale, form.prefetch)
 
 
 def project_grid(n_head: int, v_head: int, m_rows: int, kind: str = "project") -> tuple:
@@ -748,6 +802,8 @@ def all_instances(cache_dtypes=("f16", "bf16"), q_dtypes=("f32", "cache"),
             out.append(combine_instance(cache, rescale))
             out.append(paged_combine_instance(cache, rescale))
             out.append(paged_combine_instance(cache, rescale, COMBINE_DEEP_PREFETCH))
+            # the warp merge has no cache type (f32 partials): one instance a rescale
+            out.append(paged_merge_instance(WARP_MERGE, cache, rescale))
         out.append(project_instance(cache))
         out.append(project_instance(cache, "project_wide"))
     out.append(paged_check_instance())

@@ -84,7 +84,10 @@ def test_regs_json_rows():
                          "combine<cache=f16,rescale=false,prefetch=8,paged=true>",
                          # the deep merge (registry.merge_form)
                          "combine<cache=f16,rescale=true,prefetch=16,paged=true>",
-                         "combine<cache=f16,rescale=false,prefetch=16,paged=true>", "check_paged"}
+                         "combine<cache=f16,rescale=false,prefetch=16,paged=true>",
+                         # the warp merge of many rows (registry.merge_form)
+                         "combine_warp<rescale=true,paged=true>",
+                         "combine_warp<rescale=false,paged=true>", "check_paged"}
     # The threads and dynamic smem in these rows are the registry's; the compile that made
     # the rows static_asserted them against each kernel (tests/test_kernel_facts.py).
     a12 = rows["attn<heads=12,cache=f16,q=f32>"]

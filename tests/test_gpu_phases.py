@@ -80,12 +80,13 @@ def test_the_merge_at_every_column_block_count_matches_one_reference(col_blocks,
             assert np.array_equal(a, cupy.asnumpy(b)), "the merge is not deterministic"
 
 
-# ---- the paged merge at both prefetch depths, on partials made here ----------------------
-# Chunk counts on both sides of what a thread prefetches (groups x prefetch, groups = 2 x
-# column blocks: 16 .. 512) and of the 256 weights of one step (kSplitTile), an empty request
-# (latent 0, lse -inf) and one of a single chunk (merged: attn_writes_single is 0 here).
+# ---- the paged merge in every form, on partials made here --------------------------------
+# Chunk counts on both sides of what a thread prefetches (the block merge: groups x prefetch,
+# groups = 2 x column blocks, 16 .. 512; the warp merge: 8 chunks, then 32 (m, l) a pass) and
+# of the 256 weights of one step (kSplitTile), an empty request (latent 0, lse -inf) and one
+# of a single chunk (merged: attn_writes_single is 0 here).
 MERGE_COUNTS = (0, 1, 2, 17, 33, 64, 65, 129, 257)
-MERGE_ROWS = 3
+MERGE_ROWS = 5   # the warp merge: 10 warps, a last block of two
 # Tolerance: each latent element is sum_i w_i acc_i / l over n <= 257 chunks in f32 (FMAs in a
 # thread, then the split groups added in order), w_i = exp2f(m_i - m) to ~2 ulp. acc_i = l_i
 # v_i with v_i ~ N(1, 0.25) here, so the terms are positive and a relative error of at most
@@ -95,10 +96,10 @@ MERGE_ROWS = 3
 MERGE_TOL = 2e-5
 
 
-def _paged_merge(cb, prefetch, rescale, seed):
-    """combine_paged<f16, rescale, prefetch> over MERGE_COUNTS on the grid (rows, cb, B), its
-    partials past each request's count NaN (never read) and its outputs NaN-poisoned: (latent,
-    lse, the float64 reference's latent and lse)."""
+def _paged_merge(form, rescale, seed):
+    """The merge of `form` (registry.MergeForm) over MERGE_COUNTS on its grid
+    (registry.merge_grid), its partials past each request's count NaN (never read) and its
+    outputs NaN-poisoned: (latent, lse, the float64 reference's latent and lse)."""
     import cupy
 
     from mlasandbox.kernels import get_kernel
@@ -122,25 +123,28 @@ def _paged_merge(cb, prefetch, rescale, seed):
             tot = (w * l[b, :n, r][seen]).sum()
             want_lat[b, r] = (w[:, None] * acc[b, :n, r][seen]).sum(0) / tot
             want_lse[b, r] = (top + np.log2(tot)) * np.log(2)
-    inst = registry.paged_combine_instance("f16", rescale, prefetch)
+    inst = registry.paged_merge_instance(form, "f16", rescale)
     f32 = lambda a: cupy.asarray(a, cupy.float32)   # noqa: E731
     counts = cupy.asarray(MERGE_COUNTS, cupy.int32)
     latent = cupy.full((B, R, 512), cupy.nan, cupy.float32)
     lse = cupy.full((B, R), cupy.nan, cupy.float32)
     i32, null = np.int32, np.uint64(0)
-    get_kernel(inst)((R, cb, B), (inst.threads,), (
+    get_kernel(inst)(registry.merge_grid(form, R, B), (inst.threads,), (
         f32(acc), f32(m), f32(l), counts, i32(R), i32(R), i32(C), i32(0), null, i32(128),
         null, latent, lse, null, null, counts))
     return cupy.asnumpy(latent), cupy.asnumpy(lse), want_lat, want_lse
 
 
+MERGE_FORMS = [registry.MergeForm("combine", cb, p) for p in (registry.COMBINE_PREFETCH,
+                                                               registry.COMBINE_DEEP_PREFETCH)
+               for cb in (1, 2, 4, 8, 16)] + [registry.WARP_MERGE]
+
+
 @gpu
-@pytest.mark.parametrize("prefetch", [registry.COMBINE_PREFETCH, registry.COMBINE_DEEP_PREFETCH])
-@pytest.mark.parametrize("col_blocks", [1, 2, 4, 8, 16])
-def test_the_paged_merge_at_both_depths_matches_float64_at_every_chunk_count(col_blocks,
-                                                                             prefetch):
+@pytest.mark.parametrize("form", MERGE_FORMS, ids=str)
+def test_the_paged_merge_in_every_form_matches_float64_at_every_chunk_count(form):
     seed = fresh_seed()
-    lat, lse, want_lat, want_lse = _paged_merge(col_blocks, prefetch, True, seed)
+    lat, lse, want_lat, want_lse = _paged_merge(form, True, seed)
     assert not np.isnan(lat).any() and not np.isnan(lse).any(), f"not written (seed={seed})"
     for b, n in enumerate(MERGE_COUNTS):
         if not np.isfinite(want_lse[b]).any():
@@ -148,29 +152,34 @@ def test_the_paged_merge_at_both_depths_matches_float64_at_every_chunk_count(col
             continue
         assert rel_l2(lat[b], want_lat[b]) < MERGE_TOL, f"n={n} seed={seed}"
         np.testing.assert_allclose(lse[b], want_lse[b], rtol=MERGE_TOL, err_msg=f"n={n}")
-    again = _paged_merge(col_blocks, prefetch, True, seed)
+    again = _paged_merge(form, True, seed)
     assert np.array_equal(again[0], lat), "the merge is not deterministic"
 
 
 @gpu
-@pytest.mark.parametrize("prefetch", [registry.COMBINE_PREFETCH, registry.COMBINE_DEEP_PREFETCH])
-def test_negative_control_the_paged_merge_without_rescale_misses_the_tolerance(prefetch):
+@pytest.mark.parametrize("form", [registry.MergeForm("combine", 2, registry.COMBINE_PREFETCH),
+                                  registry.MergeForm("combine", 2, registry.COMBINE_DEEP_PREFETCH),
+                                  registry.WARP_MERGE], ids=str)
+def test_negative_control_the_paged_merge_without_rescale_misses_the_tolerance(form):
     seed = fresh_seed()
-    lat, _, want, _ = _paged_merge(2, prefetch, False, seed)
+    lat, _, want, _ = _paged_merge(form, False, seed)
     many = [b for b, n in enumerate(MERGE_COUNTS) if n > 1]
     assert rel_l2(lat[many], want[many]) > 100 * MERGE_TOL, f"seed={seed}"
 
 
 @gpu
-@pytest.mark.parametrize("prefetch, per_sm", [(registry.COMBINE_PREFETCH, 3),
-                                              (registry.COMBINE_DEEP_PREFETCH, 2)])
-def test_each_merge_keeps_the_blocks_an_sm_its_launch_bounds_ask_for(prefetch, per_sm):
+@pytest.mark.parametrize("form, per_sm", [
+    (registry.MergeForm("combine", 1, registry.COMBINE_PREFETCH), 3),
+    (registry.MergeForm("combine", 1, registry.COMBINE_DEEP_PREFETCH), 2),
+    (registry.WARP_MERGE, 2)], ids=str)
+def test_each_merge_keeps_the_blocks_an_sm_its_launch_bounds_ask_for(form, per_sm):
     """registry.merge_form counts waves with the driver's occupancy; the launch bounds
-    (kMinBlocks, kDeepMinBlocks) hold it at three and two blocks an SM."""
+    (kMinBlocks, kDeepMinBlocks) hold the block merges at three and two blocks an SM, and the
+    warp merge at two (256 rows a wave on 132 SMs)."""
     from mlasandbox.kernels import blocks_per_sm
 
     for cache in ("f16", "bf16"):
-        assert blocks_per_sm(registry.paged_combine_instance(cache, True, prefetch)) >= per_sm
+        assert blocks_per_sm(registry.paged_merge_instance(form, cache)) >= per_sm
 
 
 KINDS = ["project", "project_wide"]

@@ -178,6 +178,8 @@ def _reader_of(macro: str):
         "MLA_COMBINE_PREFETCH": registry.combine_instance(),
         "MLA_COMBINE_DEEP_PREFETCH": registry.paged_combine_instance(
             "f16", True, registry.COMBINE_DEEP_PREFETCH),
+        "MLA_COMBINE_WARP_COL_BLOCKS": registry.paged_merge_instance(registry.WARP_MERGE),
+        "MLA_COMBINE_WARP_PREFETCH": registry.paged_merge_instance(registry.WARP_MERGE),
         # the paged walk (mla_walk.cuh) of a kernel that merges its own chunks
         "MLA_ATTN_MERGE_MAX_CHUNKS": registry.paged_attention_instance("mma16", "f16", "f16"),
         "MLA_Q_ABSORB_COL_BLOCKS": registry.q_absorb_instance(),

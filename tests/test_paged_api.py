@@ -176,6 +176,7 @@ def _bare_step(causal=True, wv_b=True, family="mma"):
                  "part_l", "latent", "lse", "chunk_counts"):
         setattr(step, name, name)
     step.col_blocks = registry.combine_col_blocks(3 * 10, 132)
+    step.merge = registry.MergeForm("combine", step.col_blocks, registry.COMBINE_PREFETCH)
     step.wv_b = "wv_b" if wv_b else None
     step.out = "out" if wv_b else None
     step.project_inst = registry.project_instance("f16") if wv_b else None

@@ -22,7 +22,7 @@ def report():
 
 def test_every_paged_family_has_instances():
     assert {i.kind for i in PAGED} == set(registry.PAGED_KINDS) == {
-        "attn_rows", "attn", "mma_attn", "wgmma_attn", "combine", "check_paged"}
+        "attn_rows", "attn", "mma_attn", "wgmma_attn", "combine", "combine_warp", "check_paged"}
     for var in ("split", "batched2", "batched24", "mma16", "mma32"):
         for cache, q in (("f16", "f32"), ("bf16", "bf16")):
             assert registry.paged_attention_instance(var, cache, q) in PAGED

@@ -91,31 +91,58 @@ def test_the_merge_takes_the_fewest_column_blocks_that_give_two_per_sm(rows, sms
     assert cb == 1 or rows * (cb // 2) < 2 * sms  # one fewer halving would not do
 
 
+DEEP, PLAIN = registry.COMBINE_DEEP_PREFETCH, registry.COMBINE_PREFETCH
+
+
 @pytest.mark.parametrize("rows, per_sm, deep_per_sm, want", [
-    (128, 3, 2, (2, 16)),    # batch 1 x 128 heads: 512 blocks at three an SM, 1.29 waves
-    (64, 3, 2, (4, 16)),     # x 64 heads: the same
-    (256, 3, 2, (1, 16)),    # B = 2 x 128 heads: 2 column blocks -> 1
-    (96, 3, 2, (4, 8)),      # 384 blocks: one wave at three an SM already
-    (16, 3, 2, (16, 8)),     # half would leave SMs without a block (128 < 132)
-    (1024, 3, 2, (1, 8)),    # one column block: nothing to halve
-    (128, 4, 2, (4, 8)),     # a merge of four blocks an SM: 512 is one wave
-    (128, 3, 1, (4, 8)),     # a deep merge of one block an SM: 256 would be two waves
+    (128, 3, 2, (2, DEEP)),    # batch 1 x 128 heads: 512 blocks at three an SM, 1.29 waves
+    (64, 3, 2, (4, DEEP)),     # x 64 heads: the same
+    (256, 3, 2, (1, DEEP)),    # B = 2 x 128 heads: 2 column blocks -> 1
+    (96, 3, 2, (4, PLAIN)),    # 384 blocks: one wave at three an SM already
+    (16, 3, 2, (16, PLAIN)),   # half would leave SMs without a block (128 < 132)
+    (396, 3, 2, (1, PLAIN)),   # one column block, one wave
+    (128, 4, 2, (4, PLAIN)),   # a merge of four blocks an SM: 512 is one wave
+    (128, 3, 1, (4, PLAIN)),   # a deep merge of one block an SM: 256 would be two waves
 ])
 def test_the_deep_merge_runs_where_half_the_column_blocks_make_one_wave(rows, per_sm,
                                                                          deep_per_sm, want):
-    assert registry.merge_form(rows, 132, per_sm, deep_per_sm) == want
+    assert registry.merge_form(rows, 132, per_sm, deep_per_sm) == registry.MergeForm(
+        "combine", *want)
+
+
+@pytest.mark.parametrize("rows", [397, 512, 1024, 2048, 16384])
+def test_the_warp_merge_runs_where_one_column_block_a_row_is_more_than_a_wave(rows):
+    assert registry.merge_form(rows, 132, 3, 2) == registry.WARP_MERGE
+    assert registry.merge_form(rows, 132, 200, 2).kind == "combine"  # one wave after all
+    grid = registry.merge_grid(registry.WARP_MERGE, 128, 8)   # 128 rows x 2 warps, 8 a block
+    assert grid == (32, 1, 8)
+    assert registry.merge_grid(registry.WARP_MERGE, 13, 3) == (4, 1, 3)  # 26 warps: 4 blocks
+    assert registry.merge_grid(registry.MergeForm("combine", 4, DEEP), 13, 3) == (13, 4, 3)
 
 
 def test_the_merge_form_is_one_wave_where_it_is_deep_and_keeps_the_prefetch_reach():
     for rows in range(1, 1200):
         cb0 = registry.combine_col_blocks(rows, 132)
-        cb, pf = registry.merge_form(rows, 132, 3, 2)
-        if pf == registry.COMBINE_DEEP_PREFETCH:
+        form = registry.merge_form(rows, 132, 3, 2)
+        if form.kind == "combine_warp":
+            assert cb0 == 1 and rows > 3 * 132, rows
+        elif form.prefetch == DEEP:
+            cb = form.col_blocks
             assert 132 <= rows * cb <= 2 * 132 < rows * cb0 and cb0 == 2 * cb, rows
             # split groups x prefetch: 2 cb x 16 = 2 cb0 x 8, what each thread loads ahead
-            assert 2 * cb * pf == 2 * cb0 * registry.COMBINE_PREFETCH
+            assert 2 * cb * DEEP == 2 * cb0 * PLAIN
         else:
-            assert (cb, pf) == (cb0, registry.COMBINE_PREFETCH), rows
+            assert form == registry.MergeForm("combine", cb0, PLAIN), rows
+
+
+def test_a_merge_form_names_its_kernel():
+    warp = registry.paged_merge_instance(registry.WARP_MERGE, "bf16", False)
+    assert warp.name == "combine_warp<rescale=false,paged=true>"
+    assert warp.expression == "mla::combine_warp_paged<false>"
+    deep = registry.paged_merge_instance(registry.MergeForm("combine", 2, DEEP), "bf16")
+    assert deep == registry.paged_combine_instance("bf16", True, DEEP)
+    with pytest.raises(ValueError, match="merge kind"):
+        registry.paged_merge_instance(registry.MergeForm("merge", 1, 8))
 
 
 def test_the_rules_refuse_an_empty_launch():

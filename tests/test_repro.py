@@ -603,8 +603,13 @@ def test_the_paged_kernels_take_the_scripts_arguments():
     by name and in order, the wgmma family's PAGED_WGMMA_ARGS (the tensor maps last) and the
     mma family's PAGED_MMA_ARGS (its merge's tickets and rescale flag last): the script
     launches each with the tuple its ATTN["args"] names."""
-    kinds = [k for k in registry.PAGED_KINDS if k not in ("combine", "check_paged")]
+    kinds = [k for k in registry.PAGED_KINDS
+             if k not in ("combine", "combine_warp", "check_paged")]
     assert "wgmma_attn" in kinds and "mma_attn" in kinds
+    for merge in ("combine", "combine_warp"):  # the step launches either with combine_args
+        fam = registry.FAMILIES[merge]
+        assert kernel_params(fam.source, fam.paged_function.split("::")[-1]) == \
+            repro.PAGED_COMBINE_ARGS, merge
     for kind in kinds:
         fam = registry.FAMILIES[kind]
         params = kernel_params(fam.source, fam.paged_function.split("::")[-1])
