@@ -45,8 +45,9 @@
 // two float4s of columns of every chunk: the first kWarpPrefetch = 8 chunks' partials and
 // (m, l) are loaded at once, the rest's (m, l) then partials after the max (a shuffle
 // reduction). registry.merge_form runs it where the block merge has one column block a row
-// and more blocks than one wave (B = 8 x 128 heads: 1,024 rows), at two blocks an SM by its
-// launch bounds: 256 rows a wave, each row's chain two loads long with no barrier.
+// and more blocks than one wave (B = 8 x 128 heads: 1,024 rows) and a request has at most
+// COMBINE_WARP_MAX_CHUNKS chunk slots (past the prefetch a lane loads the partials a chunk at
+// a time), at two blocks an SM by its launch bounds: 256 rows a wave, no barrier.
 //
 // Programmatic dependent launch: the kernel waits (mla::pdl_wait) before it reads any
 // partial, so it may be launched with programmatic stream serialization behind the attention
@@ -81,6 +82,8 @@ constexpr int kWarpColBlocks = 2;  // the warp merge: column blocks a row, one w
 constexpr int kWarpPrefetch = 8;   // chunks whose partials a lane loads before the max
 constexpr int kWarpF4 = MLA_KV_LORA / kWarpColBlocks / 4 / 32;  // float4s of a chunk a lane holds
 static_assert(kWarpF4 * 4 * 32 * kWarpColBlocks == MLA_KV_LORA, "whole float4s a lane");
+static_assert(kWarpPrefetch >= 1 && kWarpPrefetch * kWarpF4 <= 16,
+              "a lane's prefetched partials: at most 64 registers of the bounds' 128");
 static_assert(kCombineThreads / 2 >= 1 && MLA_KV_LORA / kMaxColBlocks % 16 == 0,
               "thread pairs per wv_b row, whole 16-byte words of a half of the columns");
 static_assert(kMinBlockCols % 4 == 0 && kCombineThreads % (kMinBlockCols / 4) == 0,

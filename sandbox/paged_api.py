@@ -264,7 +264,8 @@ class PagedDecodeStep:
             # the merge only: the deep or the warp merge where the block merge is not one wave
             per_sm = [blocks_per_sm(registry.paged_combine_instance(sh.cache_dtype, rescale, p))
                       for p in (registry.COMBINE_PREFETCH, registry.COMBINE_DEEP_PREFETCH)]
-            self.merge = registry.merge_form(sh.batch * self.n_rows, info.num_sms, *per_sm)
+            self.merge = registry.merge_form(sh.batch * self.n_rows, info.num_sms, *per_sm,
+                                             self.plan.max_chunks)
             self.col_blocks = self.merge.col_blocks
         self.combine_inst = registry.paged_merge_instance(self.merge, sh.cache_dtype, rescale)
         self.combine_kernel = get_kernel(self.combine_inst)

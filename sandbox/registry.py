@@ -45,7 +45,7 @@ __all__ = [
     "PROJECT_V_ROWS", "PROJECT_M_ROWS", "PROJECT_WIDE_V_ROWS", "PROJECT_WIDE_M_ROWS",
     "project_kind", "project_instance", "combine_col_blocks", "merge_form", "MergeForm",
     "merge_grid", "paged_merge_instance", "WARP_MERGE", "COMBINE_PREFETCH", "COMBINE_DEEP_PREFETCH",
-    "COMBINE_WARP_COL_BLOCKS", "COMBINE_WARP_PREFETCH",
+    "COMBINE_WARP_COL_BLOCKS", "COMBINE_WARP_PREFETCH", "COMBINE_WARP_MAX_CHUNKS",
     "project_grid", "q_absorb_grid", "combine_in_one_kernel",
 ]
 
@@ -88,6 +88,7 @@ COMBINE_DEEP_PREFETCH = 16
 # each lane loading kWarpPrefetch chunks' partials before the max (merge_form picks it).
 COMBINE_WARP_COL_BLOCKS = 2
 COMBINE_WARP_PREFETCH = 8
+COMBINE_WARP_MAX_CHUNKS = 24   # chunk slots a request, at most, where merge_form takes it
 # A paged plan of at most this many chunk slots a request, with q in the cache dtype, is merged
 # by the mma family's own kernel (the request's last program, mla_walk.cuh PagedWalk::finish;
 # kAttnMergeMaxChunks) and the step launches no merge: paged_api.PagedDecodeStep.merges_in_attn.
@@ -713,12 +714,12 @@ class MergeForm:
 WARP_MERGE = MergeForm("combine_warp", COMBINE_WARP_COL_BLOCKS, COMBINE_WARP_PREFETCH)
 
 
-def merge_form(rows: int, num_sms: int, blocks_per_sm: int,
-               deep_blocks_per_sm: int) -> MergeForm:
-    """The form of a merge-only paged launch over `rows` rows, given the resident blocks an
-    SM of the block merge (COMBINE_PREFETCH) and of the deep merge (COMBINE_DEEP_PREFETCH;
-    its launch bounds ask for two). Where the block merge at combine_col_blocks takes more
-    than one wave:
+def merge_form(rows: int, num_sms: int, blocks_per_sm: int, deep_blocks_per_sm: int,
+               max_chunks: int) -> MergeForm:
+    """The form of a merge-only paged launch over `rows` rows of at most `max_chunks` chunk
+    slots a request, given the resident blocks an SM of the block merge (COMBINE_PREFETCH)
+    and of the deep merge (COMBINE_DEEP_PREFETCH; its launch bounds ask for two). Where the
+    block merge at combine_col_blocks takes more than one wave:
     * the deep merge at half of those column blocks, where the half grid gives every SM one
       or two blocks: one wave, and each thread still loads as many chunks' partials before
       the max (half the column blocks have half the split groups, each loading twice as
@@ -727,18 +728,22 @@ def merge_form(rows: int, num_sms: int, blocks_per_sm: int,
       Measured on an H100 (attn + merge, graph, cold L2, us;
       docs/combine-and-q-absorb-deep-dive.md): 1 x 131072 x 128 84.2 against 87.0, x 64
       74.3 against 75.6.
-    * the warp merge (WARP_MERGE) where there is one column block a row, nothing to halve:
-      at B = 8 x N(32768, 16384) x 128 heads (1,024 rows, 2.6 waves of the block merge; the
-      deep merge there was 3.1 us slower, 3.9 waves) its probe took 170.5 against 173.5 on
-      an H100. At batch 1 (64 and 128 rows of 64-132 chunks) every warp form tried was
-      1.6-5 us slower than the deep merge.
+    * the warp merge (WARP_MERGE) where there is one column block a row (nothing to halve)
+      and at most COMBINE_WARP_MAX_CHUNKS slots: past its 8 prefetched chunks a lane loads
+      the partials a chunk at a time. Measured on an H100 against the block merge (us):
+      B = 128 x N(4096, 2048) x 16 heads, q f32 (2,048 rows, 5 slots) 254.9 against 261.6;
+      B = 8 x N(32768, 16384) x 128 (1,024 rows, 17 slots) 170.5 against 174.3; the same
+      at 64 heads x s_q 2 101.5 against 104.0; B = 32 x N(8192, 4096) x 16, q f32 (512
+      rows, 9 slots) 112.9 against 114.5; but B = 4 x N(32768, 16384) x 128 (512 rows, 33
+      slots) 96.9 against 95.7. At batch 1 (64 and 128 rows of 64-132 chunks) every warp
+      form of its probe was 1.6-5 us slower than the deep merge.
     Else the block merge at combine_col_blocks with COMBINE_PREFETCH."""
     cb = combine_col_blocks(rows, num_sms)
     half = cb // 2
     if rows * cb > blocks_per_sm * num_sms:
         if half >= 1 and num_sms <= rows * half <= deep_blocks_per_sm * num_sms:
             return MergeForm("combine", half, COMBINE_DEEP_PREFETCH)
-        if cb == 1:
+        if cb == 1 and max_chunks <= COMBINE_WARP_MAX_CHUNKS:
             return WARP_MERGE
     return MergeForm("combine", cb, COMBINE_PREFETCH)
 

@@ -106,14 +106,19 @@ DEEP, PLAIN = registry.COMBINE_DEEP_PREFETCH, registry.COMBINE_PREFETCH
 ])
 def test_the_deep_merge_runs_where_half_the_column_blocks_make_one_wave(rows, per_sm,
                                                                          deep_per_sm, want):
-    assert registry.merge_form(rows, 132, per_sm, deep_per_sm) == registry.MergeForm(
+    assert registry.merge_form(rows, 132, per_sm, deep_per_sm, 66) == registry.MergeForm(
         "combine", *want)
 
 
 @pytest.mark.parametrize("rows", [397, 512, 1024, 2048, 16384])
 def test_the_warp_merge_runs_where_one_column_block_a_row_is_more_than_a_wave(rows):
-    assert registry.merge_form(rows, 132, 3, 2) == registry.WARP_MERGE
-    assert registry.merge_form(rows, 132, 200, 2).kind == "combine"  # one wave after all
+    most = registry.COMBINE_WARP_MAX_CHUNKS
+    assert registry.merge_form(rows, 132, 3, 2, most) == registry.WARP_MERGE
+    assert registry.merge_form(rows, 132, 3, 2, 1) == registry.WARP_MERGE
+    # more chunk slots than it loads well (B = 4 x 128 heads: 33), or one wave after all
+    assert registry.merge_form(rows, 132, 3, 2, most + 1) == registry.MergeForm(
+        "combine", 1, PLAIN)
+    assert registry.merge_form(rows, 132, 200, 2, most).kind == "combine"
     grid = registry.merge_grid(registry.WARP_MERGE, 128, 8)   # 128 rows x 2 warps, 8 a block
     assert grid == (32, 1, 8)
     assert registry.merge_grid(registry.WARP_MERGE, 13, 3) == (4, 1, 3)  # 26 warps: 4 blocks
@@ -123,7 +128,7 @@ def test_the_warp_merge_runs_where_one_column_block_a_row_is_more_than_a_wave(ro
 def test_the_merge_form_is_one_wave_where_it_is_deep_and_keeps_the_prefetch_reach():
     for rows in range(1, 1200):
         cb0 = registry.combine_col_blocks(rows, 132)
-        form = registry.merge_form(rows, 132, 3, 2)
+        form = registry.merge_form(rows, 132, 3, 2, 17)
         if form.kind == "combine_warp":
             assert cb0 == 1 and rows > 3 * 132, rows
         elif form.prefetch == DEEP:
