@@ -732,10 +732,10 @@ def merge_form(rows: int, num_sms: int, blocks_per_sm: int, deep_blocks_per_sm: 
       and at most COMBINE_WARP_MAX_CHUNKS slots: past its 8 prefetched chunks a lane loads
       the partials a chunk at a time. Measured on an H100 against the block merge (us):
       B = 128 x N(4096, 2048) x 16 heads, q f32 (2,048 rows, 5 slots) 254.9 against 261.6;
-      B = 8 x N(32768, 16384) x 128 (1,024 rows, 17 slots) 170.5 against 174.3; the same
-      at 64 heads x s_q 2 101.5 against 104.0; B = 32 x N(8192, 4096) x 16, q f32 (512
-      rows, 9 slots) 112.9 against 114.5; but B = 4 x N(32768, 16384) x 128 (512 rows, 33
-      slots) 96.9 against 95.7. At batch 1 (64 and 128 rows of 64-132 chunks) every warp
+      B = 8 x N(32768, 16384) x 128 (1,024 rows, 17 slots) 170.5 against 174.3; B = 8 x
+      N(16384, 8192) x 64, s_q 2 (1,024 rows, 17 slots) 101.5 against 104.0; B = 32 x
+      N(8192, 4096) x 16, q f32 (512 rows, 9 slots) 112.9 against 114.5; but B = 4 x
+      N(32768, 16384) x 128 (512 rows, 33 slots) 96.9 against 95.7. At batch 1 (64 and 128 rows of 64-132 chunks) every warp
       form of its probe was 1.6-5 us slower than the deep merge.
     Else the block merge at combine_col_blocks with COMBINE_PREFETCH."""
     cb = combine_col_blocks(rows, num_sms)
