@@ -34,9 +34,22 @@
 // last of the row's gridDim.y blocks to finish (a ticket per row) adds the parts in a fixed
 // order into out and resets the ticket for the next launch. Its wv_b words (a thread pair
 // per wv_b row, half of the block's columns each) are loaded before the wait, so at batch 1
-// they overlap the attention kernel's tail. The batch-1 step launches this form (one kernel where the
-// merge-only form and the projection are two); a paged batch has many rows a head, and the
-// tensor-core projection reads wv_b once per 32 of them (mla_project.cu).
+// they overlap the attention kernel's tail. The batch-1 step launches this form (one kernel
+// where the merge-only form and the projection are two); a paged batch has many rows a head,
+// and the tensor-core projection reads wv_b once per 32 of them (mla_project.cu).
+//
+// Programmatic dependent launch: the kernel waits (mla::pdl_wait) before it reads any
+// partial, so it may be launched with programmatic stream serialization behind the attention
+// kernel; it then lets the projection launch (pdl_launch_dependents).
+//
+// mla::combine_paged<WvT, RESCALE, PREFETCH>, the paged launch: grid = (n_rows, column
+// blocks, B). Block (r, cb, b) merges row r of request b over chunks 0..n-1 of that request
+// (n as the attention launch wrote it, chunk_counts[b]; the chunk rule is mla_walk.cuh's),
+// partials [B][max_chunks][n_rows]; latent [B][n_rows][512], lse [B][n_rows], and with wv_b,
+// out [B][n_rows][v_head] = wv_b[r % n_head] @ latent, out_part [B][n_rows][gridDim.y][v_head]
+// and tickets [B][n_rows]. A row with l == 0 (an empty request, a causal row that sees
+// nothing) gets latent 0, lse -inf, out 0. With attn_writes_single set, a request of one chunk
+// is not merged: the attention kernel wrote its latent and lse (PagedWalk::single()).
 //
 // mla::combine_warp_paged<RESCALE>, the warp merge of a paged batch (merge only): one warp a
 // (row, column block) of kWarpColBlocks = 2 blocks a row, no barrier and no shared memory.
@@ -48,19 +61,6 @@
 // and more blocks than one wave (B = 8 x 128 heads: 1,024 rows) and a request has at most
 // COMBINE_WARP_MAX_CHUNKS chunk slots (past the prefetch a lane loads the partials a chunk at
 // a time), at two blocks an SM by its launch bounds: 256 rows a wave, no barrier.
-//
-// Programmatic dependent launch: the kernel waits (mla::pdl_wait) before it reads any
-// partial, so it may be launched with programmatic stream serialization behind the attention
-// kernel; it then lets the projection launch (pdl_launch_dependents).
-//
-// mla::combine_paged<WvT, RESCALE, PREFETCH>, the paged launch: grid = (n_rows, column
-// blocks, B). Block (r, cb, b) merges row r of request b over chunks 0..n-1 of that request
-// (n as the attention launch wrote it, chunk_counts[b]; the chunk rule is mla_walk.cuh's), partials
-// [B][max_chunks][n_rows]; latent [B][n_rows][512], lse [B][n_rows], and with wv_b,
-// out [B][n_rows][v_head] = wv_b[r % n_head] @ latent, out_part [B][n_rows][gridDim.y][v_head]
-// and tickets [B][n_rows]. A row with l == 0 (an empty request, a causal row that sees
-// nothing) gets latent 0, lse -inf, out 0. With attn_writes_single set, a request of one chunk
-// is not merged: the attention kernel wrote its latent and lse (PagedWalk::single()).
 #include "mla_walk.cuh"
 
 namespace mla {
