@@ -44,7 +44,8 @@ __all__ = [
     "Q_ABSORB_COL_BLOCKS", "PROJECT_THREADS",
     "PROJECT_V_ROWS", "PROJECT_M_ROWS", "PROJECT_WIDE_V_ROWS", "PROJECT_WIDE_M_ROWS",
     "project_kind", "project_instance", "combine_col_blocks", "merge_form", "MergeForm",
-    "merge_grid", "paged_merge_instance", "WARP_MERGE", "COMBINE_PREFETCH", "COMBINE_DEEP_PREFETCH",
+    "merge_grid", "paged_merge_instance", "WARP_MERGE", "COMBINE_PREFETCH",
+    "COMBINE_DEEP_PREFETCH",
     "COMBINE_WARP_COL_BLOCKS", "COMBINE_WARP_PREFETCH", "COMBINE_WARP_MAX_CHUNKS",
     "project_grid", "q_absorb_grid", "combine_in_one_kernel",
 ]
@@ -342,8 +343,8 @@ class Family:
     """One kernel template of cuda_src/: what every instance of it shares.
 
     `template_args` are the template values of the C++ name, in order, among "heads",
-    "cache", "q", "rescale", "prefetch", "partials", "round_p". `heads` are the heads-per-block values instantiated
-    (attn_rows: 1, not a template value). `macro` names its launch values in compile_defines()
+    "cache", "q", "rescale", "prefetch", "partials", "round_p". `heads` are the heads-per-block
+    values instantiated (attn_rows: 1, not a template value). `macro` names its launch values in compile_defines()
     (MLA_<macro>_THREADS, ...). `min_arch` is the oldest architecture NVRTC compiles it for
     (sm_75, the oldest NVRTC 13 targets, for plain CUDA; sm_80: cp.async, ldmatrix and
     mma.sync; sm_90: mbarrier.try_wait.parity), found by compiling for each.
@@ -735,8 +736,9 @@ def merge_form(rows: int, num_sms: int, blocks_per_sm: int, deep_blocks_per_sm: 
       B = 8 x N(32768, 16384) x 128 (1,024 rows, 17 slots) 170.5 against 174.3; B = 8 x
       N(16384, 8192) x 64, s_q 2 (1,024 rows, 17 slots) 101.5 against 104.0; B = 32 x
       N(8192, 4096) x 16, q f32 (512 rows, 9 slots) 112.9 against 114.5; but B = 4 x
-      N(32768, 16384) x 128 (512 rows, 33 slots) 96.9 against 95.7. At batch 1 (64 and 128 rows of 64-132 chunks) every warp
-      form of its probe was 1.6-5 us slower than the deep merge.
+      N(32768, 16384) x 128 (512 rows, 33 slots) 96.9 against 95.7. At batch 1 (64 and 128
+      rows of 64-132 chunks) every warp form of its probe was 1.6-5 us slower than the deep
+      merge.
     Else the block merge at combine_col_blocks with COMBINE_PREFETCH."""
     cb = combine_col_blocks(rows, num_sms)
     half = cb // 2

@@ -1,6 +1,7 @@
 """The small phases on the device: q_absorb split over column blocks, the merge at every
-column-block count (the paged one at both prefetch depths), the batched projection, programmatic dependent launch (plain, inside a
-captured graph, with the negative control; the attention behind q_absorb) and the launch floor.
+column-block count (the paged one in every form: both prefetch depths, the warp merge), the
+batched projection, programmatic dependent launch (plain, inside a captured graph, with the
+negative control; the attention behind q_absorb) and the launch floor.
 
 Tolerances: the projection is a 512-term f32 sum per output (`project`: four chains of 128
 on the tensor cores, added in order; `project_wide`: one chain of 512) of products exact in
