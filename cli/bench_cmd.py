@@ -35,6 +35,7 @@ from mlasandbox.bench_config import DEFAULT_CONTEXTS, make_config, plan_work, q_
 from mlasandbox.bench_paged import (SERVING_PRESETS, make_paged_config, paged_work,
                                     plan_report, run_paged_bench, serving_help)
 from mlasandbox.chunks import request_chunks
+from mlasandbox.clocks import NO_CLOCKS, clock_cell, clocks_line
 from mlasandbox.geometry import theoretical_blocks_per_sm
 from mlasandbox.peers import PEER_NAMES
 from mlasandbox.plot import PlotUnavailable, plot_depth
@@ -159,6 +160,8 @@ def _render(result, details, cmp):
                   f"{result['checks'][0]['n_ctx']} ({result['checks'][0]['heads']} heads; worst "
                   f"latent relL2 {worst:.1e}; --details for the table)")
     con.print(lab_render.summary_table(result))
+    if clocks_line(result):
+        con.print(escape(clocks_line(result)))
     if cmp is not None:
         con.print(lab_render.vs_table(cmp))
         for w in cmp["warnings"]:
@@ -226,7 +229,8 @@ def _run_paged_bench(**opts):
 PAGED_CSV_COLUMNS = ("variant", "kind", "phase", "cache", "q", "median_us", "p10_us", "p90_us",
                      "mad_us", "n", "mode", "tokens_per_s", "flops", "ideal_bytes",
                      "issued_bytes", "GBps_ideal", "frac_copy_ideal", "TFLOPs", "roof",
-                     "frac_roof", "max_chunks", "control_label", "check_ok", "asked")
+                     "frac_roof", "max_chunks", "control_label", "check_ok", "asked",
+                     *NO_CLOCKS)
 
 
 def _fmt(v, spec):
@@ -265,10 +269,10 @@ def _paged_table(result: dict) -> FitTable:
     never the time."""
     cfg = result["config"]
     columns = (Column("variant"), Column("phase"), Column("median us", "right"),
-               Column("p10..p90", "right", drop=2), Column("tokens/s", "right", drop=6),
-               Column("GB/s", "right"), Column("of copy", "right", drop=4),
-               Column("TFLOP/s", "right", drop=5), Column("of roof", "right", drop=3),
-               Column("mode", drop=1), Column("check"))
+               Column("p10..p90", "right", drop=3), Column("tokens/s", "right", drop=7),
+               Column("GB/s", "right"), Column("of copy", "right", drop=5),
+               Column("TFLOP/s", "right", drop=6), Column("of roof", "right", drop=4),
+               Column("SM MHz", "right", drop=2), Column("mode", drop=1), Column("check"))
     cells = []
     for r in result["rows"]:
         if r["variant"] == "-":
@@ -278,7 +282,7 @@ def _paged_table(result: dict) -> FitTable:
                       _fmt(r.get("tokens_per_s"), ",.0f"), _fmt(r.get("GBps_ideal"), ",.0f"),
                       _fmt(r.get("frac_copy_ideal"), ".0%"), _fmt(r.get("TFLOPs"), ",.1f"),
                       (_fmt(r.get("frac_roof"), ".0%") + f" {r.get('roof')}")
-                      if r.get("frac_roof") is not None else "-", r["mode"],
+                      if r.get("frac_roof") is not None else "-", clock_cell(r), r["mode"],
                       {True: "ok", False: "[red]FAIL[/red]", None: "-"}[r["check_ok"]]))
     return FitTable(columns, cells,
                     title=f"paged step: B={cfg['batch']}, lengths {cfg['lengths_spec']}, "
@@ -346,6 +350,8 @@ def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
         if result["auto"]:
             con.print(escape(_auto_line(result["auto"])))
         con.print(_paged_table(result))
+        if clocks_line(result):
+            con.print(escape(clocks_line(result)))
         nf = result["noise_floor"]
         con.print(f"A/A floor: {_fmt(nf['floor'], '.1%')} ({escape(nf['how'])})")
         if result["fastest"]:

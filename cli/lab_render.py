@@ -6,6 +6,7 @@ from rich import box
 from rich.markup import escape
 from rich.table import Table
 
+from mlasandbox.clocks import clock_cell
 from mlasandbox.metrics import explain_lines
 
 from .render import Column, FitTable, fmt_bytes, kv_table
@@ -101,8 +102,8 @@ PHASE_COLUMNS = (
     Column("q_absorb", "right", drop=2), Column("attn", "right"),
     Column("combine", "right", drop=6), Column("step", "right"),
     Column("GB/s ideal", "right", drop=5), Column("GB/s issued", "right", drop=1),
-    Column("% copy", "right"), Column("TFLOP/s", "right", drop=7), Column("% roof", "right"),
-    Column("mode", "left", drop=8),
+    Column("% copy", "right"), Column("TFLOP/s", "right", drop=7),
+    Column("SM MHz", "right", drop=9), Column("% roof", "right"), Column("mode", "left", drop=8),
 )
 
 
@@ -129,15 +130,16 @@ def phase_table(result: dict, n_ctx: int, cache: str) -> FitTable:
                       fmt_us(c["median_us"]) if c else "(in attn)",
                       fmt_us(s["median_us"]) if s else "-",
                       _num(a["GBps_ideal"]), _num(a["GBps_issued"]),
-                      _pct(a["frac_copy_ideal"]), _num(a["TFLOPs"], "{:.2f}"), _roof(a),
-                      a["mode"]])
+                      _pct(a["frac_copy_ideal"]), _num(a["TFLOPs"], "{:.2f}"), clock_cell(a),
+                      _roof(a), a["mode"]])
     return FitTable(
         PHASE_COLUMNS, cells,
         title=f"phases at n_ctx {n_ctx}, cache {cache} (us, median \\[p10-p90]); rates of "
               f"attn: GB/s ideal / as issued, % of copy {ceil['copy_GBps']:,.0f} GB/s; "
               f"TFLOP/s and % of the kernel's own roof: GEMM {ceil['gemm_TFLOPs']:,.0f} "
               f"for the tensor cores (mma, cuBLAS), f32 FMA "
-              f"{_num(ceil.get('fma_TFLOPs'), '{:.1f}')} for the CUDA cores",
+              f"{_num(ceil.get('fma_TFLOPs'), '{:.1f}')} for the CUDA cores; SM MHz: attn's "
+              f"SM clock",
         title_justify="left", caption_justify="left", box=box.SIMPLE_HEAD)
 
 

@@ -35,6 +35,7 @@ import numpy
 from . import registry, toolkit
 from .api import DecodeStep, QAbsorb
 from .ceilings import measure_ceilings
+from .clocks import ClockSampler
 from .compare import DEFAULT_TOLERANCE, Tolerance, compare
 from .compare_paged import compare_paged
 from .cublas_engine import CUBLAS_TOLERANCE
@@ -128,6 +129,7 @@ class CupyBackend:
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.flush = L2Flush(self.info.l2_bytes) if flush else None
         self.spinner = Spinner() if preroll else None
+        self.clocks, self.clocks_note = ClockSampler.open(cupy.cuda.Device().id)
         self.inp = None
         self.qa = None
         self._steps: dict = {}
@@ -144,6 +146,7 @@ class CupyBackend:
     def meta(self) -> dict:
         m = run_meta()
         m["l2_flush_bytes"] = self.flush.nbytes if self.flush else 0
+        m["clocks"] = self.clocks_note
         return m
 
     def ceilings(self, copy_bytes: int, gemm_n: int, timing_kw: dict) -> dict:
@@ -217,7 +220,7 @@ class CupyBackend:
 
         return time_gpu(fn, stream=self.stream, flush=self.flush,
                         graph_fn=fn if use_graph else None, spinner=self.spinner,
-                        after_graph_check=check_replay, **timing_kw)
+                        after_graph_check=check_replay, clocks=self.clocks, **timing_kw)
 
     def time(self, variant: str, n_ctx: int, phase: str, splits, use_graph: bool,
              timing_kw: dict):
@@ -405,7 +408,7 @@ class PagedBackend(CupyBackend):
             run = self._peer_run(name, self.paged, self.paged_host)
             self._peer_runs[name] = run
         return time_gpu(run, stream=self.stream, flush=self.flush, spinner=self.spinner,
-                        **timing_kw)
+                        clocks=self.clocks, **timing_kw)
 
     def _peer_run(self, name, dev: dict, host):
 

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .clocks import NO_CLOCKS as CLOCK_FIELDS
 from .pdl import launch as pdl_launch
 
 __all__ = ["TimingStats", "Timing", "summarize", "percentile", "choose_repeats",
@@ -140,6 +141,7 @@ class Timing:
     samples_us: list = field(default_factory=list)
     preroll_us: float = 0.0
     flushed: bool = True
+    clocks: dict | None = None    # clocks.summarize_samples over the timed runs, or None
 
     @property
     def median_us(self) -> float:
@@ -147,7 +149,8 @@ class Timing:
 
     def as_dict(self, samples: bool = False) -> dict:
         d = {"mode": self.mode, "note": self.note, "preroll_us": self.preroll_us,
-             "flushed": self.flushed, **self.stats.as_dict()}
+             "flushed": self.flushed, **self.stats.as_dict(), **CLOCK_FIELDS,
+             **(self.clocks or {})}
         if samples:
             d["samples_us"] = list(self.samples_us)
         return d
@@ -261,13 +264,14 @@ def _timed_runs(launch, n: int, stream, flush, spinner, spin_us: float) -> list:
 def time_gpu(fn, *, stream=None, flush: L2Flush | None = None, graph_fn=None,
              warmup: int = 3, min_repeats: int = 10, max_repeats: int = 100,
              target_s: float = 0.2, spinner: Spinner | None = None,
-             after_graph_check=None) -> Timing:
+             after_graph_check=None, clocks=None) -> Timing:
     """Time `fn` on `stream`: warm-up, a probe, then choose_repeats(...) timed runs.
 
     graph_fn: a capture-safe `fn` (often `fn` itself); when given, it is captured once and the graph
     replayed instead of calling `fn` (mode "graph"). If the capture fails, `fn` is timed
     with events and Timing.note says why. after_graph_check: called once after the first
     replay (the caller's guard polls for errors there, since the replay itself is unguarded).
+    clocks: a clocks.ClockSampler that samples over the timed runs (Timing.clocks).
     """
     import cupy
 
@@ -298,5 +302,10 @@ def time_gpu(fn, *, stream=None, flush: L2Flush | None = None, graph_fn=None,
     spin = preroll_us(sorted(enqueue)[len(enqueue) // 2]) if spinner is not None else 0.0
     probe = _timed_runs(launch, 1, stream, flush, spinner, spin)[0]
     n = choose_repeats(probe, target_s, min_repeats, max_repeats)
-    samples = _timed_runs(launch, n, stream, flush, spinner, spin)
-    return Timing(summarize(samples), mode, note, samples, spin, flush is not None)
+    if clocks is not None:
+        clocks.start()
+    try:
+        samples = _timed_runs(launch, n, stream, flush, spinner, spin)
+    finally:
+        clock = clocks.stop() if clocks is not None else None
+    return Timing(summarize(samples), mode, note, samples, spin, flush is not None, clock)

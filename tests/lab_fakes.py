@@ -10,6 +10,10 @@ from mlasandbox import registry
 from mlasandbox.splits import plan_splits
 from mlasandbox.timing import Timing, summarize
 
+# What a timing's clocks look like where the power cap held the SM clock in most reads.
+FAKE_CLOCKS = {"clock_samples": 12, "sm_mhz": 1905.0, "sm_mhz_min": 1890.0, "power_w": 681.0,
+               "power_capped": 0.75, "thermal": 0.0}
+
 
 class FakeBackend:
     arch = "sm_90"
@@ -29,7 +33,7 @@ class FakeBackend:
     def meta(self):
         return {"device": "Fake H200", "arch": "sm_90", "num_sms": 132, "l2_bytes": 50 << 20,
                 "driver": "13.0", "cuda_runtime": "13.0", "cupy": "14.2.0", "commit": "abc123",
-                "date": "2026-01-01T00:00:00+00:00"}
+                "date": "2026-01-01T00:00:00+00:00", "clocks": "NVML every 5 ms (fake)"}
 
     def ceilings(self, copy_bytes, gemm_n, timing_kw):
         self.calls.append(("ceilings",))
@@ -77,7 +81,7 @@ class FakeBackend:
     def _timing(self, us, mode="events"):
         us *= self.scale
         samples = [us * (1 + self.jitter * self.rng.uniform(-1, 1)) for _ in range(15)]
-        return Timing(summarize(samples), mode, "", samples)
+        return Timing(summarize(samples), mode, "", samples, clocks=FAKE_CLOCKS)
 
     def time(self, variant, n_ctx, phase, splits, use_graph, timing_kw):
         self.calls.append(("time", variant, n_ctx, phase, use_graph))

@@ -266,7 +266,7 @@ class FakePagedBackend:
         self.calls, self.arms = [], []
 
     def meta(self):
-        return {"device": "Fake H200"}
+        return {"device": "Fake H200", "clocks": "NVML every 5 ms (fake)"}
 
     def ceilings(self, copy_bytes, gemm_n, kw):
         return {"copy_GBps": 4000.0, "gemm_TFLOPs": 700.0, "fma_TFLOPs": 65.0}
@@ -303,7 +303,7 @@ class FakePagedBackend:
 
     def time_peer(self, name, kw):
         self.calls.append((name, "peer"))
-        return _t(self.peer_us)
+        return _t(self.peer_us, UNCAPPED)
 
     def release_steps(self):
         pass
@@ -312,9 +312,15 @@ class FakePagedBackend:
         pass
 
 
-def _t(us):
+# the fake's clocks: our phases held by the power cap, the peers not
+CAPPED = {"clock_samples": 9, "sm_mhz": 1905.0, "sm_mhz_min": 1890.0, "power_w": 681.0,
+          "power_capped": 0.5, "thermal": 0.0}
+UNCAPPED = dict(CAPPED, sm_mhz=1980.0, sm_mhz_min=1980.0, power_w=560.0, power_capped=0.0)
+
+
+def _t(us, clocks=CAPPED):
     xs = [us * (1 + 0.001 * i) for i in range(10)]
-    return Timing(summarize(xs), "events", "", xs, 0.0, True)
+    return Timing(summarize(xs), "events", "", xs, 0.0, True, clocks)
 
 
 def test_a_run_times_every_phase_and_peer_with_the_instruments():
@@ -519,9 +525,17 @@ def test_cli_on_a_gpu_renders_the_run(monkeypatch, tmp_path):
     assert r.exit_code == 0, r.output
     assert seen["cfg"].batch == 32 and seen["cfg"].peers == ("torch",)
     assert "paged step" in r.output and "A/A floor" in r.output
+    # the clock of each phase: ours held by the power cap (the fake's), the peer's not
+    text = " ".join(r.output.split())
+    assert "1,905 cap" in text and "1,980 " in text and "1,980 cap" not in text, r.output
+    assert "SM MHz: the median SM clock over each phase's timed runs (NVML every 5 ms" in text
     lines = out.read_text().splitlines()
     assert lines[0].startswith("variant,kind,phase") and any("torch,peer" in x for x in lines)
     assert np.isfinite(float(lines[1].split(",")[5]))
+    head = lines[0].split(",")
+    by = {(x.split(",")[0], x.split(",")[2]): x.split(",") for x in lines[1:]}
+    assert float(by[("torch", "step")][head.index("sm_mhz")]) == 1980.0
+    assert float(by[("mma16", "attn")][head.index("power_capped")]) == 0.5
 
 
 def test_cli_on_a_gpu_says_and_labels_what_auto_ran(monkeypatch, tmp_path):

@@ -55,6 +55,33 @@ def test_time_gpu_events_graph_and_fallback(stream):
     assert f.mode == "events" and "planted" in f.note
 
 
+def test_the_clock_sampler_reads_this_board_over_the_timed_runs(stream):
+    import cupy
+
+    from mlasandbox.clocks import ClockSampler
+    from mlasandbox.kernels import device_info
+    from mlasandbox.timing import L2Flush, Spinner, time_gpu
+
+    sampler, note = ClockSampler.open(cupy.cuda.Device().id)
+    assert sampler is not None, note   # the device image has NVML (nvidia-smi reads it)
+    assert note.startswith("NVML every 5 ms")
+    a = cupy.ones(1 << 24, cupy.float32)
+    b = cupy.empty_like(a)
+    t = time_gpu(lambda: cupy.multiply(a, 2, out=b), stream=stream,
+                 flush=L2Flush(device_info().l2_bytes), spinner=Spinner(), clocks=sampler,
+                 warmup=2, min_repeats=20, max_repeats=200, target_s=0.05)
+    c = t.clocks
+    assert c is not None and c["clock_samples"] >= 2, c
+    # an SM clock a Hopper board runs at, at most its boost (1,980 MHz on the H100 and H200)
+    assert 200 <= c["sm_mhz_min"] <= c["sm_mhz"] <= 2100, c
+    assert 30 <= c["power_w"] <= 1200 and 0 <= c["power_capped"] <= 1 and 0 <= c["thermal"] <= 1
+    d = t.as_dict()
+    assert d["sm_mhz"] == c["sm_mhz"] and d["clock_samples"] == c["clock_samples"]
+    # no sampler: the timing says nothing of clocks rather than something made up
+    assert time_gpu(lambda: cupy.multiply(a, 2, out=b), stream=stream,
+                    **SMALL_TIMING).as_dict()["sm_mhz"] is None
+
+
 def test_a_captured_step_replays_the_same_work(stream):
     import cupy
 
@@ -142,6 +169,10 @@ def test_a_small_bench_end_to_end():
     assert modes[("cublas", 64)] == "events"
     assert res["ceilings"]["copy_GBps"] > 100
     assert {d["variant"] for d in res["depth"]} == set(variants)
+    # every timed phase carries the board's SM clock over its runs
+    assert res["meta"]["clocks"].startswith("NVML"), res["meta"]["clocks"]
+    timed = [r for r in res["rows"] if r.get("median_us") is not None]
+    assert timed and all(r["sm_mhz"] is not None and r["clock_samples"] >= 2 for r in timed)
 
 
 def test_a_small_sweep_matches_the_driver():

@@ -58,8 +58,10 @@ def test_bench_tables_and_files(fake_gpu, tmp_path):
     for row in ("per_head 12.9 378.7 365.8 97% ok", "split 12.9 56.5 43.5 77% ok",
                 "batched12 11.5 * 23.2 * 11.6 50% ok", "cublas 54.1 70.4 16.2 23% ok",
                 "variant 64 (g) 8192 depth term share check",
-                "split 8 96 4.99 49.1 [48.9-49.3] 2.40 56.5 229 18,522 5.7% 34.86 54% FMA "
-                "events",
+                "split 8 96 4.99 49.1 [48.9-49.3] 2.40 56.5 229 18,522 5.7% 34.86 1,905 cap "
+                "54% FMA events",
+                "SM MHz: the median SM clock over each phase's timed runs (NVML every 5 ms "
+                "(fake)); cap / hot: the power cap / a thermal slowdown held the clock in",
                 "split 8192 56.5 4.0 52.5 events", "per_head 64 12.9 4.0 8.9 graph",
                 "start 5.00 us, end 4.99 us, max move 0.16% over 6 measurements: stable"):
         assert row in out, row
