@@ -125,6 +125,24 @@ def test_a_serving_row_names_a_cache_dtype_other_than_f16(run):
     assert "| 32 x normal:8192:4096 x 16 heads, page 64, bf16 cache | flashmla |" in _render(run)
 
 
+def test_a_run_that_read_the_clock_gets_its_column_and_one_that_did_not_none(run):
+    assert "SM MHz" not in _render(run)   # the fixture's rows predate the clock
+    path = run / "serving.json"
+    doc = json.loads(path.read_text())
+    for r in doc["rows"]:
+        capped = r["variant"] == "mma16" and r["phase"] == "latent"
+        r.update(sm_mhz=1905.0 if capped else 1980.0, power_capped=0.5 if capped else 0.0,
+                 thermal=0.0)
+    path.write_text(json.dumps(doc))
+    text = _render(run)
+    assert "| GB/s (step) | SM MHz | file |" in text
+    # ours: the latent's clock (capped); the peer's: its call's
+    assert _row(text, "32 x normal:8192:4096 x 16 heads, page 64", "### Serving steps"
+                ).startswith("| 32 x normal:8192:4096 x 16 heads, page 64 | mma16 | 128.9 | "
+                             "31.1 | 158.4 | 156.4 | 149.7 | 1,848 | 1,905 cap |")
+    assert "| flashmla | - | - | 85.9 | - | - | " in text and "| 1,980 | [`serving.json`]" in text
+
+
 def test_run_header_names_unknown_facts(run):
     text = _render(run)
     assert "## fixture-gpu-2026-01-02-abc1234" in text

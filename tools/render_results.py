@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 from mlasandbox.cli.lab_render import fmt_us
+from mlasandbox.clocks import clock_cell
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH, SWEEP = "mlasandbox.bench/1", "mlasandbox.sweep/1"
@@ -260,6 +261,9 @@ def serving_section(files: list, out_dir: Path) -> list[str]:
            "peer's whole call for a peer (FlashMLA returns the latent: no wv_b); graph: the "
            "step replayed from one CUDA graph; latent: the step without wv_b (latent and lse, "
            "the peers' work), replayed likewise (runs before it was timed: -).", ""]
+    # runs that read the SM clock (sandbox/clocks.py) get its column: the latent's clock for
+    # the sandbox's variants, the call's for a peer ("cap": the power cap held it)
+    clocked = any(r.get("sm_mhz") is not None for _, doc in files for r in doc["rows"])
     rows = []
     for path, doc in sorted(files, key=lambda f: f[0].name):
         cfg = doc["config"]
@@ -270,13 +274,18 @@ def serving_section(files: list, out_dir: Path) -> list[str]:
             if not {"attn", "combine", "step", "graph"} & phases.keys():
                 continue  # the control phase's rows
             step = phases.get("step", {})
+            clock = [clock_cell(phases.get("latent", step))] if clocked else []
             rows.append([_shape(cfg), variant] +
                         [fmt_us(phases[ph]["median_us"]) if ph in phases else "-"
                          for ph in ("attn", "combine", "step", "graph", "latent")] +
-                        [f"{step['GBps_ideal']:,.0f}" if step.get("GBps_ideal") else "-",
-                         _link(path, out_dir)])
-    return out + _table(["shape", "variant", "attn", "combine", "step", "graph", "latent",
-                         "GB/s (step)", "file"], rows, right_from=2) + [""]
+                        [f"{step['GBps_ideal']:,.0f}" if step.get("GBps_ideal") else "-"] +
+                        clock + [_link(path, out_dir)])
+    head = ["shape", "variant", "attn", "combine", "step", "graph", "latent", "GB/s (step)"]
+    if clocked:
+        out[2] += (" SM MHz: the median SM clock over the latent's timed runs (a peer's: its "
+                   "call's); cap: the power cap held it in a quarter of the reads or more.")
+    return out + _table(head + (["SM MHz"] if clocked else []) + ["file"], rows,
+                        right_from=2) + [""]
 
 
 def _predicted(plan: dict, doc: dict):
