@@ -37,6 +37,7 @@ from . import bench_gpu, metrics
 from .bench_config import (DEFAULT_CONTEXTS, PHASES, BenchConfig, estimate_seconds, make_config,
                            phases_of, plan_work, q_dtype_of, use_graph)
 from .noise import control_report, interleave_order, noise_floor, verdict
+from .clocks import NO_CLOCKS
 from .timing import Timing
 
 __all__ = ["SCHEMA", "DEFAULT_CONTEXTS", "PHASES", "BenchConfig", "make_config", "plan_work",
@@ -304,7 +305,7 @@ CSV_COLUMNS = ("variant", "cache", "q", "n_ctx", "phase", "control_label", "medi
                "splits", "head_blocks", "heads_per_block", "attn_kernel", "flops",
                "ideal_bytes", "issued_bytes", "GBps_ideal", "GBps_issued", "TFLOPs",
                "frac_copy_ideal", "frac_copy_issued", "frac_gemm", "frac_fma", "roof",
-               "frac_roof", "check_ok")
+               "frac_roof", "check_ok", *NO_CLOCKS)
 
 
 def write_csv(result: dict, path) -> None:

@@ -2,6 +2,8 @@
 GPU), `sweep`, `repro`."""
 from __future__ import annotations
 
+import csv
+import io
 import json
 
 import pytest
@@ -69,6 +71,9 @@ def test_bench_tables_and_files(fake_gpu, tmp_path):
     data = json.loads(js.read_text())
     assert data["schema"] == "mlasandbox.bench/1" and data["ok"]
     assert cs.read_text().startswith("variant,cache,q,n_ctx,phase")
+    rows = list(csv.DictReader(io.StringIO(cs.read_text())))
+    assert {r["sm_mhz"] for r in rows} == {"1905"}      # the fake's clocks, in every row
+    assert {r["power_capped"] for r in rows} == {"0.75"}
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
     assert "estimate:" in res.stderr and f"wrote {js}" in " ".join(res.stderr.split())
 
