@@ -36,8 +36,8 @@ from dataclasses import replace
 from . import bench_gpu, metrics
 from .bench_config import (DEFAULT_CONTEXTS, PHASES, BenchConfig, estimate_seconds, make_config,
                            phases_of, plan_work, q_dtype_of, use_graph)
-from .noise import control_report, interleave_order, noise_floor, verdict
 from .clocks import NO_CLOCKS
+from .noise import control_report, interleave_order, noise_floor, verdict
 from .timing import Timing
 
 __all__ = ["SCHEMA", "DEFAULT_CONTEXTS", "PHASES", "BenchConfig", "make_config", "plan_work",
