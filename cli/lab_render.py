@@ -198,21 +198,29 @@ def vs_table(cmp: dict) -> Table:
     fl = "none" if cmp["floor"] is None else f"{cmp['floor']:.1%}"
     t = Table(title=f"against the baseline, phase by phase (noise floor {fl})",
               title_justify="left", box=box.SIMPLE_HEAD)
+    # both runs' SM clocks where either read them ("*": moved beyond baseline.CLOCK_TOLERANCE)
+    clocked = any(r.get("clock_differs") is not None for r in cmp["rows"])
     for col, j in (("variant", "left"), ("cache", "left"), ("n_ctx", "right"),
                    ("phase", "left"), ("baseline us", "right"), ("now us", "right"),
-                   ("verdict", "left")):
+                   *((("SM MHz then/now", "right"),) if clocked else ()), ("verdict", "left")):
         t.add_column(col, justify=j, no_wrap=True)
     c = cmp["control"]
     ctext = c.get("text") or "-"
     style = "red" if c.get("moved") else "green" if c.get("moved") is False else ""
     t.add_row("[bold]control[/bold]", "", "", "q_absorb", fmt_us(c["baseline_us"]),
-              fmt_us(c["current_us"]), f"[{style}]{ctext}[/{style}]" if style else ctext)
+              fmt_us(c["current_us"]), *(("",) if clocked else ()),
+              f"[{style}]{ctext}[/{style}]" if style else ctext)
     for r in cmp["rows"]:
         kind = r["verdict"]
         text = (f"[green]{r['text']}[/green]" if kind == "faster" else
                 f"[red]{r['text']}[/red]" if kind in ("slower", "invalid") else r["text"])
+        clock = ()
+        if clocked:
+            clock = ("-" if r.get("clock_differs") is None else
+                     f"{r['baseline_mhz']:,.0f}/{r['current_mhz']:,.0f}"
+                     + (" [yellow]*[/yellow]" if r["clock_differs"] else ""),)
         t.add_row(r["variant"], r["cache"], str(r["n_ctx"]), r["phase"],
-                  fmt_us(r["baseline_us"]), fmt_us(r["current_us"]), text)
+                  fmt_us(r["baseline_us"]), fmt_us(r["current_us"]), *clock, text)
     return t
 
 

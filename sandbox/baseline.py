@@ -94,8 +94,10 @@ def _run_problem(data: dict) -> str | None:
                 ("q", lambda v: v is None or isinstance(v, str), "a dtype or null"),
                 ("n_ctx", lambda v: v is None or isinstance(v, int) and not isinstance(v, bool),
                  "an integer or null"),
-                ("median_us", _positive, "a number > 0")):
-            if key not in r and key != "q":   # compare_runs reads q with .get
+                ("median_us", _positive, "a number > 0"),
+                ("sm_mhz", lambda v: v is None or _positive(v), "a number > 0 or null")):
+            # compare_runs reads q and sm_mhz (absent before clocks were read) with .get
+            if key not in r and key not in ("q", "sm_mhz"):
                 return f"has rows[{i}] without {key!r}"
             if not ok(r.get(key)):
                 return f"has rows[{i}] whose {key!r} is {r.get(key)!r:.40}, not {want}"
@@ -111,8 +113,22 @@ def _control_median(run: dict) -> float | None:
     return statistics.median(vals) if vals else None
 
 
+# Two medians of the SM clock within this relative distance are one power state: the board
+# moves its clock in 15 MHz steps (0.8% of the H100's 1,980), so 2% is two steps either way.
+CLOCK_TOLERANCE = 0.02
+
+
+def _clocks_differ(old: float | None, new: float | None) -> bool | None:
+    """Whether two phases ran at different SM clocks (None where a run did not read it;
+    load_result has refused a clock that is not a number > 0)."""
+    if old is None or new is None:
+        return None
+    return abs(new - old) / old > CLOCK_TOLERANCE
+
+
 def compare_runs(current: dict, baseline: dict) -> dict:
-    """Phase-by-phase verdicts, the control phase before/after, and what does not match."""
+    """Phase-by-phase verdicts, the control phase before/after, and what does not match:
+    among it the phases whose SM clock (sandbox/clocks.py) moved between the runs."""
     floors = [r["noise_floor"].get("floor") for r in (current, baseline)]
     floors = [f for f in floors if f is not None]
     floor = max(floors) if floors else None
@@ -138,8 +154,11 @@ def compare_runs(current: dict, baseline: dict) -> dict:
                                                          k[1], str(k[2]), k[3] or 0,
                                                          phase_order.get(k[4], 9))):
         new, old = cur[k]["median_us"], base[k]["median_us"]
+        mhz_old, mhz_new = base[k].get("sm_mhz"), cur[k].get("sm_mhz")
         row = {"variant": k[0], "cache": k[1], "q": k[2], "n_ctx": k[3], "phase": k[4],
-               "baseline_us": old, "current_us": new, "ratio": old / new}
+               "baseline_us": old, "current_us": new, "ratio": old / new,
+               "baseline_mhz": mhz_old, "current_mhz": mhz_new,
+               "clock_differs": _clocks_differ(mhz_old, mhz_new)}
         if cur[k].get("check_ok") is False or base[k].get("check_ok") is False:
             # a wrong kernel's time is not a result, faster or not
             row.update(verdict="invalid", text="not a result: failed its correctness check",
@@ -151,6 +170,15 @@ def compare_runs(current: dict, baseline: dict) -> dict:
             row.update(verdict=None, text=f"{old / new:.2f}x (no floor)", threshold=None,
                        rel=abs(new - old) / old)
         rows.append(row)
+
+    moved = [r for r in rows if r["clock_differs"]]
+    if moved:
+        r = moved[0]
+        warnings.append(
+            f"the SM clock moved by more than {CLOCK_TOLERANCE:.0%} between the runs at "
+            f"{len(moved)} of {len(rows)} phases (first: {r['variant']} {r['phase']} at n_ctx "
+            f"{r['n_ctx']}, {r['baseline_mhz']:,.0f} then, {r['current_mhz']:,.0f} now): their "
+            "differences are partly the board's power state, not only the kernels'")
 
     c_old, c_new = _control_median(baseline), _control_median(current)
     control = {"phase": "q_absorb", "baseline_us": c_old, "current_us": c_new,

@@ -43,6 +43,47 @@ def test_a_real_change_is_reported_with_its_ratio(base):
     assert cmp["summary"]["faster"] == 1
 
 
+def _clock(run, mhz, where=lambda r: True):
+    for r in run["rows"]:
+        if r["phase"] != "q_absorb" and where(r):
+            r["sm_mhz"] = mhz
+
+
+def test_a_phase_whose_clock_moved_is_marked_and_warned(base):
+    """The SM clock of a phase moving by more than 2% (two of the board's 15 MHz steps either
+    way, baseline.CLOCK_TOLERANCE) between two runs is a different power state: the row says
+    so and a warning counts them; 2% or less is not, and a run without clocks says nothing."""
+    then = copy.deepcopy(base)
+    _clock(then, 1980.0)
+    now = copy.deepcopy(base)
+    _clock(now, 1980.0)
+    _clock(now, 1935.0, lambda r: r["variant"] == "split" and r["n_ctx"] == 131072)  # -2.3%
+    _clock(now, 1941.0, lambda r: r["variant"] == "per_head")                       # -1.97%
+    cmp = compare_runs(now, then)
+    moved = [(r["variant"], r["n_ctx"]) for r in cmp["rows"] if r["clock_differs"]]
+    assert moved and set(moved) == {("split", 131072)}
+    assert all(r["clock_differs"] is False for r in cmp["rows"] if r["variant"] == "per_head")
+    row = next(r for r in cmp["rows"] if r["clock_differs"])
+    assert (row["baseline_mhz"], row["current_mhz"]) == (1980.0, 1935.0)
+    assert row["verdict"] == "same"   # the time is judged as before: the clock is beside it
+    (w,) = [w for w in cmp["warnings"] if "SM clock moved" in w]
+    assert f"at {len(moved)} of {len(cmp['rows'])} phases" in w and "1,980 then, 1,935 now" in w
+    # the same clocks: no warning
+    assert not [w for w in compare_runs(then, copy.deepcopy(then))["warnings"]
+                if "SM clock" in w]
+    # the table beside the verdicts: both clocks, the moved one marked
+    import io
+
+    from rich.console import Console
+
+    from mlasandbox.cli.lab_render import vs_table
+    out = io.StringIO()
+    Console(file=out, width=140, color_system=None).print(vs_table(cmp))
+    text = out.getvalue()
+    assert "SM MHz then/now" in text and "1,980/1,935 *" in text
+    assert "1,980/1,941" in text and "1,980/1,941 *" not in text
+
+
 def test_the_control_moving_between_runs_is_a_warning(base):
     box_changed = copy.deepcopy(base)
     for s in box_changed["control"]["series"]:

@@ -23,6 +23,7 @@ from click.testing import CliRunner
 from lab_fakes import FakeBackend
 from mlasandbox import baseline, limits, stalls
 from mlasandbox.baseline import SchemaError, compare_runs, load_result
+from mlasandbox.clocks import NO_CLOCKS
 from mlasandbox.bench import run_bench
 from mlasandbox.cli.main import main
 from mlasandbox.paged_inputs import parse_lengths
@@ -242,6 +243,8 @@ def _set_row(key, value):
     (lambda b: _changed(b, _set_row("median_us", 0)), "'median_us' is 0, not a number > 0"),
     (lambda b: _changed(b, _set_row("median_us", None)), "'median_us' is None"),
     (lambda b: _changed(b, _set_row("n_ctx", "64")), "'n_ctx' is '64', not an integer"),
+    (lambda b: _changed(b, _set_row("sm_mhz", "1980")), "'sm_mhz' is '1980', not a number > 0"),
+    (lambda b: _changed(b, _set_row("sm_mhz", 0.0)), "'sm_mhz' is 0.0, not a number > 0"),
     (lambda b: _changed(b, _set_row("variant", ["x"])), "'variant' is ['x'], not a name"),
     (lambda b: _changed(b, lambda d: _timed_row(d).pop("cache")), "without 'cache'"),
     (lambda b: _changed(b, lambda d: d["rows"].append(3)), "that is not an object: 3"),
@@ -260,6 +263,10 @@ def test_a_baseline_is_checked_as_deep_as_compare_runs_reads_it(tmp_path, base, 
 def test_a_real_baseline_loads_and_compares(tmp_path, base):
     loaded = load_result(_save(tmp_path, base))
     assert compare_runs(base, loaded)["rows"]
+    # a run from before the bench read clocks: no sm_mhz in its rows, still a baseline
+    old = _changed(base, lambda d: [r.pop(k, None) for r in d["rows"] for k in NO_CLOCKS])
+    cmp = compare_runs(base, load_result(_save(tmp_path, old, "old.json")))
+    assert cmp["rows"] and all(r["clock_differs"] is None for r in cmp["rows"])
 
 
 def _mutate(d, rng: random.Random) -> None:

@@ -115,8 +115,11 @@ def test_the_vs_table_puts_baseline_before_now_and_the_floor_in_percent(monkeypa
     row = next(r for r in data["rows"] if (r["variant"], r["cache"], r["n_ctx"], r["phase"])
                == ("per_head", "f16", 64, "attn"))
     assert row["current_us"] > row["baseline_us"] and row["verdict"] == "slower"
+    # both runs' SM clocks (the fake's), the same power state: no mark, no warning
+    assert row["baseline_mhz"] == row["current_mhz"] == 1905.0 and not row["clock_differs"]
     assert (f"per_head f16 64 attn {fmt_us(row['baseline_us'])} {fmt_us(row['current_us'])} "
-            f"{row['text']}") in out
+            f"1,905/1,905 {row['text']}") in out
+    assert "SM clock moved" not in out
     c = data["control"]
     assert c["current_us"] > c["baseline_us"]
     assert f"q_absorb {fmt_us(c['baseline_us'])} {fmt_us(c['current_us'])}" in out
