@@ -160,8 +160,8 @@ def _render(result, details, cmp):
                   f"{result['checks'][0]['n_ctx']} ({result['checks'][0]['heads']} heads; worst "
                   f"latent relL2 {worst:.1e}; --details for the table)")
     con.print(lab_render.summary_table(result))
-    if clocks_line(result):
-        con.print(escape(clocks_line(result)))
+    if line := clocks_line(result):
+        con.print(escape(line))
     if cmp is not None:
         con.print(lab_render.vs_table(cmp))
         for w in cmp["warnings"]:
@@ -350,8 +350,8 @@ def run_paged_cli(cfg, *, json_out, csv_out, explain, require_gpu, run) -> None:
         if result["auto"]:
             con.print(escape(_auto_line(result["auto"])))
         con.print(_paged_table(result))
-        if clocks_line(result):
-            con.print(escape(clocks_line(result)))
+        if line := clocks_line(result):
+            con.print(escape(line))
         nf = result["noise_floor"]
         con.print(f"A/A floor: {_fmt(nf['floor'], '.1%')} ({escape(nf['how'])})")
         if result["fastest"]:

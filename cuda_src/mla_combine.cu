@@ -285,14 +285,14 @@ __device__ __forceinline__ void combine_body(M merge, const float* __restrict__ 
                 const float4 o = group_acc[g * tpr + col4];
                 sum.x += o.x; sum.y += o.y; sum.z += o.z; sum.w += o.w;
             }
-            const float inv_l = l > 0.f ? 1.f / l : 0.f;
+            const float inv_l = single_pass_inv_l(l);
             const float4 lat =
                 make_float4(sum.x * inv_l, sum.y * inv_l, sum.z * inv_l, sum.w * inv_l);
             float* lat_dst = latent + merge.row() * MLA_KV_LORA + cb * cols + 4 * col4;
             *reinterpret_cast<float4*>(lat_dst) = lat;
             group_acc[col4] = lat;
             if (tid == 0 && cb == 0)
-                lse[merge.row()] = l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+                lse[merge.row()] = single_pass_lse(m, l);
         }
     }
     if (wv_b == nullptr) return;  // the merge only: the projection is mla_project.cu's
@@ -480,16 +480,14 @@ combine_warp_paged(const float* __restrict__ part_acc, const float* __restrict__
             a[k] = *reinterpret_cast<const float4*>(acc_base + i * stride + 4 * k);
         add(w, a);
     }
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
+    const float inv_l = single_pass_inv_l(l);
     float* dst = latent + (static_cast<size_t>(b) * n_rows + r) * MLA_KV_LORA + cb * kCols +
                  4 * kWarpF4 * lane;
 #pragma unroll
     for (int k = 0; k < kWarpF4; ++k)
         *reinterpret_cast<float4*>(dst + 4 * k) =
             make_float4(acc[k].x * inv_l, acc[k].y * inv_l, acc[k].z * inv_l, acc[k].w * inv_l);
-    if (lane == 0 && cb == 0)
-        lse[static_cast<size_t>(b) * n_rows + r] =
-            l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;
+    if (lane == 0 && cb == 0) lse[static_cast<size_t>(b) * n_rows + r] = single_pass_lse(m, l);
 }
 
 }  // namespace mla

@@ -268,11 +268,11 @@ __device__ __forceinline__ void write_neutral(int heads, int rows, int latent, c
 }
 
 // ---- batch 1, contiguous -------------------------------------------------------------------
-// Single pass: the two functions below, shared by both walks. Where w.single() (batch 1: one
-// slice for every head; paged: the program's request runs one chunk) the kernel also writes
-// latent = acc / l and lse = (m + log2 l) ln 2 (latent 0, lse -inf where l == 0) at row
-// w.latent_row(partial); its partials are written as well, so a merge that does run gives
-// the same words.
+// Single pass: the two functions below, shared by both walks and by the merges of
+// mla_combine.cu. Where w.single() (batch 1: one slice for every head; paged: the program's
+// request runs one chunk) the kernel also writes latent = acc / l and lse = (m + log2 l) ln 2
+// (latent 0, lse -inf where l == 0) at row w.latent_row(partial); its partials are written as
+// well, so a merge that does run gives the same words.
 __device__ __forceinline__ float single_pass_inv_l(float l) { return l > 0.f ? 1.f / l : 0.f; }
 __device__ __forceinline__ float single_pass_lse(float m, float l) {
     return l > 0.f ? (m + log2f(l)) * 0.69314718055994531f : -INFINITY;

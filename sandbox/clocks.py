@@ -2,15 +2,12 @@
 
 A Hopper board holds its power under a cap (700 W on the H100 machines here, nvidia-smi) by
 lowering the SM clock, so a step's microseconds depend on how much power it draws as well as
-on its work. Measured (H100, 2026-12-06, results/h100-80gb-hbm3-2026-12-06-2b491ec, power_*.txt):
-timed for 3 s on end as the bench times a phase (the L2 flush, the spinner, the step), B = 128
-x 4096 x 128 heads ran wgmma64 at a median 1,890-1,928 MHz with the power cap active, where
-FlashMLA's call on the same inputs ran uncapped at 1,980; replayed back to back, both sat at
-the cap, at 1,365-1,395 and 1,305-1,343 MHz. Which clock a phase gets also depends on what
-ran before it: in one bench run of that shape (results/h100-80gb-hbm3-2026-12-06-71b020c,
-b128_h128.json) wgmma64's phases read 1,980 MHz and FlashMLA's, timed after them, 1,905. So the bench reports, for every
-timed phase, the SM clock over its timed runs and how often the cap held it: two kernels
-timed at different clocks are compared under different power, not only different code.
+on its work, and on what ran before it. docs/measurement.md ("The SM clock beside every
+time") has the measurements: timed on end as the bench times a phase, wgmma64 at B = 128 x
+4096 x 128 heads ran under the cap at 1,890-1,928 MHz where FlashMLA's call ran uncapped at
+1,980. So the bench reports, for every timed phase, the SM clock over its timed runs and how
+often the cap held it: two kernels timed at different clocks are compared under different
+power, not only different code.
 
 `ClockSampler.open(device_id)` gives `(sampler, note)`: a sampler, or None and why not (no
 NVML library, no such device). `start()` takes a sample and starts a thread that takes one
