@@ -477,7 +477,7 @@ def _print_no_gpu(data, arch, why) -> None:
 @click.option("--explain", is_flag=True, help="Print the byte and FLOP formulas.")
 @click.option("--details", is_flag=True, help="Phase tables at every context, checks table.")
 @arch_option("Arch of the register table when there is no GPU.")
-@click.option("--require-gpu", is_flag=True, help="Exit 1 when there is no GPU to time on.")
+@click.option("--require-gpu", is_flag=True, help="Exit 2 when there is no GPU to time on.")
 @paged_options(SERVING_PRESETS, serving_help())
 @peers_option(PEER_NAMES)
 @tp_option("Shard the paged step's heads over N GPUs, one rank each (uneven bands when N "

@@ -51,6 +51,10 @@ def cpu_accuracy(ctxs, seeds, splits="auto", preset: str | None = None,
     if not any(schedule.splits_with_power(n, s) for n, s in counts.items()):
         # the study would run, and its verdict could only be "no power": say why up front
         given = ", ".join(f"{n} -> S = {s}" for n, s in counts.items())
+        if splits != "auto" and int(splits) < 2:
+            raise ValueError(f"--splits {splits}: one slice is the unsplit walk, so the split "
+                             "path and its negative control would not run; give --splits of "
+                             "at least 2, or 'auto'")
         if splits == "auto":
             first = next((n for n in (2 ** k for k in range(1, 21))
                           if schedule.splits_with_power(n, schedule.study_splits(n, "auto", dims))),

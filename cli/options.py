@@ -15,14 +15,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from mlasandbox import archs, limits, registry
+from mlasandbox import archs, limits, occupancy, registry
 from mlasandbox.dims import PRESETS
 from mlasandbox.paged_api import MAX_GRID_Z
 
 from .render import emit_json, jsonable
 
-__all__ = ["int_list", "str_list", "auto_or_int", "OutputFile", "json_option", "write_json",
-           "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
+__all__ = ["int_list", "str_list", "auto_or_int", "blocks_per_sm", "OutputFile", "json_option",
+           "write_json", "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
            "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
            "non_empty_path", "refuse_overwrites", "lengths_file", "seed_option", "SEED",
            "FiniteFloatRange", "given_options",
@@ -37,18 +37,26 @@ Q_CHOICES = ("f32", "cache")
 def int_list(ctx, param, value):
     if value is None:
         return None
+    if not str(value).strip():
+        raise click.BadParameter("give at least one value")
     out = []
     for part in str(value).split(","):
         part = part.strip()
         if not part:
-            continue
+            raise click.BadParameter(f"{_short(value)!r} has an empty item: integers "
+                                     "separated by single commas")
         try:
             out.append(int(part))
-        except ValueError:
-            raise click.BadParameter(f"{part!r} is not an integer") from None
-    if not out:
-        raise click.BadParameter("give at least one value")
+        except ValueError:  # also past Python's 4,300 digits: not a usable integer either
+            raise click.BadParameter(f"{_short(part)!r} is not an integer") from None
     return tuple(out)
+
+
+def _short(text: str, most: int = 40) -> str:
+    """`text`, cut to `most` characters with an ellipsis: a message names a value without
+    repeating all of it."""
+    text = str(text)
+    return text if len(text) <= most else text[:most] + "..."
 
 
 def str_list(choices, user_kernels: bool = False):
@@ -84,6 +92,17 @@ def auto_or_int(ctx, param, value):
         raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {value!r}") from None
     if v < 1:
         raise click.BadParameter(f"must be 'auto' or an integer >= 1, got {v}")
+    return v
+
+
+def blocks_per_sm(ctx, param, value):
+    """'auto' or an integer from 1 to the most blocks any known arch keeps resident on an SM
+    (occupancy.ARCHS): a larger count would plan waves no device runs."""
+    v = auto_or_int(ctx, param, value)
+    most = max(a.max_blocks_per_sm for a in occupancy.ARCHS.values())
+    if v != "auto" and v > most:
+        raise click.BadParameter(f"must be 'auto' or an integer from 1 to {most} (the most "
+                                 f"blocks an SM keeps resident on any known arch), got {v}")
     return v
 
 

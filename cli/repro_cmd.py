@@ -15,7 +15,7 @@ from mlasandbox.repro import (REPRO_CONTEXTS, default_filename, default_paged_fi
 
 from . import render
 from .tp_cmd import band_heads, tp_option
-from .options import (OutputFile, arch_option, auto_or_int, cache_option, ctx_option,
+from .options import (OutputFile, arch_option, blocks_per_sm, cache_option, ctx_option,
                       deliver_json, heads_option, json_option, lengths_file, paged_options,
                       preset_option, q_option, refuse_overwrites, refuse_paged_options,
                       seed_option, splits_option, stderr_console)
@@ -41,7 +41,7 @@ __all__ = ["repro"]
                    "own merge where it merges): the script must FAIL.")
 @click.option("--sms", type=click.IntRange(min=1), default=None,
               help="SM count for 'auto' splits without a GPU (default 132).")
-@click.option("--blocks-per-sm", "bps", callback=auto_or_int, default="auto",
+@click.option("--blocks-per-sm", "bps", callback=blocks_per_sm, default="auto",
               show_default=True, help="Blocks/SM for 'auto' splits ('auto': driver or model).")
 @arch_option("Arch of the occupancy model for 'auto' splits without a GPU.")
 @click.option("-o", "--output", type=OutputFile(), default=None, metavar="FILE",
@@ -152,7 +152,8 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
             and ctx.get_parameter_source("q_dtype") != click.core.ParameterSource.COMMANDLINE):
         q_dtype = "cache"
     try:
-        case = make_paged_case(variant, batch=batch, lengths=lengths_spec or "4096",
+        case = make_paged_case(variant, batch=batch,
+                               lengths="4096" if lengths_spec is None else lengths_spec,
                                s_q=s_q or 1, causal=bool(causal), page_size=page_size,
                                preset=preset, heads=heads, cache=cache, q=q_dtype,
                                splits=splits, seed=seed, negative_control=negative_control,

@@ -193,11 +193,13 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
         if problem and os.path.exists(save_dir):
             raise click.BadParameter(problem, param_hint="'--save'")
         parent = os.path.dirname(os.path.abspath(save_dir))
-        if not os.path.exists(save_dir) and (not os.path.isdir(parent)
-                                             or output_problem(parent, directory=True)):
-            raise click.BadParameter(output_problem(parent, directory=True)
-                                     or f"directory {parent!r} does not exist",
-                                     param_hint="'--save'")
+        if not os.path.exists(save_dir):
+            # a missing parent first: output_problem of it would name the first directory
+            # above it that exists
+            problem = (f"directory {parent!r} does not exist" if not os.path.isdir(parent)
+                       else output_problem(parent, directory=True))
+            if problem:
+                raise click.BadParameter(problem, param_hint="'--save'")
     if from_path:
         source_text, raw_text = _read_saved(from_path)
         config = {"from": from_path}
@@ -229,12 +231,16 @@ def stalls(variant, heads, n_ctx, cache, q_dtype, splits, seed, top_blocks, top_
         source_text, raw_text = run.source_csv, run.raw_csv
         if save_dir:
             err.print(f"saved the report and its pages in {escape(save_dir)}")
+    source_file, raw_file = st.saved_files(from_path) if from_path else (None, None)
     try:
+        where = source_file
         kernel, lines = st.read_source_csv(source_text)
+        where = raw_file
         metrics = st.read_raw_csv(raw_text) if raw_text else {}
     except st.NcuFormatError as exc:
-        # a saved profile or CSV that is not ncu's is bad input; a live run's is ncu's problem
-        fail(str(exc), usage=from_path is not None)
+        # a saved profile or CSV that is not ncu's is bad input, named by its file; a live
+        # run's is ncu's problem
+        fail(f"--from: {where}: {exc}" if from_path else str(exc), usage=from_path is not None)
     report = st.summarize(kernel, lines, top_blocks=top_blocks)
     result = {"ok": True, "config": config, "kernel_metrics": metrics, **report.as_dict()}
     if deliver_json(result, json_out, err):

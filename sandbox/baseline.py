@@ -55,7 +55,14 @@ def load_result(path) -> dict:
 
 
 def _real(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    """A finite JSON number: an integer too large for a float is not one (isfinite would
+    raise OverflowError on it)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def _positive(v) -> bool:
@@ -74,7 +81,7 @@ def _run_problem(data: dict) -> str | None:
             return f"has {key!r} of type {type(data[key]).__name__}, not dict"
     floor = data["noise_floor"].get("floor")
     if floor is not None and not (_real(floor) and floor >= 0):
-        return f"has a noise floor of {floor!r}, not a number >= 0 or null"
+        return f"has a noise floor of {floor!r:.40}, not a number >= 0 or null"
     series = data["control"].get("series", [])
     if not isinstance(series, list):
         return "has a control series that is not a list"

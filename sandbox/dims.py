@@ -159,7 +159,8 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
         raise ValueError("cache must hold at least one row (N_alloc >= 1)")
     if n_ctx is None:
         n_ctx = n_alloc
-    if isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Real) or int(n_ctx) != n_ctx:
+    if (isinstance(n_ctx, bool) or not isinstance(n_ctx, numbers.Real)
+            or not math.isfinite(n_ctx) or int(n_ctx) != n_ctx):  # int() raises on nan, inf
         raise TypeError(f"n_ctx must be an integer, got {n_ctx!r}")
     n_ctx = int(n_ctx)
     if not 1 <= n_ctx <= n_alloc:

@@ -103,17 +103,36 @@ class StallReport:
         return asdict(self)
 
 
-def _number(text: str) -> float:
+# The per-SASS table's cells are counts (instructions executed, stall samples): whole
+# numbers >= 0, exact in a float below 2**53. ncu leaves a zero cell empty or "-".
+MAX_COUNT = 2**53
+
+
+def _count(text: str, column: str) -> float:
+    """A cell of the per-SASS table; NcuFormatError naming the column for a cell ncu would
+    not write (text, a negative or fractional count, nan, inf, a count past MAX_COUNT)."""
     text = text.strip().replace(",", "")
     if not text or text == "-":
         return 0.0
     try:
         value = float(text)
     except ValueError:
-        return 0.0
-    if not math.isfinite(value):  # ncu writes counts; a nan or inf cell is not its CSV
-        raise NcuFormatError(f"a count of {text!r} in the per-SASS table")
+        value = math.nan
+    if not (math.isfinite(value) and 0 <= value < MAX_COUNT and value == int(value)):
+        raise NcuFormatError(f"a {column!r} cell of {text[:40]!r} in the per-SASS table, "
+                             f"where ncu writes a whole count from 0 to 2**53")
     return value
+
+
+def _metric(text: str) -> float | None:
+    """A value of the raw page, or None where it is not a finite number: the page holds
+    text attributes too (the device's name), and ncu writes "n/a" for what it did not
+    collect."""
+    try:
+        value = float(text.strip().replace(",", ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _opcode(source: str) -> str:
@@ -149,10 +168,14 @@ def read_source_csv(text: str) -> tuple[str, list[SassLine]]:
     out = []
     for row in csv.reader(line for line in lines[header_at + 1:] if line.startswith('"0x')):
         cells = dict(zip(header, row))
-        samples = {reason: _number(cells.get(col, "")) for col, reason in reasons.items()}
+        if len(row) != len(header):  # a row cut short (or run over) would read as zeros
+            raise NcuFormatError(f"a per-SASS row at {row[0][:20]!r} has {len(row)} cells "
+                                 f"where the header has {len(header)}")
+        samples = {reason: _count(cells.get(col, ""), col) for col, reason in reasons.items()}
         out.append(SassLine(cells.get("Address", ""), cells.get("Source", "").strip(),
                             _opcode(cells.get("Source", "")),
-                            int(_number(cells.get("Instructions Executed", ""))), samples))
+                            int(_count(cells.get("Instructions Executed", ""),
+                                       "Instructions Executed")), samples))
     if not out:
         raise NcuFormatError("the per-SASS table has a header and no instruction rows")
     return kernel, out
@@ -251,8 +274,10 @@ def read_raw_csv(text: str) -> dict:
     for name, value in zip(header, values):
         if name == "Kernel Name":
             out[name] = value
-        elif "__" in name:
-            out[name] = _number(value)
+        elif "__" in name and (number := _metric(value)) is not None:
+            if number < 0 and name in KERNEL_METRICS:  # rates, counts and ratios, all >= 0
+                raise NcuFormatError(f"the raw page's {name} is {value[:40]!r}, below 0")
+            out[name] = number
     return out
 
 

@@ -182,6 +182,13 @@ def test_check_contexts_that_no_split_reaches(args, hint):
     assert hint in words(res)
 
 
+def test_check_one_split_names_splits():
+    # --splits 1 leaves every context unsplit: the option to change is --splits, not --ctx
+    res = run("check", "--no-gpu", "--ctx", "4096", "--splits", "1")
+    assert res.exit_code == 2 and "--splits 1: one slice is the unsplit walk" in words(res)
+    assert "--ctx" not in words(res), res.output
+
+
 def test_check_context_past_host_memory(monkeypatch):
     # 2e6 rows x (6 x 576 + 12 x 12) B = 7.2 GB, over the 1 GiB this test pretends to have
     monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 30)
@@ -291,11 +298,15 @@ def test_repro_reads_a_lengths_file(tmp_path):
 def test_a_plan_past_the_grid_limit_is_refused(tmp_path):
     from gpu_support import HAVE_GPU
 
-    # --sms sets the SM count without a GPU only (with one, the device's is used)
-    opts = [("--blocks-per-sm", "9999999")] + ([] if HAVE_GPU else [("--sms", "99999999")])
-    for opt in opts:
+    # --blocks-per-sm stops at the 32 blocks an SM keeps resident, so a plan reaches the
+    # grid's limit only through a planned SM count: --sms, taken without a GPU only (with
+    # one, the device's is used)
+    cases = [(("--blocks-per-sm", "9999999"), "from 1 to 32")]
+    if not HAVE_GPU:
+        cases.append((("--sms", "99999999", "--blocks-per-sm", "32"), "holds at most 65,535"))
+    for opt, phrase in cases:
         res = run("repro", "--variant", "split", "--batch", "4", *opt, "-o", tmp_path / "r.py")
-        assert res.exit_code == 2 and "holds at most 65,535" in words(res), res.output
+        assert res.exit_code == 2 and phrase in words(res), res.output
         assert not (tmp_path / "r.py").exists()
 
 

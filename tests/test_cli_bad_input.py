@@ -355,3 +355,54 @@ def test_bench_variants_with_hpb_times_both(monkeypatch):
     assert res.exit_code == 0, res.output
     cfg = json.loads(res.stdout)["config"]
     assert cfg["variants"] == ["split", "batched16"] and cfg["cache_dtypes"] == ["f16"]
+
+
+@pytest.mark.parametrize("cmd, opt", [
+    (("check", "--no-gpu"), "--ctx"),
+    (("grid", "--variant", "split", "--heads", "16", "--blocks-per-sm", "2"), "--ctx"),
+    (("repro", "--variant", "split", "-o", "r.py"), "--ctx"),
+    (("regs", "--no-controls"), "--hpb"),
+], ids=lambda v: v if isinstance(v, str) else v[0])
+@pytest.mark.parametrize("value", ["4096,,16", "16,", ",16"])
+def test_an_integer_list_with_an_empty_item_is_refused(cmd, opt, value):
+    # an empty item is a typo, not a value to skip: `--lengths 1,,2` is refused the same way
+    value = value.replace("4096", "16") if opt == "--hpb" else value
+    res = run(*cmd, opt, value)
+    assert res.exit_code == 2 and f"Invalid value for '{opt}'" in words(res), res.output
+    assert "has an empty item" in words(res)
+    assert not os.path.exists("r.py")
+
+
+def test_an_integer_too_long_for_python_is_named_briefly():
+    res = run("check", "--no-gpu", "--ctx", "9" * 5000)
+    assert res.exit_code == 2 and "is not an integer" in words(res)
+    assert "9" * 41 not in words(res)
+
+
+def test_repro_refuses_an_empty_lengths_spec():
+    # an empty --lengths is a spec like any other (bench refuses it), not "use the default"
+    res = run("repro", "--variant", "split", "--batch", "4", "--lengths", "", "-o", "r.py")
+    assert res.exit_code == 2 and "lengths spec ''" in words(res), res.output
+    assert not os.path.exists("r.py")
+
+
+@pytest.mark.parametrize("cmd", [
+    ("grid", "--variant", "split", "--heads", "16", "--ctx", "4096"),
+    ("repro", "--variant", "split", "-o", "r.py"),
+], ids=lambda c: c[0])
+def test_blocks_per_sm_past_any_arch_is_refused(cmd):
+    # sm_80 .. sm_100 keep at most 32 blocks resident on an SM: 33 plans waves no device runs
+    res = run(*cmd, "--blocks-per-sm", "33")
+    assert res.exit_code == 2 and "Invalid value for '--blocks-per-sm'" in words(res)
+    assert "from 1 to 32" in words(res) and "got 33" in words(res)
+    assert not os.path.exists("r.py")
+    assert run(*cmd, "--blocks-per-sm", "32").exit_code in (0, 1), "32 is a real count"
+
+
+def test_stalls_save_under_a_missing_directory_names_that_directory(tmp_path):
+    # the directory that is missing, not the first one above it that exists
+    missing = tmp_path / "no" / "such"
+    res = run("stalls", "--save", missing / "prof")
+    assert res.exit_code == 2 and "Invalid value for '--save'" in words(res)
+    assert f"directory {str(missing)!r} does not exist" in words(res), res.output
+    assert not missing.exists()

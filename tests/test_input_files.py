@@ -250,6 +250,14 @@ def _set_row(key, value):
     (lambda b: _changed(b, lambda d: d["rows"].append(3)), "that is not an object: 3"),
     (lambda b: "[" * 100_000 + "]" * 100_000, "is not JSON"),
     (lambda b: '{"schema": ' + "9" * 5000 + "}", "is not JSON"),
+    # integers JSON allows and a float cannot hold (math.isfinite raises OverflowError)
+    (lambda b: _changed(b, lambda d: d["noise_floor"].__setitem__("floor", 10 ** 400)),
+     "noise floor of 1000"),
+    (lambda b: _changed(b, lambda d: d["control"].__setitem__("series",
+                                                              [{"median_us": 10 ** 400}])),
+     "control series entry 0 without a median_us > 0"),
+    (lambda b: _changed(b, _set_row("median_us", 10 ** 400)), "'median_us' is 1000"),
+    (lambda b: _changed(b, _set_row("sm_mhz", -10 ** 400)), "'sm_mhz' is -1000"),
     (lambda b: '{"schema": "mlasandbox.bench/1", "rows": [], "noise_floor": {}, "control": '
                '{"series": [{"median_us": NaN}]}}', "control series entry 0"),
 ])

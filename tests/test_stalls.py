@@ -256,19 +256,58 @@ def test_cli_refuses_a_saved_profile_it_cannot_read(saved):
     res = run("stalls", "--from", saved)
     assert res.exit_code == 2 and "raw.csv" in res.output, res.output
     (saved / "raw.csv").rmdir()
-    # a count that is not a number of executions: a format error, not a crash
-    text = recorded_text()
-    header = next(line for line in text.splitlines() if '"Instructions Executed"' in line)
-    col = next(i for i, c in enumerate(next(csv.reader([header])))
-               if c == "Instructions Executed")
-    lines = text.splitlines()
+
+
+def _with_cell(column_of, value) -> str:
+    """The recorded per-SASS page with the first instruction row's cell in the column that
+    `column_of(header)` picks set to `value`."""
+    lines = recorded_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
+    header = next(csv.reader([lines[at]]))
+    col = header.index(column_of(header))
     first = next(i for i, line in enumerate(lines) if line.startswith('"0x'))
     cells = next(csv.reader([lines[first]]))
-    cells[col] = "nan"
+    cells[col] = value
     lines[first] = ",".join(f'"{c}"' for c in cells)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("column_of", [
+    lambda h: "Instructions Executed",
+    lambda h: next(c for c in h if c.startswith("stall_")),
+], ids=["executed", "stall"])
+@pytest.mark.parametrize("value", ["nan", "abc", "-5", "0.5", "1e308", "inf"])
+def test_a_cell_ncu_would_not_write_is_refused_naming_file_and_column(saved, column_of, value):
+    # a count is a whole number of executions or samples: text read as 0, a negative or a
+    # fraction would sum into a profile that looks real
+    (saved / "source.csv").write_text(_with_cell(column_of, value), encoding="utf-8")
+    res = run("stalls", "--from", saved)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{saved / 'source.csv'}" in text, res.output
+    assert f"cell of {value!r}" in text and "whole count" in text, res.output
+
+
+def test_a_row_cut_short_is_refused(saved):
+    lines = recorded_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith('"0x'))
+    lines[first] = ",".join(f'"{c}"' for c in next(csv.reader([lines[first]]))[:3])
     (saved / "source.csv").write_text("\n".join(lines) + "\n", encoding="utf-8")
     res = run("stalls", "--from", saved)
-    assert res.exit_code == 2 and "a count of 'nan'" in res.output, res.output
+    assert res.exit_code == 2 and "has 3 cells where the header has" in res.output, res.output
+    # the recorded page itself reads (the control: the checks above refuse only the damage)
+    (saved / "source.csv").write_text(recorded_text(), encoding="utf-8")
+    assert run("stalls", "--from", saved).exit_code == 0
+
+
+def test_the_raw_page_skips_text_and_refuses_a_negative_rate():
+    head = '"Kernel Name","device__attribute_display_name","sm__cycles_elapsed.avg.per_second"'
+    page = lambda v: f'{head}\n"","","Ghz"\n"k","NVIDIA H200","{v}"\n'
+    got = stalls.read_raw_csv(page("1.98"))
+    assert got["sm__cycles_elapsed.avg.per_second"] == 1.98 and got["Kernel Name"] == "k"
+    assert "device__attribute_display_name" not in got  # text, not a figure
+    assert "sm__cycles_elapsed.avg.per_second" not in stalls.read_raw_csv(page("n/a"))
+    with pytest.raises(stalls.NcuFormatError, match="below 0"):
+        stalls.read_raw_csv(page("-1.5"))
 
 
 @pytest.mark.skipif(HAVE_GPU, reason="this machine has a GPU")
