@@ -44,8 +44,8 @@ from mlasandbox.splits import default_gate, plan_splits
 
 from . import lab_render, render
 from .check_cmd import cpu_accuracy
-from .options import (FiniteFloatRange, NoGpu, arch_option, cache_option, ctx_option,
-                      deliver_json, given_options, heads_option, hpb_list, json_option,
+from .options import (MAX_AA_ROUNDS, MAX_RUNS, FiniteFloatRange, NoGpu, arch_option, cache_option,
+                      ctx_option, deliver_json, given_options, heads_option, hpb_list, json_option,
                       kernel_files, lengths_file, non_empty_path, output_option, paged_options,
                       peers_option, preset_option, progress_bar, q_option, refuse_overwrites,
                       refuse_paged_options, splits_option, stderr_console, timing_options,
@@ -446,7 +446,7 @@ def _print_no_gpu(data, arch, why) -> None:
 @splits_option(help="'auto' (the split rule) or S (1..65535; with --batch, every request's "
                "chunk cap, 1..256) for the splitting variants.")
 @timing_options(target_ms=150.0)
-@click.option("--warmup", type=click.IntRange(min=1), default=3, show_default=True,
+@click.option("--warmup", type=click.IntRange(1, MAX_RUNS), default=3, show_default=True,
               help="Untimed runs before each measurement.")
 @click.option("--graph", type=click.Choice(["auto", "always", "never"]), default="auto",
               show_default=True,
@@ -455,7 +455,7 @@ def _print_no_gpu(data, arch, why) -> None:
               help="Longest context replayed as a CUDA graph under --graph auto.")
 @click.option("--aa-ctx", type=click.IntRange(min=1), default=None,
               help="A/A context, below the split gate (default: gate - 1 = 4095).")
-@click.option("--aa-rounds", type=click.IntRange(min=2), default=10, show_default=True,
+@click.option("--aa-rounds", type=click.IntRange(2, MAX_AA_ROUNDS), default=10, show_default=True,
               help="Interleaved rounds of the A/A noise-floor measurement.")
 @click.option("--check/--no-check", default=True, show_default=True,
               help="Correctness spot check of every variant before timing.")

@@ -22,7 +22,8 @@ from mlasandbox.paged_api import MAX_GRID_Z
 from .render import emit_json, jsonable
 
 __all__ = ["int_list", "str_list", "auto_or_int", "blocks_per_sm", "OutputFile", "json_option",
-           "write_json", "deliver_json", "bad_input", "JsonAwareException", "stderr_console", "progress_bar",
+           "write_json", "deliver_json", "MAX_RUNS", "MAX_AA_ROUNDS", "bad_input",
+           "JsonAwareException", "stderr_console", "progress_bar",
            "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
            "non_empty_path", "refuse_overwrites", "lengths_file", "seed_option", "SEED",
            "FiniteFloatRange", "given_options",
@@ -116,6 +117,12 @@ def _splits(value):
     return v
 
 
+# A measurement's run counts stop where `try --repeats` does: 100,000 runs of a step are
+# seconds to minutes of GPU time, so a larger count is a typo, not a plan. The A/A rounds
+# each time every phase twice; 1,000 of them is an hour-long bench.
+MAX_RUNS = 100_000
+MAX_AA_ROUNDS = 1_000
+
 # numpy's generators take any integer >= 0 and raise at the first draw for a negative one,
 # after the work began (or in a written repro script); the int64 cap keeps a seed one
 # machine integer wherever it is stored or passed on (JSON results, scripts, child argv).
@@ -145,9 +152,9 @@ def timing_options(target_ms: float):
     """--repeats, --min-repeats, --target-ms and --seed of the timed commands."""
     def deco(f):
         for opt in reversed((
-            click.option("--repeats", type=click.IntRange(min=1), default=100,
+            click.option("--repeats", type=click.IntRange(1, MAX_RUNS), default=100,
                          show_default=True, help="Most timed runs per measurement."),
-            click.option("--min-repeats", type=click.IntRange(min=1), default=10,
+            click.option("--min-repeats", type=click.IntRange(1, MAX_RUNS), default=10,
                          show_default=True,
                          help="Fewest timed runs per measurement (long phases stop here)."),
             click.option("--target-ms", type=FiniteFloatRange(min=0.1), default=target_ms,

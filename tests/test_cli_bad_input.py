@@ -406,3 +406,17 @@ def test_stalls_save_under_a_missing_directory_names_that_directory(tmp_path):
     assert res.exit_code == 2 and "Invalid value for '--save'" in words(res)
     assert f"directory {str(missing)!r} does not exist" in words(res), res.output
     assert not missing.exists()
+
+
+@pytest.mark.parametrize("cmd, opt, value, bound", [
+    (("bench",), "--warmup", "999999999999", "1<=x<=100000"),
+    (("bench",), "--repeats", "100001", "1<=x<=100000"),
+    (("bench",), "--min-repeats", "100001", "1<=x<=100000"),
+    (("bench",), "--aa-rounds", "1001", "2<=x<=1000"),
+    (("sweep",), "--repeats", "100001", "1<=x<=100000"),
+], ids=lambda v: v if isinstance(v, str) else v[0])
+def test_run_counts_past_hours_of_gpu_time_are_refused(cmd, opt, value, bound):
+    # a typo of a few digits would otherwise hold the GPU for days, on a GPU only
+    res = run(*cmd, opt, value)
+    assert res.exit_code == 2 and f"Invalid value for '{opt}'" in words(res), res.output
+    assert bound in words(res)
