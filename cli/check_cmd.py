@@ -15,8 +15,8 @@ from mlasandbox.device_check import device_checks
 from mlasandbox.dims import preset as get_preset
 
 from . import render
-from .options import (cache_option, ctx_option, json_option, preset_option, splits_option,
-                      variants_option, write_json)
+from .options import (cache_option, ctx_option, given_options, json_option, preset_option,
+                      splits_option, variants_option, write_json)
 
 __all__ = ["check", "cpu_accuracy", "CHECK_CTXS", "CHECK_SEEDS"]
 
@@ -137,6 +137,10 @@ def check(ctxs, seeds, splits, preset, cache, variants, no_gpu, json_out):
     which must fail: a check that cannot fail has no power. Exit 1 when a check fails or a
     control passes, 2 on bad input.
     """
+    ctx = click.get_current_context()
+    if no_gpu and given_options(ctx, ["variants"]):
+        raise click.UsageError("--variants picks the variants of the GPU checks, and --no-gpu "
+                               "runs none: give one or the other")
     try:
         rows, verdict = cpu_accuracy(ctxs, seeds, splits, preset, cache)
     except ValueError as exc:

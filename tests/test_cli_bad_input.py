@@ -420,3 +420,10 @@ def test_run_counts_past_hours_of_gpu_time_are_refused(cmd, opt, value, bound):
     res = run(*cmd, opt, value)
     assert res.exit_code == 2 and f"Invalid value for '{opt}'" in words(res), res.output
     assert bound in words(res)
+
+
+def test_check_refuses_variants_it_would_not_check():
+    # --no-gpu runs the CPU model alone: a --variants beside it would be ignored
+    res = run("check", "--no-gpu", "--variants", "split", "--ctx", "4096", "--seeds", "1")
+    assert res.exit_code == 2 and "--variants" in words(res) and "--no-gpu" in words(res)
+    assert run("check", "--no-gpu", "--ctx", "4096", "--seeds", "1").exit_code == 0
