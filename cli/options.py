@@ -44,20 +44,13 @@ def int_list(ctx, param, value):
     for part in str(value).split(","):
         part = part.strip()
         if not part:
-            raise click.BadParameter(f"{_short(value)!r} has an empty item: integers "
+            raise click.BadParameter(f"{str(value)!r:.40} has an empty item: integers "
                                      "separated by single commas")
         try:
             out.append(int(part))
         except ValueError:  # also past Python's 4,300 digits: not a usable integer either
-            raise click.BadParameter(f"{_short(part)!r} is not an integer") from None
+            raise click.BadParameter(f"{part!r:.40} is not an integer") from None
     return tuple(out)
-
-
-def _short(text: str, most: int = 40) -> str:
-    """`text`, cut to `most` characters with an ellipsis: a message names a value without
-    repeating all of it."""
-    text = str(text)
-    return text if len(text) <= most else text[:most] + "..."
 
 
 def str_list(choices, user_kernels: bool = False):

@@ -167,10 +167,10 @@ def read_source_csv(text: str) -> tuple[str, list[SassLine]]:
                              "--section WarpStateStats)")
     out = []
     for row in csv.reader(line for line in lines[header_at + 1:] if line.startswith('"0x')):
-        cells = dict(zip(header, row))
         if len(row) != len(header):  # a row cut short (or run over) would read as zeros
             raise NcuFormatError(f"a per-SASS row at {row[0][:20]!r} has {len(row)} cells "
                                  f"where the header has {len(header)}")
+        cells = dict(zip(header, row))
         samples = {reason: _count(cells.get(col, ""), col) for col, reason in reasons.items()}
         out.append(SassLine(cells.get("Address", ""), cells.get("Source", "").strip(),
                             _opcode(cells.get("Source", "")),
