@@ -51,12 +51,24 @@ class Group(click.Group):
     """The command group: a usage error or a failure of any command, click's own parsing
     errors included, also prints {"ok": false, "error": ...} on stdout under `--json`."""
 
+    @staticmethod
+    def _refuse_bad_toolkit_setting(args) -> None:
+        """A MLASANDBOX_CUDA_INCLUDE without the headers is bad input (exit 2) for every
+        command but `info`, which reports it among its problems, and `--help`."""
+        args = list(args)
+        if not args or args[0] == "info" or {"--help", "-h"} & set(args):
+            return
+        problem = toolkit.include_setting_problem()
+        if problem:
+            raise click.UsageError(problem)
+
     def parse_args(self, ctx, args):
         ctx.meta["mlasandbox.raw_args"] = list(args)
         return super().parse_args(ctx, args)
 
     def invoke(self, ctx):
         try:
+            self._refuse_bad_toolkit_setting(ctx.meta.get("mlasandbox.raw_args", ()))
             return super().invoke(ctx)
         except click.ClickException as exc:
             if _json_on_stdout(ctx.meta.get("mlasandbox.raw_args", ())):

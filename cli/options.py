@@ -26,7 +26,7 @@ __all__ = ["int_list", "str_list", "auto_or_int", "blocks_per_sm", "OutputFile",
            "JsonAwareException", "stderr_console", "progress_bar",
            "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
            "non_empty_path", "refuse_overwrites", "lengths_file", "seed_option", "SEED",
-           "FiniteFloatRange", "given_options",
+           "FiniteFloatRange", "given_options", "sms_option",
            "arch_option", "timing_options", "preset_option", "q_option", "variants_option",
            "splits_option", "cache_option", "DEFAULT_PRESET", "Q_CHOICES", "q_of",
            "paged_options", "peers_option"]
@@ -216,6 +216,12 @@ def _heads(ctx, param, value):
 def heads_option(default=None, help="Query heads (overrides the preset's)."):
     return click.option("--heads", type=click.IntRange(min=1), default=default,
                         show_default=default is not None, callback=_heads, help=help)
+
+
+def sms_option(default, help: str):
+    """--sms: an SM count to plan for, 1..limits.MAX_SMS (more cannot change a plan)."""
+    return click.option("--sms", type=click.IntRange(1, limits.MAX_SMS), default=default,
+                        show_default=default is not None, help=help)
 
 
 def splits_option(help="'auto' (the split rule) or a split count S (1..65535)."):

@@ -11,8 +11,8 @@ from mlasandbox.tp import check_tp, rank_grids
 
 from . import render
 from .options import (arch_option, blocks_per_sm, cache_option, ctx_option, heads_option,
-                      deliver_json, hpb_list, json_option, q_of, q_option, splits_option,
-                      stderr_console)
+                      deliver_json, hpb_list, json_option, q_of, q_option, sms_option,
+                      splits_option, stderr_console)
 from .tp_cmd import grid_tp_table, tp_option
 
 __all__ = ["regs", "grid", "regs_rows", "COMPILE_ERRORS"]
@@ -86,8 +86,7 @@ def _families() -> str:
 @click.option("--hpb", type=int, default=None,
               help="Heads per block, for --variant batched "
                    f"({', '.join(map(str, HPB_VALUES))}; 1 is split).")
-@click.option("--sms", type=click.IntRange(min=1), default=132, show_default=True,
-              help="SM count (132: H100 SXM / H200).")
+@sms_option(132, "SM count (132: H100 SXM / H200).")
 @click.option("--blocks-per-sm", "bps", callback=blocks_per_sm, default="auto",
               show_default=True,
               help="Resident blocks per SM: 'auto' compiles the instance and takes its "

@@ -18,7 +18,7 @@ from .tp_cmd import band_heads, tp_option
 from .options import (OutputFile, arch_option, blocks_per_sm, cache_option, ctx_option,
                       deliver_json, heads_option, json_option, lengths_file, paged_options,
                       preset_option, q_option, refuse_overwrites, refuse_paged_options,
-                      seed_option, splits_option, stderr_console)
+                      seed_option, sms_option, splits_option, stderr_console)
 
 __all__ = ["repro"]
 
@@ -39,8 +39,7 @@ __all__ = ["repro"]
 @click.option("--negative-control", is_flag=True,
               help="Merge without the rescale (the combine's, or the attention kernel's "
                    "own merge where it merges): the script must FAIL.")
-@click.option("--sms", type=click.IntRange(min=1), default=None,
-              help="SM count for 'auto' splits without a GPU (default 132).")
+@sms_option(None, "SM count for 'auto' splits without a GPU (default 132).")
 @click.option("--blocks-per-sm", "bps", callback=blocks_per_sm, default="auto",
               show_default=True, help="Blocks/SM for 'auto' splits ('auto': driver or model).")
 @arch_option("Arch of the occupancy model for 'auto' splits without a GPU.")
@@ -60,7 +59,8 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
 
     The script prints the GPU and versions, runs the kernels under a phase guard, compares
     with an embedded float64 reference and prints one verdict line: PASS (exit 0), FAIL
-    (1: wrong numbers), ERROR (2: compile, launch or fault) or NOT RUN (3: no usable GPU).
+    (1: wrong numbers), ERROR (2: compile, launch, fault or out of memory) or NOT RUN (3: no
+    usable GPU).
 
     With --batch B: a batched paged case (--lengths, --page-size, --s-q, --causal; heads of
     --preset, dsv3 unless given), its lengths, page size, seed and chunk plan embedded,

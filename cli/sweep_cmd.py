@@ -22,7 +22,8 @@ from .lab_render import paged_sweep_table, sweep_table
 from .options import (arch_option, cache_option, ctx_option, deliver_json, heads_option, hpb_list,
                       json_option, lengths_file, paged_options, paged_step_config,
                       preset_option, progress_bar, q_option, refuse_overwrites,
-                      refuse_paged_options, splits_option, stderr_console, timing_options)
+                      refuse_paged_options, sms_option, splits_option, stderr_console,
+                      timing_options)
 
 __all__ = ["sweep"]
 
@@ -49,8 +50,7 @@ def _run_paged_sweep(cfg, **opts):
 @q_option()
 @splits_option()
 @arch_option("Arch to compile for without a GPU (with one: the device's).")
-@click.option("--sms", type=click.IntRange(min=1), default=132, show_default=True,
-              help="SM count without a GPU (with one: the device's).")
+@sms_option(132, "SM count without a GPU (with one: the device's).")
 @timing_options(target_ms=300.0)
 @click.option("--no-gpu", is_flag=True, help="Compile-side columns only, even with a GPU.")
 @paged_options(SERVING_PRESETS, serving_help())

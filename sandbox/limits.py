@@ -8,6 +8,9 @@ One validation, shared by the CLI, the float64 reference, the schedule model and
   (n_ctx + S - 1) / S in int32, so n_ctx + S - 1 must stay below 2**31;
 * n_head: the kernels index heads as int32 (head0 = blockIdx.x x heads per block, plus up
   to one head block of padding), so n_head keeps a head block of headroom below 2**31;
+* SMs: an SM count the split and chunk rules plan for (`--sms` without a GPU) is at most
+  MAX_SMS, 65,535, far above any GPU's (132 on an H100 or H200), where a plan of one head
+  block already passes the grid's y limit;
 * s_q: a paged step's query rows s_q x heads are indexed as those heads are, and the output
   projection's grid z dimension holds batch x s_q / 32 blocks (`check_s_q`).
 
@@ -28,10 +31,11 @@ import numpy as np
 
 from .registry import PROJECT_M_ROWS, PROJECT_WIDE_M_ROWS
 
-__all__ = ["MAX_SPLITS", "MAX_CTX", "MAX_HEADS", "check_problem", "check_int", "cpu_bytes",
-           "host_memory_bytes", "check_host_memory"]
+__all__ = ["MAX_SPLITS", "MAX_SMS", "MAX_CTX", "MAX_HEADS", "check_problem", "check_int",
+           "cpu_bytes", "host_memory_bytes", "check_host_memory"]
 
 MAX_SPLITS = 65535
+MAX_SMS = MAX_SPLITS
 MAX_CTX = 2**31 - 1 - (MAX_SPLITS - 1)
 MAX_HEADS = 2**31 - 1 - 64
 

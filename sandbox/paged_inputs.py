@@ -25,7 +25,7 @@ from .dims import Dims, preset
 from .limits import check_int, host_memory_bytes, read_input_text
 from .paged import INVALID_PAGE, MAX_SEQLEN, pages_needed
 
-__all__ = ["PagedInputs", "make_paged_inputs", "parse_lengths", "as_lengths",
+__all__ = ["PagedInputs", "make_paged_inputs", "check_inputs_fit", "parse_lengths", "as_lengths",
            "MAX_LENGTHS_FILE_BYTES"]
 
 MAX_LENGTHS_FILE_BYTES = 16 << 20  # a lengths file larger than this is refused, not read
@@ -123,6 +123,14 @@ def parse_lengths(spec, batch: int, seed: int = 0) -> np.ndarray:
             raise ValueError(f"lengths spec {spec!r}: expected N, N,N,..., normal:MEAN:STD "
                              "or @FILE") from None
     return _to_batch(as_lengths(spec), batch, "lengths")
+
+
+def check_inputs_fit(lengths, s_q: int, page_size: int, dims, spare_pages: int = 2) -> None:
+    """ValueError where make_paged_inputs(dims, lengths, s_q=..., page_size=...,
+    spare_pages=...) could not fit in this machine's memory (the same rule it applies)."""
+    need = pages_needed(as_lengths(lengths), page_size)
+    _check_inputs_fit(need.size, s_q, dims.n_head, dims.key_dim,
+                      int(need.sum()) + int(spare_pages) + 1, page_size, dims)
 
 
 def _check_inputs_fit(batch, s_q, n_head, key_dim, num_pages, page_size, dims) -> None:

@@ -46,11 +46,11 @@ from .archs import check_arch, instance_needs, variant_needs
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .kernels import blocks_per_sm, device_info
-from .limits import check_problem, check_s_q
+from .limits import check_host_memory, check_problem, check_s_q
 from .chunks import CHUNK_CAP, plan_chunks
 from .auto_variant import AutoFacts, auto_choice
 from .paged_api import check_page_size, paged_variant
-from .paged_inputs import parse_lengths
+from .paged_inputs import check_inputs_fit, parse_lengths
 from .repro_template import (ENGINE_WRAPPER, HELPERS, NO_ENGINE, PAGED_TEMPLATE, TEMPLATE,
                              TENSOR_MAP)
 from .sources import read_source
@@ -199,6 +199,10 @@ def make_case(variant: str, *, preset: str = "h96", heads: int | None = None,
         splits = "auto"
     check_problem(n_ctx=contexts[-1], n_head=dims.n_head, splits=splits,
                   names={"n_ctx": "contexts", "n_head": "heads"})
+    # the script draws its inputs and runs its float64 reference on the host, as
+    # mlasandbox.reference does: refuse what this machine could not hold (as `check` does)
+    check_host_memory(contexts[-1], dims.n_head, dims.key_dim, what="context",
+                      engine="the script's inputs and float64 reference")
     if arch is not None:
         check_arch(arch, "arch")
         need = variant_needs(arch, v.name)
@@ -453,6 +457,7 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
     lens = tuple(int(n) for n in parse_lengths(lengths, batch, seed))
     s_q = check_s_q(s_q, dims.n_head, len(lens))
     check_page_size(page_size)
+    check_inputs_fit(lens, s_q, page_size, dims, PAGED_SPARE_PAGES)  # the script's own draws
     if cache not in ("f16", "bf16"):
         raise ValueError(f"cache dtype must be f16 or bf16, got {cache!r}")
     q = cache if q == "cache" else q

@@ -45,6 +45,14 @@ def as_f64(a):
     return a.astype(np.float64)
 
 
+def out_of_memory(case, exc):
+    """The verdict line of a case that does not fit: CuPy's OutOfMemoryError (a
+    MemoryError) is the device's, any other MemoryError the host's."""
+    where = "device" if type(exc).__name__ == "OutOfMemoryError" else "host"
+    return (f"ERROR: {case} does not fit in this machine's {where} memory "
+            f"({type(exc).__name__}: {exc})")
+
+
 # ==== the phase guard ==========================================================================
 class PhaseError(RuntimeError):
     """A CUDA error, located: which phase of which variant, which launch."""
@@ -476,11 +484,15 @@ def main(argv=None):
                 got = run_cuda(kernels, q, cache, wv_b, n_ctx, splits)
             else:
                 got = run_engine(q, cache, wv_b, n_ctx)
+            want = reference(q, cache, wv_b, n_ctx)
         except PhaseError as exc:
             print(f"  error: {exc}")
             print(f"ERROR: {VARIANT} raised a CUDA error at n_ctx={n_ctx} (see above)")
             return 2
-        ok, lines = compare(got, reference(q, cache, wv_b, n_ctx))
+        except MemoryError as exc:
+            print(out_of_memory(f"n_ctx={n_ctx}", exc))
+            return 2
+        ok, lines = compare(got, want)
         for line in lines:
             say(line)
         all_ok &= ok
@@ -812,14 +824,18 @@ def main(argv=None):
         return 2
     import cupy
 
-    host = host_inputs()
     try:
+        host = host_inputs()
         got = run_cuda(kernels, *(cupy.asarray(a) for a in host))
+        want = reference(*host)
     except PhaseError as exc:
         print(f"  error: {exc}")
         print(f"ERROR: {VARIANT} raised a CUDA error (see above)")
         return 2
-    ok, lines = compare(got, reference(*host))
+    except MemoryError as exc:
+        print(out_of_memory(f"B={len(LENGTHS)}, lengths up to {max(LENGTHS)}", exc))
+        return 2
+    ok, lines = compare(got, want)
     for line in lines:
         say(line)
     what = (f"{VARIANT} B={len(LENGTHS)} s_q={S_Q} causal={CAUSAL} H={N_HEAD} page={PAGE_SIZE} "

@@ -35,7 +35,8 @@ from . import registry
 
 __all__ = [
     "ENV_INCLUDE", "REQUIRED_HEADERS", "ToolkitError", "NoDeviceError", "nvrtc_version",
-    "cuda_include_dirs", "include_candidates", "headers_version", "compile_options",
+    "include_setting_problem", "cuda_include_dirs", "include_candidates", "headers_version",
+    "compile_options",
     "check_arch", "arch_of_device", "device_available", "device_properties", "nvrtc_cubin",
 ]
 
@@ -194,16 +195,29 @@ def _missing_message(looked: list[str]) -> str:
     )
 
 
+def _setting_problem(env_value: str) -> str | None:
+    dirs = [Path(p) for p in env_value.split(os.pathsep) if p]
+    missing = [h for h in REQUIRED_HEADERS if not any((d / h).is_file() for d in dirs)]
+    if not missing:
+        return None
+    return (f"{ENV_INCLUDE}={env_value!r} does not hold {', '.join(missing)}; point it at a "
+            "directory with cuda_fp16.h and cuda_bf16.h, or unset it to search the toolkit "
+            "and the NVIDIA wheels")
+
+
+def include_setting_problem() -> str | None:
+    """What is wrong with the user's MLASANDBOX_CUDA_INCLUDE (None where it is unset or
+    holds the headers): a setting the user gave, so the CLI refuses it as bad input."""
+    env_value = os.environ.get(ENV_INCLUDE)
+    return _setting_problem(env_value) if env_value else None
+
+
 def _include_dirs(env_value: str | None) -> tuple[str, ...]:
     if env_value:
-        dirs = [Path(p) for p in env_value.split(os.pathsep) if p]
-        missing = [h for h in REQUIRED_HEADERS if not any((d / h).is_file() for d in dirs)]
-        if missing:
-            raise ToolkitError(
-                f"{ENV_INCLUDE}={env_value!r} does not hold {', '.join(missing)}; point it at "
-                "a directory with cuda_fp16.h and cuda_bf16.h, or unset it to search the "
-                "toolkit and the NVIDIA wheels")
-        return tuple(str(d.resolve()) for d in dirs)
+        problem = _setting_problem(env_value)
+        if problem:
+            raise ToolkitError(problem)
+        return tuple(str(Path(p).resolve()) for p in env_value.split(os.pathsep) if p)
     looked, found = [], []
     for label, d in include_candidates():
         if _has_headers(d):

@@ -303,7 +303,9 @@ def test_a_plan_past_the_grid_limit_is_refused(tmp_path):
     # one, the device's is used)
     cases = [(("--blocks-per-sm", "9999999"), "from 1 to 32")]
     if not HAVE_GPU:
-        cases.append((("--sms", "99999999", "--blocks-per-sm", "32"), "holds at most 65,535"))
+        cases.append((("--sms", "65535", "--blocks-per-sm", "32", "--heads", "1"),
+                      "holds at most 65,535"))
+    cases.append((("--sms", "65536"), "1<=x<=65535"))
     for opt, phrase in cases:
         res = run("repro", "--variant", "split", "--batch", "4", *opt, "-o", tmp_path / "r.py")
         assert res.exit_code == 2 and phrase in words(res), res.output
@@ -435,3 +437,44 @@ def test_paged_inputs_past_host_memory_are_refused_before_allocating(monkeypatch
         make_paged_inputs(Dims(n_head=16), [4096, 4096], s_q=8192)
     with pytest.raises(ValueError, match=r"4 pages x page_size 2147483648 x 576"):
         make_paged_inputs(Dims(n_head=16), [4096], page_size=2**31)
+
+
+def test_a_header_directory_without_the_headers_is_bad_input(tmp_path, monkeypatch):
+    # MLASANDBOX_CUDA_INCLUDE is a setting the user gave: every command refuses it, exit 2,
+    # naming it, before any work (check --no-gpu compiles nothing and would pass without
+    # this); info lists it among its problems (exit 1) and --help still prints
+    from mlasandbox import toolkit
+
+    monkeypatch.setenv(toolkit.ENV_INCLUDE, str(tmp_path))  # empty: no headers
+    for cmd in (("regs",), ("sweep", "--no-gpu"), ("check", "--no-gpu"),
+                ("repro", "--variant", "split", "--splits", "2", "-o", tmp_path / "r.py")):
+        res = run(*cmd)
+        assert res.exit_code == 2, (cmd, res.output)
+        assert f"{toolkit.ENV_INCLUDE}={str(tmp_path)!r} does not hold" in words(res), cmd
+    assert not (tmp_path / "r.py").exists()
+    res = run("regs", "--json")
+    assert res.exit_code == 2 and json.loads(res.stdout)["ok"] is False
+    res = run("info")
+    assert res.exit_code == 1 and toolkit.ENV_INCLUDE in res.output
+    assert run("regs", "--help").exit_code == 0
+
+
+def test_repro_refuses_a_case_its_script_could_not_hold(tmp_path, monkeypatch):
+    # the script draws its inputs and runs the float64 reference on the host, by the rules
+    # check and make_paged_inputs apply: 2e6 rows x (6 x 576 + 12 x 16) B = 7.3 GB, and a
+    # paged cache of 2 x 2e6 rows drawn in float32 and stored, 8 B a value: 17.2 GiB,
+    # each over the 1 GiB this test pretends to have; the case below them is written
+    from mlasandbox import paged_inputs
+
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(paged_inputs, "host_memory_bytes", lambda: 1 << 30)
+    out = tmp_path / "r.py"
+    res = run("repro", "--variant", "split", "--heads", "16", "--ctx", "2000000", "-o", out)
+    assert res.exit_code == 2, res.output
+    assert ("context 2,000,000 with 16 heads needs about 6.8 GiB of host memory for the "
+            "script's inputs and float64 reference; this machine has 1.0 GiB") in words(res)
+    res = run("repro", "--variant", "split", "--batch", "2", "--lengths", "2000000", "-o", out)
+    assert res.exit_code == 2 and "this machine has 1.0 GiB" in words(res), res.output
+    assert not out.exists()
+    res = run("repro", "--variant", "split", "--batch", "2", "--lengths", "20000", "-o", out)
+    assert res.exit_code == 0 and out.exists(), res.output

@@ -838,3 +838,36 @@ def test_paged_repro_refuses_a_chunk_cap_past_the_plans_as_bench_does(tmp_path):
     assert r.exit_code == 2, r.output
     assert "splits" in r.output and "at most 256" in r.output
     assert not (tmp_path / "r.py").exists()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("kind", ["host", "device"])
+def test_a_case_that_does_not_fit_is_an_error_line_not_a_traceback(tmp_path, monkeypatch,
+                                                                   capsys, paged, kind):
+    """An input draw that runs out of memory: the ERROR verdict naming the case and the
+    memory (CuPy's OutOfMemoryError, a MemoryError, is the device's), exit 2. The device
+    and the compile are stand-ins, so this runs without a GPU."""
+    import cupy
+
+    if paged:
+        ns, _ = paged_ns(tmp_path, repro.make_paged_case("split", **PAGED))
+        draw, case = "host_inputs", "B=6, lengths up to 300"
+    else:
+        case_ = repro.make_case("split", heads=16, contexts=(4095,), blocks_per_sm=2)
+        ns, _, _ = script_ns(tmp_path, case_)
+        draw, case = "make_inputs", "n_ctx=4095"
+    g = ns["main"].__globals__
+    monkeypatch.setitem(g, "device_versions", lambda say: True)
+    monkeypatch.setitem(g, "compile_kernels", lambda inc: None)
+    exc = (MemoryError("Unable to allocate 7.00 GiB") if kind == "host"
+           else cupy.cuda.memory.OutOfMemoryError(7 << 30, 1 << 30))
+
+    def no_room(*args):
+        raise exc
+
+    monkeypatch.setitem(g, draw, no_room)
+    rc = ns["main"]([])
+    out = capsys.readouterr().out
+    assert rc == 2, out
+    assert f"ERROR: {case} does not fit in this machine's {kind} memory" in out, out
+    assert "PASS" not in out and "FAIL" not in out
