@@ -23,7 +23,8 @@ from .cublas_engine import cublas_attention, cublas_projection
 from .dims import Dims, check_inputs, dtype_name
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
-from .limits import check_problem
+from .limits import LOG2E as _LOG2E
+from .limits import check_flags, check_problem
 from .pdl import supported as pdl_supported
 from .reference import DecodeResult
 from .splits import SplitPlan, plan_splits
@@ -31,7 +32,6 @@ from .splits import SplitPlan, plan_splits
 __all__ = ["DecodeResult", "DecodeStep", "check_device_array", "decode", "q_absorb",
            "scratch_for_device", "NULL_PTR"]
 
-_LOG2E = 1.4426950408889634
 NULL_PTR = np.uint64(0)  # a null pointer argument: the merge-only combine takes no wv_b
 # variant="batched" without heads_per_block: the fastest of the heads-per-block sweep on the
 # H200 at 131072 context, the largest HPB that keeps two blocks per SM.
@@ -102,6 +102,8 @@ class DecodeStep:
                  fused_combine: bool | None = None):
         import cupy
 
+        check_flags(("fused_combine",), sync_check=sync_check, rescale=rescale, pdl=pdl,
+                    fused_combine=fused_combine)
         var = registry.resolve_variant(variant, heads_per_block, default_hpb=DEFAULT_BATCHED_HPB)
         self.dims, self.n_ctx, self.scale, dts = check_inputs(q, cache, wv_b, n_ctx, scale)
         check_problem(splits=splits)
@@ -162,6 +164,7 @@ class DecodeStep:
         read q. Only there: before that wait the kernel reads the cache, which a kernel of the
         caller's right before it (an append of the new token) may still be writing; behind
         q_absorb every such kernel has completed, since q_absorb itself waited for them."""
+        check_flags(after_q_absorb=after_q_absorb)
         if not self.variant.is_cuda:
             with self.guard.phase("attn"):
                 cublas_attention(self.q, self.cache, self.n_ctx, self.scale, self.cache_dtype,

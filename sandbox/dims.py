@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from .limits import check_problem, check_real
+from .limits import check_problem, check_scale
 
 __all__ = ["Dims", "PRESETS", "preset", "DTYPES", "dtype_name", "check_inputs"]
 
@@ -33,6 +33,19 @@ class Dims:
     v_head: int = 128
     nope: int = 128  # q_nope width, the input of q_absorb (q_nope[h] @ wk_b[h])
 
+    def __post_init__(self):
+        # whole numbers (NumPy's too, stored as int), never bools, text or fractions; every
+        # width at least 1 but rope, which may be 0; heads within the kernels' int32 limit
+        for name, low in (("n_head", 1), ("kv_lora", 1), ("rope", 0), ("v_head", 1),
+                          ("nope", 1)):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Dims.{name} must be an integer, got {value!r}")
+            if value < low:
+                raise ValueError(f"Dims.{name} must be >= {low}, got {value}")
+            object.__setattr__(self, name, int(value))
+        check_problem(n_head=self.n_head, names={"n_head": "Dims.n_head"})
+
     @property
     def key_dim(self) -> int:
         return self.kv_lora + self.rope
@@ -43,7 +56,7 @@ class Dims:
         return 1.0 / math.sqrt(self.nope + self.rope)
 
     def with_heads(self, n_head: int) -> "Dims":
-        return replace(self, n_head=int(n_head))
+        return replace(self, n_head=n_head)
 
 
 # 96 heads, DeepSeek-V3's 128, and per-rank shards of them under
@@ -57,6 +70,8 @@ PRESETS = {
 
 
 def preset(name: str) -> Dims:
+    if not isinstance(name, str):
+        raise TypeError(f"a preset is a name (str), one of {', '.join(PRESETS)}; got {name!r}")
     try:
         return PRESETS[name]
     except KeyError:
@@ -118,6 +133,9 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
     n_alloc, cache_dim = (int(x) for x in cache.shape)
     if n_head < 1:
         raise ValueError(f"q must have at least one head, got shape {tuple(q.shape)}")
+    if int(wv_b.shape[1]) < 1 or int(wv_b.shape[2]) < 1:
+        raise ValueError(f"wv_b must be [n_head, v_head >= 1, kv_lora >= 1], got "
+                         f"{tuple(wv_b.shape)}")
     if dims is None:
         # kv_lora and v_head come from wv_b, the rest of a row is rope.
         v_head, kv_lora = int(wv_b.shape[1]), int(wv_b.shape[2])
@@ -148,8 +166,6 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
             f"cache must be [N_alloc, kv_lora+rope={dims.key_dim}] (the width of q's rows), "
             f"got {tuple(cache.shape)}"
         )
-    if int(wv_b.shape[1]) < 1:
-        raise ValueError(f"wv_b must be [n_head, v_head >= 1, kv_lora], got {tuple(wv_b.shape)}")
     if tuple(int(x) for x in wv_b.shape) != (dims.n_head, dims.v_head, dims.kv_lora):
         raise ValueError(
             f"wv_b must be [n_head={dims.n_head}, v_head={dims.v_head}, "
@@ -166,7 +182,7 @@ def check_inputs(q, cache, wv_b, n_ctx=None, scale=None, dims: Dims | None = Non
     if not 1 <= n_ctx <= n_alloc:
         raise ValueError(f"n_ctx must be in 1..N_alloc={n_alloc}, got {n_ctx}")
     check_problem(n_ctx=n_ctx, n_head=n_head)
-    scale = dims.default_scale if scale is None else check_real("scale", scale)
+    scale = dims.default_scale if scale is None else check_scale(scale)
     q_dt, cache_dt, wv_dt = dtype_name(q), dtype_name(cache), dtype_name(wv_b)
     if cache_dt == "f32":
         raise TypeError("cache must be float16 or bfloat16 (the f32 cache is not a contract dtype)")

@@ -32,6 +32,7 @@ import numpy as np
 
 from .bf16 import BF16_NAN_BITS, as_f32, to_storage
 from .dims import Dims, check_inputs, preset
+from .limits import MAX_CTX, check_bool, check_host_bytes, check_int, check_int_at_most
 from .reference import q_absorb
 
 __all__ = ["DecodeInputs", "make_inputs", "make_rising_inputs", "RISING_SPAN", "rising_q",
@@ -86,10 +87,11 @@ def make_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str =
         dims = preset(dims)
     if not isinstance(dims, Dims):
         raise TypeError(f"dims must be a Dims or a preset name, got {type(dims).__name__}")
-    n_alloc = int(n_alloc)
-    if n_alloc < 1:
-        raise ValueError(f"n_alloc must be >= 1, got {n_alloc}")
-    n_ctx = n_alloc if n_ctx is None else n_ctx
+    n_alloc = check_int_at_most("n_alloc", n_alloc, 1, MAX_CTX,
+                                "the kernels index cache rows as int32")
+    n_ctx = n_alloc if n_ctx is None else check_int("n_ctx", n_ctx, 1)
+    check_int("seed", seed, 0)
+    nan_fill = check_bool("nan_fill", nan_fill)
     if cache_dtype not in ("f16", "bf16"):
         raise ValueError(f"cache_dtype must be 'f16' or 'bf16', got {cache_dtype!r}")
     if q_dtype not in ("f32", cache_dtype):
@@ -98,6 +100,10 @@ def make_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str =
     if not 1 <= int(n_ctx) <= n_alloc:
         # check_inputs would say the same, but only after a possibly large draw
         raise ValueError(f"n_ctx must be in 1..N_alloc={n_alloc}, got {n_ctx}")
+    # drawn in float32 and stored (8 B a value at most), before anything is allocated
+    check_host_bytes(8 * (n_alloc * dims.key_dim + dims.n_head * (
+        dims.key_dim + dims.nope + (dims.nope + dims.v_head) * dims.kv_lora)),
+        f"the inputs of n_alloc {n_alloc:,} and {dims.n_head} heads")
 
     H = dims.n_head
     rng = np.random.default_rng(seed)

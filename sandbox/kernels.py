@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from . import arch_specific
 from .registry import KernelInstance
 from .sources import read_source
-from .toolkit import compile_options, device_properties
+from .toolkit import NoDeviceError, compile_options, device_available, device_properties
 
 __all__ = ["get_kernel", "DeviceInfo", "device_info", "blocks_per_sm",
            "cupy_caches_name_expressions"]
@@ -41,6 +41,9 @@ def device_info(device_id: int | None = None) -> DeviceInfo:
     import cupy
 
     if device_id is None:
+        ok, why = device_available()   # cupy.cuda.Device() would raise the driver's error
+        if not ok:
+            raise NoDeviceError(why)
         device_id = cupy.cuda.Device().id
     info = _device_infos.get(device_id)
     if info is None:

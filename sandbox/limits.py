@@ -32,7 +32,7 @@ import numpy as np
 from .registry import PROJECT_M_ROWS, PROJECT_WIDE_M_ROWS
 
 __all__ = ["MAX_SPLITS", "MAX_SMS", "MAX_CTX", "MAX_HEADS", "check_problem", "check_int",
-           "cpu_bytes", "host_memory_bytes", "check_host_memory"]
+           "cpu_bytes", "host_memory_bytes", "check_host_bytes", "check_host_memory"]
 
 MAX_SPLITS = 65535
 MAX_SMS = MAX_SPLITS
@@ -97,6 +97,14 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
+def check_host_bytes(need: int, what: str) -> None:
+    """ValueError where `what` needs more than this machine's memory (`need` bytes)."""
+    have = host_memory_bytes()
+    if have is not None and need > have:
+        raise ValueError(f"{what} needs about {_gib(need)} of host memory; this machine has "
+                         f"{_gib(have)}")
+
+
 def check_host_memory(n_ctx: int, n_head: int, key_dim: int = 576, what: str = "n_ctx",
                       engine: str = "the CPU engines") -> None:
     """ValueError when one step of `engine` at (n_ctx, n_head) needs more host memory than
@@ -141,6 +149,10 @@ def check_int_array(name: str, values, low: int, high: int, why: str) -> np.ndar
     if arr.ndim != 1 or arr.size == 0:
         got = repr(values) if arr.ndim == 0 else f"shape {arr.shape}"
         raise ValueError(f"{name} must be a 1-D list of at least one integer, got {got}")
+    if isinstance(values, (list, tuple)):  # NumPy would take [True, 0] as the ints [1, 0]
+        flag = next((v for v in values if isinstance(v, (bool, np.bool_))), None)
+        if flag is not None:
+            raise ValueError(f"{name} must hold integers, got {flag!r} (a bool)")
     if arr.dtype.kind not in "iu":
         if arr.dtype.kind not in "fO":  # bools, text, complex numbers
             raise ValueError(f"{name} must hold integers, got {arr[0].item()!r} (an array "
@@ -163,12 +175,42 @@ def check_real(name: str, value) -> float:
     return value
 
 
+# The kernels take the softmax scale as scale x log2(e) in float32 (exp2 of the scores).
+F32_MAX = float(np.finfo(np.float32).max)
+LOG2E = math.log2(math.e)
+MAX_SCALE = F32_MAX / LOG2E
+
+__all__ += ["LOG2E", "MAX_SCALE", "check_scale"]
+
+
+def check_scale(value) -> float:
+    """`value` as the softmax scale: a finite real (check_real) whose magnitude stays within
+    MAX_SCALE, so that scale x log2(e), the kernels' float32 argument, is finite."""
+    value = check_real("scale", value)
+    if abs(value) > MAX_SCALE:
+        raise ValueError(f"scale must be at most {MAX_SCALE:.6g} in magnitude (the kernels take "
+                         f"scale x log2(e) as a float32), got {value:g}")
+    return value
+
+
 def check_bool(name: str, value) -> bool:
     """`value` as a bool: True or False (NumPy's too), never a number or text. TypeError
     naming `name`."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return bool(value)
+
+
+__all__ += ["check_flags"]
+
+
+def check_flags(optional=(), **flags) -> None:
+    """check_bool of each flag by its name; those named in `optional` may also be None (the
+    caller's "choose for me"). A bare bool() would take "no" as True."""
+    for name, value in flags.items():
+        if value is None and name in optional:
+            continue
+        check_bool(name, value)
 
 
 # ---- a paged step's query rows: s_q tokens a request, each read by every head.

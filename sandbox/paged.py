@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .dims import Dims, dtype_name
-from .limits import check_int, check_real
+from .limits import check_int, check_scale
 
 __all__ = ["PagedShape", "PagedResult", "check_paged_inputs", "check_paged_values",
            "visible_lengths", "pages_needed", "INVALID_PAGE", "MAX_SEQLEN"]
@@ -134,7 +134,7 @@ def check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
                          f"{tuple(wv_b.shape)}")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r}")
-    scale = dims.default_scale if scale is None else check_real("scale", scale)
+    scale = dims.default_scale if scale is None else check_scale(scale)
     q_dt, cache_dt = _dtype("q", q), _dtype("kv_cache", kv_cache)
     if cache_dt == "f32":
         raise TypeError("kv_cache must be float16 or bfloat16, got float32")

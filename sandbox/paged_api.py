@@ -36,7 +36,7 @@ machine code; batch 1 through the paged path agrees with it within the float64 t
 """
 from __future__ import annotations
 
-import math
+import numbers
 
 import numpy as np
 
@@ -48,7 +48,8 @@ from .chunks import CHUNK_CAP, ChunkPlan, plan_chunks
 from .cublas_engine import cublas_paged_attention, cublas_projection
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
-from .limits import check_s_q
+from .limits import LOG2E as _LOG2E
+from .limits import check_flags, check_s_q
 from .pdl import supported as pdl_supported
 from .paged import (PagedResult, PagedShape, check_paged_inputs, check_paged_values,
                     pages_needed, visible_lengths)
@@ -63,7 +64,6 @@ PAGE_SIZES = (1, 16, 64)
 # The kernel families that take the paged contract; per_head and tiled16 stay batch 1.
 PAGED_FAMILIES = ("split", "batched", "mma")
 MAX_GRID_Z = 65535   # CUDA's grid z limit: requests of one launch
-_LOG2E = math.log2(math.e)
 _NULL = np.uint64(0)  # a null pointer argument: the merge takes no wv_b (the projection does)
 
 
@@ -102,6 +102,10 @@ def paged_variant(name: str, s_q: int, n_head: int,
 
 def check_page_size(page_size: int) -> int:
     """The log2 of a page size the CUDA kernels take, or a ValueError naming the allowed."""
+    if isinstance(page_size, (bool, np.bool_)) or not isinstance(page_size, numbers.Integral):
+        raise TypeError(f"page_size must be an integer, one of "
+                        f"{', '.join(map(str, PAGE_SIZES))}; got {page_size!r}")
+    page_size = int(page_size)
     if page_size not in PAGE_SIZES:
         raise ValueError(f"page_size {page_size} is not supported by the CUDA variants: "
                          f"page_size must be one of {', '.join(map(str, PAGE_SIZES))} (the "
@@ -123,7 +127,8 @@ def plan_for(shape: PagedShape, inst, *, num_sms: int, blocks_per_sm: int,
     n_rows = shape.s_q * shape.n_head
     chunks = None if isinstance(splits, str) and splits == "auto" else splits
     if chunks is not None and (isinstance(chunks, (bool, np.bool_, str))
-                               or not isinstance(chunks, (int, np.integer))):
+                               or not isinstance(chunks, (int, np.integer))
+                               or not 1 <= chunks <= CHUNK_CAP):
         raise ValueError(f"splits must be None, 'auto' or an integer 1..{CHUNK_CAP} (the "
                          f"chunks a request may take), got {splits!r}")
     return plan_chunks(shape.batch, -(-n_rows // inst.heads), num_sms=num_sms,
@@ -158,6 +163,9 @@ class PagedDecodeStep:
                  causal: bool = False, variant: str = "auto", splits=None, scale=None,
                  sync_check: bool = False, rescale: bool = True, pdl: bool = True,
                  fused_combine: bool | None = None, merge_in_attn: bool | None = None):
+        check_flags(("fused_combine", "merge_in_attn"), sync_check=sync_check,
+                    rescale=rescale, pdl=pdl, fused_combine=fused_combine,
+                    merge_in_attn=merge_in_attn)
         self.shape, self.scale = check_paged_inputs(q, kv_cache, block_table, cache_seqlens,
                                                     wv_b, scale=scale, causal=causal)
         sh = self.shape
@@ -557,6 +565,7 @@ def decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, causal: 
     cannot read its verdict back): a bad table entry or length raises naming the request
     and the entry instead of reading out of bounds. It allocates its outputs: to capture a
     step, build a PagedDecodeStep before the capture and run it inside."""
+    check_flags(check_indices=check_indices)
     step = PagedDecodeStep(q, kv_cache, block_table, cache_seqlens, wv_b, causal=causal,
                            variant=variant, splits=splits, scale=scale)
     if check_indices and not step.capturing():

@@ -22,7 +22,8 @@ import numpy as np
 
 from .bf16 import BF16_NAN_BITS, to_storage
 from .dims import Dims, preset
-from .limits import check_int, host_memory_bytes, read_input_text
+from .limits import (GRID_Z_MAX, check_int, check_int_at_most, host_memory_bytes,
+                     read_input_text)
 from .paged import INVALID_PAGE, MAX_SEQLEN, pages_needed
 
 __all__ = ["PagedInputs", "make_paged_inputs", "check_inputs_fit", "parse_lengths", "as_lengths",
@@ -52,7 +53,10 @@ def as_lengths(values) -> np.ndarray:
     """`values` as int64 request lengths, each an integer in 0..MAX_SEQLEN (cache_seqlens is
     int32 on the device); a float is taken only where it is a whole number. ValueError naming
     the request and the limit."""
-    arr = np.atleast_1d(np.asarray(values, dtype=object)).reshape(-1)
+    arr = np.atleast_1d(np.asarray(values, dtype=object))
+    if arr.ndim != 1:
+        raise ValueError(f"lengths must be a 1-D list (one length a request), got shape "
+                         f"{arr.shape}")
     if arr.size == 0:
         raise ValueError(f"lengths must be one or more integers >= 0, got {values!r}")
     out = np.empty(arr.size, dtype=np.int64)
@@ -98,7 +102,8 @@ def parse_lengths(spec, batch: int, seed: int = 0) -> np.ndarray:
     or '@FILE' (one length per line; blank lines and lines starting with '#' skipped, cycled
     to the batch). A list or file of more lengths than the batch is refused. Each length is
     in 0..MAX_SEQLEN. ValueError naming what is wrong."""
-    batch = check_int("batch", batch, 1)
+    batch = check_int_at_most("batch", batch, 1, GRID_Z_MAX,
+                              "a paged step's grid holds one request a block along z")
     seed = check_int("seed", seed, 0)
     if isinstance(spec, str) and spec.startswith("@"):
         path = spec[1:]
@@ -166,9 +171,8 @@ def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
     if q_dtype not in ("f32", cache_dtype):
         raise ValueError(f"q_dtype must be 'f32' or the cache dtype ({cache_dtype!r}), "
                          f"got {q_dtype!r}")
-    for name, value, low in (("s_q", s_q, 1), ("page_size", page_size, 1),
-                             ("spare_pages", spare_pages, 0)):
-        check_int(name, value, low)
+    s_q, page_size, spare_pages = (check_int(name, value, low) for name, value, low in (
+        ("s_q", s_q, 1), ("page_size", page_size, 1), ("spare_pages", spare_pages, 0)))
     batch, H, D = lengths.size, dims.n_head, dims.key_dim
     need = pages_needed(lengths, page_size)
     max_pages = max(1, int(need.max()))

@@ -25,7 +25,7 @@ import numpy as np
 
 from .bf16 import array_module, as_f64
 from .dims import check_inputs
-from .limits import check_host_memory
+from .limits import check_host_bytes, check_host_memory
 from .paged import PagedResult, check_paged_inputs, check_paged_values, visible_lengths
 
 __all__ = ["DecodeResult", "decode", "decode_paged", "q_absorb", "to_host", "CHUNK_ROWS"]
@@ -133,6 +133,13 @@ def decode_paged(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, causal: 
     table, lengths = to_host(block_table), to_host(cache_seqlens)
     check_paged_values(table, lengths, shape)
     d = shape.dims
+    # one request at a time: its rows in float64 and as gathered (12 B a value at most), its
+    # scores and weights (s_q x H x n, float64, with a temporary each); q and the results
+    n_max, rows_q = int(np.max(lengths, initial=0)), shape.s_q * d.n_head
+    check_host_bytes(n_max * (12 * d.key_dim + 24 * rows_q)
+                     + 8 * shape.batch * rows_q * (d.key_dim + d.kv_lora + d.v_head),
+                     f"the float64 paged reference of cache_seqlens up to {n_max:,} with "
+                     f"s_q {shape.s_q} x {d.n_head} heads and batch {shape.batch}")
     pages = kv_cache.reshape(shape.num_pages, shape.page_size, d.key_dim)
     q64 = as_f64(to_host(q))                                   # [B, s_q, H, key_dim]
     wv64 = as_f64(to_host(wv_b)) if wv_b is not None else None

@@ -25,8 +25,11 @@ compile, and each kernel static_asserts them against its own constants and layou
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Callable
+
+import numpy as np
 
 __all__ = [
     "HPB_VALUES", "ATTN_THREADS", "ATTN_TILE", "COMBINE_THREADS", "Q_ABSORB_THREADS",
@@ -185,6 +188,8 @@ def variant_for_hpb(hpb: int) -> str:
 def variant(name: str) -> Variant:
     """The Variant of `name`: a batch-1 one (VARIANTS) or a paged-only one
     (PAGED_ONLY_VARIANTS, the wgmma family)."""
+    if not isinstance(name, str):
+        raise TypeError(f"variant must be a name (str), got {name!r}")
     found = VARIANTS.get(name) or PAGED_ONLY_VARIANTS.get(name)
     if found is None:
         raise ValueError(f"unknown variant {name!r}; known: {', '.join(VARIANTS)}; paged "
@@ -202,6 +207,11 @@ def resolve_variant(name: str, heads_per_block: int | None = None, *,
     raises. `option` is how the caller's user spells the parameter, for the messages.
     """
     hpb = heads_per_block
+    if hpb is not None:  # 16.0 == 16 would pass the ladder's test and name batched16.0
+        if isinstance(hpb, (bool, np.bool_)) or not isinstance(hpb, numbers.Integral):
+            raise TypeError(f"{option} must be an integer, one of "
+                            f"{', '.join(map(str, HPB_VALUES))}, got {hpb!r}")
+        hpb = int(hpb)
     if name == "batched":
         hpb = default_hpb if hpb is None else hpb
         if hpb is None:

@@ -45,6 +45,8 @@ from .bf16 import as_f32
 from .compare import DEFAULT_TOLERANCE, rel_l2
 from .dims import Dims, check_inputs, preset
 from .inputs import make_inputs
+from .limits import (INT32_MAX, MAX_CTX, MAX_HEADS, MAX_SPLITS, check_flags,
+                     check_host_memory, check_int_at_most, check_real)
 from .reference import DecodeResult, decode, to_host
 from .registry import ATTN_TILE
 from .splits import plan_splits, slice_bounds
@@ -65,10 +67,11 @@ DEFAULT_STUDY_DIMS = preset("h96-tp8")
 def _check_schedule(schedule, splits, heads_per_block, tile):
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    for name, value in (("splits", splits), ("heads_per_block", heads_per_block),
-                        ("tile", tile)):
-        if isinstance(value, bool) or int(value) != value or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    splits = check_int_at_most("splits", splits, 1, MAX_SPLITS, "the grid's y dimension")
+    heads_per_block = check_int_at_most("heads_per_block", heads_per_block, 1,
+                                        INT32_MAX - MAX_HEADS, "n_head's int32 headroom "
+                                        "holds one head block of at most that many heads")
+    tile = check_int_at_most("tile", tile, 1, MAX_CTX, "a tile is at most the longest context")
     if schedule == "per_head" and splits != 1:
         raise ValueError(
             f"per_head walks all of n_ctx in one block: splits must be 1, got {splits}")
@@ -146,8 +149,11 @@ def run_schedule(q, cache, wv_b, n_ctx: int | None = None, scale: float | None =
     """Run one decode step under a kernel schedule, in float32. Returns f32 NumPy arrays."""
     dims, n_ctx, scale, _ = check_inputs(q, cache, wv_b, n_ctx, scale)
     _check_schedule(schedule, splits, heads_per_block, tile)
-    if not lazy >= 0:
+    splits, heads_per_block, tile = int(splits), int(heads_per_block), int(tile)
+    if check_real("lazy", lazy) < 0:
         raise ValueError(f"lazy must be >= 0 (natural log units), got {lazy!r}")
+    check_flags(rescale=rescale)
+    check_host_memory(n_ctx, dims.n_head, dims.key_dim, engine="the schedule model")
     q32 = as_f32(to_host(q))
     wv32 = as_f32(to_host(wv_b))
     cache_pad = np.zeros((n_ctx + 1, dims.key_dim), dtype=np.float32)

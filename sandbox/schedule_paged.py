@@ -32,6 +32,7 @@ import numpy as np
 from .bf16 import as_f32
 from .chunks import ChunkPlan, chunk_bounds
 from .paged import PagedResult, check_paged_inputs, check_paged_values, visible_lengths
+from .limits import check_flags, check_host_bytes
 from .reference import to_host
 
 __all__ = ["run_paged_schedule"]
@@ -94,10 +95,21 @@ def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, pl
                        causal: bool = False, scale=None, rescale: bool = True,
                        kv_lora: int = 512) -> PagedResult:
     """The paged step under `plan` in float32 (NumPy inputs; CuPy ones are copied)."""
+    if not isinstance(plan, ChunkPlan):
+        raise TypeError(f"plan must be a ChunkPlan (chunks.plan_chunks), got {plan!r:.60}")
+    check_flags(rescale=rescale)
     shape, scale = check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b,
                                       scale=scale, causal=causal, kv_lora=kv_lora)
     table, lengths = to_host(block_table), to_host(cache_seqlens)
     check_paged_values(table, lengths, shape)
+    # the partials of every chunk program (m, l and kv_lora floats a row) and one request's
+    # rows in float32 and as gathered
+    rows_q, d = shape.s_q * shape.n_head, shape.dims
+    check_host_bytes(4 * plan.programs_per_block * rows_q * (d.kv_lora + 2)
+                     + 8 * int(np.max(lengths, initial=0)) * d.key_dim,
+                     f"the paged schedule model of {plan.programs_per_block:,} chunk programs "
+                     f"of {rows_q} rows and cache_seqlens up to "
+                     f"{int(np.max(lengths, initial=0)):,}")
     if plan.batch != shape.batch:
         raise ValueError(f"the plan is for batch {plan.batch}, the inputs have {shape.batch}")
     d, H, s_q = shape.dims, shape.n_head, shape.s_q

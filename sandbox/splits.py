@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .limits import MAX_CTX, MAX_SPLITS, check_bool, check_int, check_problem, is_int_in
+from .limits import (MAX_CTX, MAX_SMS, MAX_SPLITS, check_bool, check_int, check_int_at_most,
+                     check_problem, is_int_in)
 from .registry import ATTN_TILE
 
 __all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "FIXED_TILES", "MERGE_TILES",
@@ -132,7 +133,12 @@ def plan_splits(n_ctx: int, n_head: int, heads_per_block: int, *, num_sms: int,
             ("n_ctx", n_ctx), ("n_head", n_head), ("heads_per_block", heads_per_block),
             ("num_sms", num_sms), ("blocks_per_sm", blocks_per_sm), ("cap", cap),
             ("min_tiles", min_tiles), ("tile", tile)))
-    check_problem(n_ctx=n_ctx, splits=splits)  # the kernels' int32 and grid limits
+    check_problem(n_ctx=n_ctx, n_head=n_head, splits=splits)  # the kernels' int32 and grid
+    for name, value, high, why in (   # the rule loops over split counts up to cap
+            ("cap", cap, MAX_SPLITS, "the grid's y dimension, one block row per split"),
+            ("num_sms", num_sms, MAX_SMS, "far above any GPU's"),
+            ("heads_per_block", heads_per_block, max(n_head, 64), "at most n_head, or 64")):
+        check_int_at_most(name, value, 1, high, why)
     split = check_bool("split", split)
     if min_ctx is not None:
         min_ctx = check_int("min_ctx", min_ctx, 0)

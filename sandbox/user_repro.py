@@ -9,8 +9,8 @@ from . import registry
 from .chunks import plan_chunks
 from .dims import PRESETS
 from .paged_api import check_page_size
-from .paged_inputs import parse_lengths
-from .repro import PagedReproCase, write_paged_script
+from .paged_inputs import check_inputs_fit, parse_lengths
+from .repro import PAGED_SPARE_PAGES, PagedReproCase, write_paged_script
 
 __all__ = ["UserReproCase", "make_user_case", "write_user_script"]
 
@@ -36,9 +36,10 @@ def make_user_case(kernel, *, batch: int = 4, lengths="0,20,4097,1000", s_q: int
     if kernel.kind != "attn":
         raise ValueError(f"{kernel.path}: the repro script replays the attention phase and the "
                          "built-in combine; a kind=step kernel has no repro script yet")
-    dims = PRESETS["dsv3"].with_heads(int(heads))
+    dims = PRESETS["dsv3"].with_heads(heads)
     lens = tuple(int(n) for n in parse_lengths(lengths, batch, seed))
     check_page_size(page_size)
+    check_inputs_fit(lens, s_q, page_size, dims, PAGED_SPARE_PAGES)  # as `repro` does
     inst = kernel.instance(cache, q)
     n_rows = s_q * dims.n_head
     plan = plan_chunks(len(lens), -(-n_rows // inst.heads), num_sms=num_sms,

@@ -205,3 +205,188 @@ def test_the_references_refuse_a_wv_b_of_no_columns(paged):
     args = make_inputs(Dims(n_head=2), 20, seed=1).decode_args()
     with pytest.raises(ValueError, match=r"v_head >= 1"):
         reference.decode(**{**args, "wv_b": args["wv_b"][:, :0]})
+
+
+# ---------------------------------------------------------------- the public API's arguments
+
+def _paged_args(**kw):
+    return make_paged_inputs(Dims(n_head=2), [5, 70], page_size=16, seed=1, **kw).decode_args()
+
+
+@pytest.mark.parametrize("hpb", [16.0, np.float64(8), True, np.bool_(True)])
+def test_heads_per_block_is_a_whole_number(hpb):
+    # 16.0 == 16 passes a test against the ladder, then names the registry key batched16.0
+    from mlasandbox import registry
+
+    with pytest.raises(TypeError, match=r"heads_per_block must be an integer, one of 1, 2, "):
+        registry.resolve_variant("batched", hpb)
+    assert registry.resolve_variant("batched", np.int64(8)).name == "batched8"
+
+
+@pytest.mark.parametrize("name", [["split"], {}, None, 3])
+def test_a_variant_is_named_by_a_string(name):
+    from mlasandbox import registry
+
+    with pytest.raises(TypeError, match="variant must be a name"):
+        registry.resolve_variant(name)
+
+
+def test_a_scale_past_float32_is_refused_where_the_kernels_would_take_inf():
+    # the kernels take scale x log2(e) in float32: 1e39 is finite in float64, inf there
+    from mlasandbox.limits import MAX_SCALE
+
+    args = make_inputs(Dims(n_head=2), 20, seed=1).decode_args()
+    for decode, a in ((reference.decode, args), (reference.decode_paged, _paged_args())):
+        for bad in (1e39, -1e39, MAX_SCALE * 1.0001):
+            with pytest.raises(ValueError, match=r"scale must be at most 2\.35\d+e\+38 in "
+                                                 r"magnitude .*float32"):
+                decode(**{**a, "scale": bad})
+        decode(**{**a, "scale": MAX_SCALE / 1e30})   # large but representable
+    assert np.isfinite(np.float32(MAX_SCALE * 1.4426950408889634))
+
+
+@pytest.mark.parametrize("flag", ["check_indices", "causal"])
+@pytest.mark.parametrize("bad", ["no", 2, None])
+def test_decode_paged_flags_are_bools(flag, bad):
+    # bool("no") is True: a flag given as text or a number is refused, before any device
+    import mlasandbox as mla
+
+    with pytest.raises(TypeError, match=f"{flag} must be True or False"):
+        mla.decode_paged(**{**_paged_args(), flag: bad})
+
+
+@pytest.mark.parametrize("flag", ["sync_check", "rescale", "pdl", "fused_combine",
+                                  "merge_in_attn"])
+def test_step_flags_are_bools(flag):
+    import mlasandbox as mla
+
+    with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'no'"):
+        mla.PagedDecodeStep(**_paged_args(), **{flag: "no"})
+    if flag != "merge_in_attn":
+        args = make_inputs(Dims(n_head=2), 20, seed=1).decode_args()
+        with pytest.raises(TypeError, match=f"{flag} must be True or False, got 'no'"):
+            mla.api.DecodeStep(**args, **{flag: "no"})
+
+
+def test_the_paged_reference_is_refused_past_host_memory(monkeypatch):
+    from mlasandbox import limits
+
+    args = _paged_args()
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 20)
+    # 70 rows x (12 x 576 + 24 x 2) B plus 2 x 2 x (576 + 512 + 128) x 8 B: 526 KB, fits
+    reference.decode_paged(**args)
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 18)
+    with pytest.raises(ValueError, match=r"the float64 paged reference of cache_seqlens up to "
+                                         r"70 with s_q 1 x 2 heads and batch 2 needs about "
+                                         r"0\.0 GiB of host memory; this machine has 0\.0 GiB"):
+        reference.decode_paged(**args)
+
+
+def test_the_schedule_models_check_their_arguments(monkeypatch):
+    from mlasandbox import limits
+    from mlasandbox.schedule import run_schedule
+    from mlasandbox.schedule_paged import run_paged_schedule
+
+    args = make_inputs(Dims(n_head=3), 100, seed=1).decode_args()
+    for kw, exc, match in (
+            (dict(splits="a", schedule="split"), ValueError, "splits must be an integer >= 1"),
+            (dict(splits=float("nan"), schedule="split"), ValueError, "splits must be"),
+            (dict(splits=70000, schedule="split"), ValueError, "splits must be <= 65,535"),
+            (dict(schedule="batched", heads_per_block=10**9), ValueError,
+             "heads_per_block must be <= 64"),
+            (dict(lazy="a"), TypeError, "lazy must be a real number"),
+            (dict(rescale="no"), TypeError, "rescale must be True or False")):
+        with pytest.raises(exc, match=match):
+            run_schedule(**args, **kw)
+    assert run_schedule(**args, schedule="split", splits=2.0).latent.shape == (3, 512)
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 10)
+    with pytest.raises(ValueError, match="needs about .* for the schedule model"):
+        run_schedule(**args)
+    monkeypatch.undo()
+    paged = _paged_args()
+    with pytest.raises(TypeError, match="plan must be a ChunkPlan"):
+        run_paged_schedule(**paged, plan=None)
+    plan = plan_chunks(2, 1, num_sms=132, blocks_per_sm=2, tile=64)
+    with pytest.raises(TypeError, match="rescale must be True or False"):
+        run_paged_schedule(**paged, plan=plan, rescale=2)
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 10)
+    with pytest.raises(ValueError, match="the paged schedule model of .* needs about"):
+        run_paged_schedule(**paged, plan=plan)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(nope=-64), ValueError, "Dims.nope must be >= 1, got -64"),
+    (dict(kv_lora=0), ValueError, "Dims.kv_lora must be >= 1"),
+    (dict(rope=-1), ValueError, "Dims.rope must be >= 0"),
+    (dict(n_head=1.5), TypeError, "Dims.n_head must be an integer, got 1.5"),
+    (dict(n_head=True), TypeError, "Dims.n_head must be an integer, got True"),
+    (dict(n_head=2**31), ValueError, "Dims.n_head must be <= 2,147,483,583"),
+])
+def test_dims_are_whole_widths(kw, exc, match):
+    with pytest.raises(exc, match=match):
+        Dims(**kw)
+
+
+def test_dims_and_presets_keep_their_valid_forms():
+    from mlasandbox.dims import preset
+
+    d = Dims(n_head=np.int64(4), rope=0)
+    assert d.n_head == 4 and type(d.n_head) is int and d.key_dim == 512
+    assert Dims(n_head=3).with_heads(np.int32(5)).n_head == 5
+    with pytest.raises(TypeError, match="Dims.n_head must be an integer"):
+        Dims(n_head=3).with_heads(2.5)
+    with pytest.raises(TypeError, match="a preset is a name"):
+        preset([])
+
+
+def test_a_length_list_with_a_bool_is_refused():
+    # NumPy takes [True, 0] as the integers [1, 0]
+    plan = plan_chunks(4, 6, num_sms=132, blocks_per_sm=2, tile=64)
+    with pytest.raises(ValueError, match=r"lengths must hold integers, got True \(a bool\)"):
+        plan.for_lengths([True, 0, 0, 0])
+    with pytest.raises(ValueError, match="must hold integers, got np.True_"):
+        check_int_array("lengths", (np.bool_(True), 2), 0, 10, "")
+    assert list(plan.for_lengths([1, 0, 0, 0])[0]) == [1, 0, 0, 0]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(cap=2**40), "cap must be <= 65,535"),
+    (dict(num_sms=2**40), "num_sms must be <= 65,535"),
+    (dict(n_head=2**40), "n_head must be <= 2,147,483,583"),
+    (dict(heads_per_block=2**40), "heads_per_block must be <= 64"),
+])
+def test_the_split_rule_bounds_what_it_loops_over(kw, match):
+    # cap=2**40 looped 2e9 times and built a dict of that size
+    args = dict(n_ctx=10**8, n_head=16, heads_per_block=1, num_sms=132, blocks_per_sm=2)
+    with pytest.raises(ValueError, match=match):
+        plan_splits(**{**args, **kw})
+    assert plan_splits(**args, cap=65535).splits >= 1
+
+
+def test_paged_inputs_take_whole_numbers_and_one_length_a_request():
+    from mlasandbox.paged_api import check_page_size
+    from mlasandbox.paged_inputs import parse_lengths
+
+    inp = make_paged_inputs(Dims(n_head=2), [5], page_size=16.0, s_q=2.0)
+    assert inp.q.shape == (1, 2, 2, 576) and inp.kv_cache.shape[1] == 16
+    with pytest.raises(ValueError, match=r"lengths must be a 1-D list .* shape \(2, 2\)"):
+        make_paged_inputs(Dims(n_head=2), [[1, 2], [3, 4]])
+    with pytest.raises(ValueError, match="batch must be <= 65,535"):
+        parse_lengths(5, 10**12)
+    for bad in (16.0, True):
+        with pytest.raises(TypeError, match="page_size must be an integer, one of 1, 16, 64"):
+            check_page_size(bad)
+    assert check_page_size(np.int64(64)) == 6
+
+
+def test_device_info_without_a_device_says_so():
+    from gpu_support import HAVE_GPU
+
+    from mlasandbox.kernels import device_info
+    from mlasandbox.toolkit import NoDeviceError
+
+    if HAVE_GPU:
+        assert device_info().num_sms > 0
+        return
+    with pytest.raises(NoDeviceError, match="no CUDA device"):
+        device_info()

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from mlasandbox import bf16
+from mlasandbox import bf16, limits
 from mlasandbox.dims import Dims, check_inputs, preset
 from mlasandbox.inputs import make_inputs, make_rising_inputs
 from mlasandbox.reference import q_absorb
@@ -192,9 +192,23 @@ def test_make_inputs_rejects_bad_arguments_by_name(monkeypatch):
         make_inputs(SMALL, n_alloc=10, n_ctx=11)
     # refused before anything is drawn: a size that could never be allocated
     monkeypatch.setattr(np.random, "default_rng", lambda *a: pytest.fail("drew inputs"))
+    with pytest.raises(ValueError, match="n_alloc must be <= 2,147,418,113"):
+        make_inputs(SMALL, n_alloc=10**12)
     with pytest.raises(ValueError, match="n_ctx"):
-        make_inputs(SMALL, n_alloc=10**12, n_ctx=10**12 + 1)
+        make_inputs(SMALL, n_alloc=10**9, n_ctx=10**9 + 1)
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 30)
+    # 10**8 rows of 576 values drawn in float32 and stored: 8 B a value, 429 GiB
+    with pytest.raises(ValueError, match=r"the inputs of n_alloc 100,000,000 and 5 heads "
+                                         r"needs about 429\.2 GiB of host memory"):
+        make_inputs(SMALL, n_alloc=10**8)
     monkeypatch.undo()
+    for bad, name in ((2.7, "n_alloc"), (True, "n_alloc"), ("10", "n_alloc")):
+        with pytest.raises(ValueError, match=f"{name} must be an integer >= 1"):
+            make_inputs(SMALL, n_alloc=bad)
+    with pytest.raises(ValueError, match="n_ctx must be an integer >= 1, got 5.5"):
+        make_inputs(SMALL, n_alloc=10, n_ctx=5.5)
+    with pytest.raises(ValueError, match="seed must be an integer >= 0"):
+        make_inputs(SMALL, n_alloc=10, seed=-1)
     with pytest.raises(ValueError, match="n_ctx"):
         make_inputs(SMALL, n_alloc=10, n_ctx=0)
     with pytest.raises(ValueError, match="cache_dtype"):
