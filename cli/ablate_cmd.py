@@ -23,8 +23,8 @@ from mlasandbox.noise import NO_DIFFERENCE
 
 from . import render
 from .lab_render import fmt_us
-from .options import (cache_option, ctx_option, deliver_json, heads_option, json_option,
-                      lengths_file, paged_options, paged_step_config, preset_option,
+from .options import (MAX_AA_ROUNDS, cache_option, ctx_option, deliver_json, heads_option,
+                      json_option, lengths_file, paged_options, paged_step_config, preset_option,
                       progress_bar, q_of, q_option, refuse_overwrites, refuse_paged_options,
                       require_gpu, seed_option, splits_option, stderr_console,
                       variants_option)
@@ -89,7 +89,7 @@ def ablate_table(rows: list[dict], title: str) -> FitTable:
 @cache_option()
 @q_option()
 @splits_option()
-@click.option("--rounds", type=click.IntRange(min=2), default=5, show_default=True,
+@click.option("--rounds", type=click.IntRange(2, MAX_AA_ROUNDS), default=5, show_default=True,
               help="Interleaved rounds (A A' B) per variant.")
 @seed_option()
 @paged_options(SERVING_PRESETS, serving_help())

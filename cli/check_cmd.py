@@ -15,8 +15,8 @@ from mlasandbox.device_check import device_checks
 from mlasandbox.dims import preset as get_preset
 
 from . import render
-from .options import (cache_option, ctx_option, given_options, json_option, preset_option,
-                      splits_option, variants_option, write_json)
+from .options import (MAX_SEEDS, cache_option, ctx_option, given_options, json_option,
+                      preset_option, splits_option, variants_option, write_json)
 
 __all__ = ["check", "cpu_accuracy", "CHECK_CTXS", "CHECK_SEEDS"]
 
@@ -121,7 +121,8 @@ def _device_variants(variants) -> tuple[list[str], list[str]]:
 @click.command()
 @ctx_option(CHECK_CTXS, dest="ctxs",
             help="Context lengths of the schedule-model study, comma-separated.")
-@click.option("--seeds", type=click.IntRange(min=1), default=CHECK_SEEDS, show_default=True,
+@click.option("--seeds", type=click.IntRange(1, MAX_SEEDS), default=CHECK_SEEDS,
+              show_default=True,
               help="Seeds per context.")
 @splits_option(help="Split count of the split schedule: 'auto' (the launch plan's) or S "
                     "(1..65535).")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import tempfile
 
 import click
@@ -19,10 +20,11 @@ from mlasandbox import archs, limits, occupancy, registry
 from mlasandbox.dims import PRESETS
 from mlasandbox.paged_api import MAX_GRID_Z
 
-from .render import emit_json, jsonable
+from .render import console_width, emit_json, jsonable
 
 __all__ = ["int_list", "str_list", "auto_or_int", "blocks_per_sm", "OutputFile", "json_option",
-           "write_json", "deliver_json", "MAX_RUNS", "MAX_AA_ROUNDS", "bad_input",
+           "write_json", "deliver_json", "MAX_RUNS", "MAX_AA_ROUNDS", "MAX_SEEDS",
+           "MAX_CONTEXTS", "bad_input",
            "JsonAwareException", "stderr_console", "progress_bar",
            "ctx_option", "heads_option", "hpb_list", "output_option", "output_problem",
            "non_empty_path", "refuse_overwrites", "lengths_file", "seed_option", "SEED",
@@ -115,6 +117,10 @@ def _splits(value):
 # each time every phase twice; 1,000 of them is an hour-long bench.
 MAX_RUNS = 100_000
 MAX_AA_ROUNDS = 1_000
+# A float64 study of one seed and context is seconds at 131072 positions: `check --seeds`
+# and a context list stop where a run would take a day.
+MAX_SEEDS = 1_000
+MAX_CONTEXTS = 256
 
 # numpy's generators take any integer >= 0 and raise at the first draw for a negative one,
 # after the work began (or in a written repro script); the int64 cap keeps a seed one
@@ -180,6 +186,9 @@ def _ctx_list(multiple: bool):
             return None
         if not multiple and len(vals) != 1:
             raise click.BadParameter(f"takes one context length, got {len(vals)}")
+        if len(vals) > MAX_CONTEXTS:
+            raise click.BadParameter(f"takes at most {MAX_CONTEXTS} context lengths, got "
+                                     f"{len(vals):,}")
         for v in vals:
             if v < 1:
                 raise click.BadParameter(f"context lengths must be >= 1, got {v}")
@@ -320,7 +329,12 @@ def non_empty_path(ctx, param, value):
 
 
 def output_problem(path: str, directory: bool = False) -> str | None:
-    """Why `path` cannot be written (a file, or a directory to create), or None."""
+    """Why `path` cannot be written (a file, or a directory to create), or None. A symbolic
+    link is judged by where it leads (a dangling one passes no exists() test)."""
+    if os.path.islink(path):
+        target = os.path.realpath(path)
+        problem = output_problem(target, directory) if target != path else None
+        return None if problem is None else f"{path!r} is a link to {target!r}: {problem}"
     if os.path.isdir(path):
         if not directory:
             return f"{path!r} is a directory"
@@ -476,7 +490,9 @@ def deliver_json(result, json_out, err: Console) -> bool:
 
 
 def stderr_console() -> Console:
-    return Console(stderr=True, highlight=False, emoji=False)
+    """rich's own width for stderr, but for a COLUMNS too small to print in (console_width)."""
+    width = console_width(sys.stderr) if "COLUMNS" in os.environ else None
+    return Console(stderr=True, width=width, highlight=False, emoji=False)
 
 
 def progress_bar(console: Console) -> Progress:

@@ -20,12 +20,30 @@ __all__ = ["console", "emit_json", "jsonable", "kv_table", "regs_table", "grid_t
            "escape", "variant_label"]
 
 
+# A COLUMNS below this is taken for a mistake: rich would print nothing at 0 and a character a
+# line at 1, and the tables need about this much for their first columns.
+MIN_COLUMNS = 40
+
+
+def console_width(out) -> int | None:
+    """The width for a console on `out`: COLUMNS where it is a usable width, else the
+    terminal's (None: rich asks it), else 200 when piped."""
+    tty = hasattr(out, "isatty") and out.isatty()
+    raw = os.environ.get("COLUMNS")
+    if raw is not None and raw.strip().isdigit() and int(raw) >= MIN_COLUMNS:
+        return int(raw)
+    if raw is not None and tty:   # rich would read the bad COLUMNS itself
+        try:
+            return os.get_terminal_size(out.fileno()).columns
+        except (OSError, ValueError):
+            return 200
+    return None if tty else 200
+
+
 def console() -> Console:
     """A console on the current stdout (CliRunner swaps it), wide enough when piped."""
     out = sys.stdout
-    tty = hasattr(out, "isatty") and out.isatty()
-    wide = None if tty or os.environ.get("COLUMNS") else 200
-    return Console(file=out, width=wide, soft_wrap=False,
+    return Console(file=out, width=console_width(out), soft_wrap=False,
                    highlight=False, emoji=False)
 
 

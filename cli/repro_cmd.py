@@ -17,8 +17,9 @@ from . import render
 from .tp_cmd import band_heads, tp_option
 from .options import (OutputFile, arch_option, blocks_per_sm, cache_option, ctx_option,
                       deliver_json, heads_option, json_option, lengths_file, paged_options,
-                      preset_option, q_option, refuse_overwrites, refuse_paged_options,
-                      seed_option, sms_option, splits_option, stderr_console)
+                      output_problem, preset_option, q_option, refuse_overwrites,
+                      refuse_paged_options, seed_option, sms_option, splits_option,
+                      stderr_console)
 
 __all__ = ["repro"]
 
@@ -115,6 +116,9 @@ def _write_and_say(case, write, output, json_out, facts: dict, summary: str,
     """Write the script, then its facts as JSON or lines of text. `runs_on` names the
     arch the script's kernel needs, where it needs one; `chosen`, what auto resolved to."""
     _refuse_overwrites(output, json_out, getattr(case, "lengths_spec", None))
+    problem = output_problem(output)  # the default name too: a directory of that name, /proc
+    if problem:
+        raise click.UsageError(f"the script's path: {problem}; give another with -o FILE")
     try:
         path = write(case, output)
     except OSError as exc:

@@ -264,6 +264,9 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
             arch_limits(arch)
         except ValueError as exc:
             bad_input(f"--arch: {exc}")
+    if watch and json_out:  # a loop that never ends has no one JSON document to give
+        bad_input("--watch runs until interrupted and prints a verdict a change; it takes no "
+                  "--json")
     lens = None
     if lengths is not None:
         from mlasandbox.paged_inputs import parse_lengths
@@ -313,7 +316,10 @@ def _watch(file, opts, say, rounds: int | None = None, poll_s: float = 0.5):
     """Re-run on every change of FILE's modification time; `rounds` runs (None: forever)."""
     last = None
     while rounds is None or rounds > 0:
-        mtime = os.path.getmtime(file)
+        try:
+            mtime = os.path.getmtime(file)
+        except OSError:  # an editor saving by rename: the file is back at the next poll
+            mtime = last
         if mtime != last:
             last = mtime
             rounds = None if rounds is None else rounds - 1

@@ -478,3 +478,16 @@ def test_repro_refuses_a_case_its_script_could_not_hold(tmp_path, monkeypatch):
     assert not out.exists()
     res = run("repro", "--variant", "split", "--batch", "2", "--lengths", "20000", "-o", out)
     assert res.exit_code == 0 and out.exists(), res.output
+
+
+def test_try_repro_sizes_its_case_as_repro_does(tmp_path, monkeypatch):
+    # wv_b alone: 100,000 heads x 128 x 512 values drawn in float32 and stored, 8 B each:
+    # 48.8 GiB, over the 1 GiB this test pretends to have
+    from mlasandbox import paged_inputs
+
+    monkeypatch.chdir(tmp_path)
+    assert run("new", "k").exit_code == 0
+    monkeypatch.setattr(paged_inputs, "host_memory_bytes", lambda: 1 << 30)
+    res = run("try", "k.cu", "--repro", "r.py", "--heads", "100000", "--no-time")
+    assert res.exit_code == 2 and "--repro: the paged inputs need about 50.6 GiB" in words(res)
+    assert not (tmp_path / "r.py").exists()

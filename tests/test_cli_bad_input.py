@@ -427,3 +427,78 @@ def test_check_refuses_variants_it_would_not_check():
     res = run("check", "--no-gpu", "--variants", "split", "--ctx", "4096", "--seeds", "1")
     assert res.exit_code == 2 and "--variants" in words(res) and "--no-gpu" in words(res)
     assert run("check", "--no-gpu", "--ctx", "4096", "--seeds", "1").exit_code == 0
+
+
+# ---------------------------------------------------------------- outputs, counts, the console
+
+def test_an_output_that_is_a_dangling_link_is_judged_by_its_target(tmp_path):
+    # exists() is False for a link to nowhere: the checks passed and the write failed (exit 1)
+    os.symlink(tmp_path / "no" / "where", "dang.json")
+    os.symlink(tmp_path / "no" / "where", "dang.cu")
+    for cmd in (("grid", "--variant", "split", "--heads", "16", "--ctx", "4096",
+                 "--blocks-per-sm", "2", "--json", "dang.json"),
+                ("repro", "--variant", "split", "--ctx", "4096", "-o", "dang.json"),
+                ("new", "dang")):
+        res = run(*cmd)
+        assert res.exit_code == 2, (cmd, res.output)
+        assert "is a link to" in words(res) and "does not exist" in words(res), cmd
+    os.symlink(tmp_path / "target.json", "good.json")   # a link to a file it may create
+    res = run("grid", "--variant", "split", "--heads", "16", "--ctx", "4096",
+              "--blocks-per-sm", "2", "--json", "good.json")
+    assert res.exit_code == 0 and json.loads((tmp_path / "target.json").read_text())["ok"]
+
+
+def test_repro_checks_its_default_script_name():
+    os.mkdir("repro_split_H96_f16_qf32_n4096.py")   # the name repro would pick
+    res = run("repro", "--variant", "split", "--ctx", "4096")
+    assert res.exit_code == 2
+    assert ("the script's path: 'repro_split_H96_f16_qf32_n4096.py' is a directory; give "
+            "another with -o FILE") in words(res)
+
+
+@pytest.mark.parametrize("args, phrase", [
+    (("check", "--no-gpu", "--seeds", "1001"), "1<=x<=1000"),
+    (("check", "--no-gpu", "--ctx", ",".join(["4096"] * 257)), "at most 256 context lengths"),
+    (("ablate", "--rounds", "1001"), "2<=x<=1000"),
+])
+def test_counts_that_would_run_for_days_are_refused(args, phrase):
+    # check --seeds 10**12 ran out of memory in the study (a traceback); 10**6 ran on
+    res = run(*args)
+    assert res.exit_code == 2 and phrase in words(res), res.output
+
+
+def test_watch_takes_no_json():
+    with open("k.cu", "w") as f:
+        f.write("// not compiled: refused before\n")
+    for json_arg in (("--json",), ("--json", "w.json")):
+        res = run("try", "k.cu", "--watch", *json_arg)
+        assert res.exit_code == 2 and "it takes no --json" in words(res), res.output
+    assert not os.path.exists("w.json")
+
+
+def test_watch_waits_out_a_file_saved_by_rename(monkeypatch):
+    # an editor that saves by rename leaves no file for a moment: the poll waits for it
+    from mlasandbox.cli import try_cmd
+
+    times = iter([FileNotFoundError("gone"), 5.0])
+
+    def getmtime(path):
+        t = next(times)
+        if isinstance(t, Exception):
+            raise t
+        return t
+
+    monkeypatch.setattr(try_cmd.os.path, "getmtime", getmtime)
+    monkeypatch.setattr(try_cmd, "_run", lambda file, opts, say: {"ok": True, "skipped": True})
+    said = []
+    try_cmd._watch("k.cu", {}, said.append, rounds=1, poll_s=0.0)
+    assert said[-1] == "compiled; nothing checked on a GPU" and len(said) == 2
+
+
+@pytest.mark.parametrize("columns", ["0", "1", "abc"])
+def test_a_columns_too_narrow_to_print_in_is_ignored(columns):
+    # rich printed nothing at COLUMNS=0 (exit 0) and a character a line at 1
+    res = CliRunner(env={"COLUMNS": columns}).invoke(main, ["grid", "--variant", "split",
+                                                           "--heads", "16", "--ctx", "4096",
+                                                           "--blocks-per-sm", "2"])
+    assert res.exit_code == 0 and "tile-steps (critical path)" in res.stdout, res.output
