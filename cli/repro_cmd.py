@@ -98,11 +98,20 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
                          arch=arch, command=command)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    _write_and_say(case, write_script, output or default_filename(case), json_out,
+    _write_and_say(case, write_script, output or _default_path(default_filename(case)), json_out,
                    {"contexts": list(case.contexts),
                     "splits": {str(k): v for k, v in case.splits.items()},
                     "splits_from": case.splits_from},
                    f"splits {case.splits} ({case.splits_from})")
+
+
+def _default_path(name: str) -> str:
+    """The script's default name, checked as -o FILE is when given (a directory of that name,
+    a cwd that takes no file)."""
+    problem = output_problem(name)
+    if problem:
+        raise click.UsageError(f"the script's path: {problem}; give another with -o FILE")
+    return name
 
 
 def _refuse_overwrites(output, json_out, lengths_spec) -> None:
@@ -116,9 +125,6 @@ def _write_and_say(case, write, output, json_out, facts: dict, summary: str,
     """Write the script, then its facts as JSON or lines of text. `runs_on` names the
     arch the script's kernel needs, where it needs one; `chosen`, what auto resolved to."""
     _refuse_overwrites(output, json_out, getattr(case, "lengths_spec", None))
-    problem = output_problem(output)  # the default name too: a directory of that name, /proc
-    if problem:
-        raise click.UsageError(f"the script's path: {problem}; give another with -o FILE")
     try:
         path = write(case, output)
     except OSError as exc:
@@ -164,7 +170,8 @@ def _paged_repro(variant, batch, lengths_spec, s_q, causal, page_size, preset, h
                                num_sms=sms, blocks_per_sm=bps, arch=arch, command=command)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    _write_and_say(case, write_paged_script, output or default_paged_filename(case), json_out,
+    _write_and_say(case, write_paged_script, output or _default_path(default_paged_filename(case)),
+                   json_out,
                    {"asked": variant, "chosen": case.chosen or None, "batch": len(case.lengths),
                     "lengths": list(case.lengths), "s_q": case.s_q,
                     "causal": case.causal, "page_size": case.page_size, "plan": case.plan,

@@ -24,7 +24,7 @@ from .dims import Dims, check_inputs, dtype_name
 from .guard import Launch, PhaseGuard
 from .kernels import blocks_per_sm, device_info, get_kernel
 from .limits import LOG2E as _LOG2E
-from .limits import check_flags, check_problem
+from .limits import check_bool, check_flags, check_problem
 from .pdl import supported as pdl_supported
 from .reference import DecodeResult
 from .splits import SplitPlan, plan_splits
@@ -164,7 +164,7 @@ class DecodeStep:
         read q. Only there: before that wait the kernel reads the cache, which a kernel of the
         caller's right before it (an append of the new token) may still be writing; behind
         q_absorb every such kernel has completed, since q_absorb itself waited for them."""
-        check_flags(after_q_absorb=after_q_absorb)
+        check_bool("after_q_absorb", after_q_absorb)
         if not self.variant.is_cuda:
             with self.guard.phase("attn"):
                 cublas_attention(self.q, self.cache, self.n_ctx, self.scale, self.cache_dtype,

@@ -90,7 +90,7 @@ def make_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype: str =
     n_alloc = check_int_at_most("n_alloc", n_alloc, 1, MAX_CTX,
                                 "the kernels index cache rows as int32")
     n_ctx = n_alloc if n_ctx is None else check_int("n_ctx", n_ctx, 1)
-    check_int("seed", seed, 0)
+    seed = check_int("seed", seed, 0)
     nan_fill = check_bool("nan_fill", nan_fill)
     if cache_dtype not in ("f16", "bf16"):
         raise ValueError(f"cache_dtype must be 'f16' or 'bf16', got {cache_dtype!r}")

@@ -97,23 +97,21 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def check_host_bytes(need: int, what: str) -> None:
-    """ValueError where `what` needs more than this machine's memory (`need` bytes)."""
+def check_host_bytes(need: int, what: str, detail: str = "", verb: str = "needs") -> None:
+    """ValueError where `what` needs more than this machine's memory (`need` bytes):
+    "WHAT VERB about N GiB of host memoryDETAIL; this machine has M GiB"."""
     have = host_memory_bytes()
     if have is not None and need > have:
-        raise ValueError(f"{what} needs about {_gib(need)} of host memory; this machine has "
-                         f"{_gib(have)}")
+        raise ValueError(f"{what} {verb} about {_gib(need)} of host memory{detail}; this "
+                         f"machine has {_gib(have)}")
 
 
 def check_host_memory(n_ctx: int, n_head: int, key_dim: int = 576, what: str = "n_ctx",
                       engine: str = "the CPU engines") -> None:
     """ValueError when one step of `engine` at (n_ctx, n_head) needs more host memory than
     the machine has."""
-    have = host_memory_bytes()
-    need = cpu_bytes(n_ctx, n_head, key_dim)
-    if have is not None and need > have:
-        raise ValueError(f"{what} {n_ctx:,} with {n_head} heads needs about {_gib(need)} of "
-                         f"host memory for {engine}; this machine has {_gib(have)}")
+    check_host_bytes(cpu_bytes(n_ctx, n_head, key_dim), f"{what} {n_ctx:,} with {n_head} heads",
+                     f" for {engine}")
 
 
 # ---- the same checks for arguments of other kinds: the kernels' int32 arguments, arrays of

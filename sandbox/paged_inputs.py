@@ -22,7 +22,7 @@ import numpy as np
 
 from .bf16 import BF16_NAN_BITS, to_storage
 from .dims import Dims, preset
-from .limits import (GRID_Z_MAX, check_int, check_int_at_most, host_memory_bytes,
+from .limits import (GRID_Z_MAX, check_host_bytes, check_int, check_int_at_most,
                      read_input_text)
 from .paged import INVALID_PAGE, MAX_SEQLEN, pages_needed
 
@@ -142,15 +142,11 @@ def _check_inputs_fit(batch, s_q, n_head, key_dim, num_pages, page_size, dims) -
     """ValueError, before anything is allocated, where the inputs cannot fit in this
     machine's memory: each array is drawn in float32 (4 B a value) and kept in its storage
     dtype (at most 4 B more)."""
-    have = host_memory_bytes()
     q = batch * s_q * n_head * key_dim
     cache = num_pages * page_size * key_dim
-    need = 8 * (q + cache + n_head * dims.v_head * dims.kv_lora)
-    if have is not None and need > have:
-        raise ValueError(
-            f"the paged inputs need about {need / 2**30:,.1f} GiB of host memory (q: batch "
-            f"{batch} x s_q {s_q} x {n_head} heads x {key_dim}; cache: {num_pages:,} pages x "
-            f"page_size {page_size} x {key_dim}); this machine has {have / 2**30:,.1f} GiB")
+    check_host_bytes(8 * (q + cache + n_head * dims.v_head * dims.kv_lora), "the paged inputs",
+                     f" (q: batch {batch} x s_q {s_q} x {n_head} heads x {key_dim}; cache: "
+                     f"{num_pages:,} pages x page_size {page_size} x {key_dim})", verb="need")
 
 
 def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,

@@ -64,7 +64,8 @@ _STEP_ELEMENTS = 1 << 24
 DEFAULT_STUDY_DIMS = preset("h96-tp8")
 
 
-def _check_schedule(schedule, splits, heads_per_block, tile):
+def _check_schedule(schedule, splits, heads_per_block, tile) -> tuple[int, int, int]:
+    """(splits, heads_per_block, tile) as ints, checked against the schedule."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     splits = check_int_at_most("splits", splits, 1, MAX_SPLITS, "the grid's y dimension")
@@ -78,6 +79,7 @@ def _check_schedule(schedule, splits, heads_per_block, tile):
     if schedule in ("per_head", "split") and heads_per_block != 1:
         raise ValueError(f"{schedule} serves one head per block: heads_per_block must be 1, "
                          f"got {heads_per_block} (use schedule='batched')")
+    return splits, heads_per_block, tile
 
 
 def _attend(q_group, cache_pad, n_ctx, splits, slice_ids, tile, scale, kv_lora, lazy=0.0):
@@ -148,8 +150,7 @@ def run_schedule(q, cache, wv_b, n_ctx: int | None = None, scale: float | None =
                  tile: int = ATTN_TILE, rescale: bool = True, lazy: float = 0.0) -> DecodeResult:
     """Run one decode step under a kernel schedule, in float32. Returns f32 NumPy arrays."""
     dims, n_ctx, scale, _ = check_inputs(q, cache, wv_b, n_ctx, scale)
-    _check_schedule(schedule, splits, heads_per_block, tile)
-    splits, heads_per_block, tile = int(splits), int(heads_per_block), int(tile)
+    splits, heads_per_block, tile = _check_schedule(schedule, splits, heads_per_block, tile)
     if check_real("lazy", lazy) < 0:
         raise ValueError(f"lazy must be >= 0 (natural log units), got {lazy!r}")
     check_flags(rescale=rescale)

@@ -104,12 +104,11 @@ def run_paged_schedule(q, kv_cache, block_table, cache_seqlens, wv_b=None, *, pl
     check_paged_values(table, lengths, shape)
     # the partials of every chunk program (m, l and kv_lora floats a row) and one request's
     # rows in float32 and as gathered
-    rows_q, d = shape.s_q * shape.n_head, shape.dims
+    rows_q, d, n_max = shape.s_q * shape.n_head, shape.dims, int(np.max(lengths, initial=0))
     check_host_bytes(4 * plan.programs_per_block * rows_q * (d.kv_lora + 2)
-                     + 8 * int(np.max(lengths, initial=0)) * d.key_dim,
+                     + 8 * n_max * d.key_dim,
                      f"the paged schedule model of {plan.programs_per_block:,} chunk programs "
-                     f"of {rows_q} rows and cache_seqlens up to "
-                     f"{int(np.max(lengths, initial=0)):,}")
+                     f"of {rows_q} rows and cache_seqlens up to {n_max:,}")
     if plan.batch != shape.batch:
         raise ValueError(f"the plan is for batch {plan.batch}, the inputs have {shape.batch}")
     d, H, s_q = shape.dims, shape.n_head, shape.s_q

@@ -426,10 +426,9 @@ def test_wgmma64_with_an_f32_q_exits_2(cmd, tmp_path):
 
 
 def test_paged_inputs_past_host_memory_are_refused_before_allocating(monkeypatch):
-    from mlasandbox import paged_inputs
     from mlasandbox.paged_inputs import make_paged_inputs
 
-    monkeypatch.setattr(paged_inputs, "host_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 30)
     assert make_paged_inputs(Dims(n_head=16), [4096, 4096], s_q=2).q.shape == (2, 2, 16, 576)
     # q alone: 2 x 8192 x 16 x 576 values drawn in float32 and stored, 8 B each: 1.1 GiB
     with pytest.raises(ValueError, match=r"need about 1\.2 GiB of host memory \(q: batch 2 x "
@@ -464,10 +463,7 @@ def test_repro_refuses_a_case_its_script_could_not_hold(tmp_path, monkeypatch):
     # check and make_paged_inputs apply: 2e6 rows x (6 x 576 + 12 x 16) B = 7.3 GB, and a
     # paged cache of 2 x 2e6 rows drawn in float32 and stored, 8 B a value: 17.2 GiB,
     # each over the 1 GiB this test pretends to have; the case below them is written
-    from mlasandbox import paged_inputs
-
     monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 30)
-    monkeypatch.setattr(paged_inputs, "host_memory_bytes", lambda: 1 << 30)
     out = tmp_path / "r.py"
     res = run("repro", "--variant", "split", "--heads", "16", "--ctx", "2000000", "-o", out)
     assert res.exit_code == 2, res.output
@@ -483,11 +479,9 @@ def test_repro_refuses_a_case_its_script_could_not_hold(tmp_path, monkeypatch):
 def test_try_repro_sizes_its_case_as_repro_does(tmp_path, monkeypatch):
     # wv_b alone: 100,000 heads x 128 x 512 values drawn in float32 and stored, 8 B each:
     # 48.8 GiB, over the 1 GiB this test pretends to have
-    from mlasandbox import paged_inputs
-
     monkeypatch.chdir(tmp_path)
     assert run("new", "k").exit_code == 0
-    monkeypatch.setattr(paged_inputs, "host_memory_bytes", lambda: 1 << 30)
+    monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 30)
     res = run("try", "k.cu", "--repro", "r.py", "--heads", "100000", "--no-time")
     assert res.exit_code == 2 and "--repro: the paged inputs need about 50.6 GiB" in words(res)
     assert not (tmp_path / "r.py").exists()

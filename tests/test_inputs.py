@@ -209,6 +209,9 @@ def test_make_inputs_rejects_bad_arguments_by_name(monkeypatch):
         make_inputs(SMALL, n_alloc=10, n_ctx=5.5)
     with pytest.raises(ValueError, match="seed must be an integer >= 0"):
         make_inputs(SMALL, n_alloc=10, seed=-1)
+    # a whole-number seed is the integer it names (numpy's generator refuses 2.0 itself)
+    np.testing.assert_array_equal(make_inputs(SMALL, n_alloc=10, seed=2.0).cache,
+                                  make_inputs(SMALL, n_alloc=10, seed=2).cache)
     with pytest.raises(ValueError, match="n_ctx"):
         make_inputs(SMALL, n_alloc=10, n_ctx=0)
     with pytest.raises(ValueError, match="cache_dtype"):
