@@ -12,7 +12,7 @@ from importlib import metadata
 
 import click
 
-from mlasandbox import toolkit
+from mlasandbox import arch_specific, toolkit
 from mlasandbox.kernels import cupy_caches_name_expressions
 
 from . import render
@@ -53,12 +53,13 @@ class Group(click.Group):
 
     @staticmethod
     def _refuse_bad_toolkit_setting(args) -> None:
-        """A MLASANDBOX_CUDA_INCLUDE without the headers is bad input (exit 2) for every
-        command but `info`, which reports it among its problems, and `--help`."""
+        """A MLASANDBOX_CUDA_INCLUDE without the headers, or a MLASANDBOX_CUBIN_CACHE that
+        cannot hold cubins, is bad input (exit 2) for every command but `info`, which
+        reports it among its problems, and `--help`."""
         args = list(args)
         if not args or args[0] == "info" or {"--help", "-h"} & set(args):
             return
-        problem = toolkit.include_setting_problem()
+        problem = toolkit.include_setting_problem() or arch_specific.cache_setting_problem()
         if problem:
             raise click.UsageError(problem)
 
@@ -122,6 +123,10 @@ def collect_info() -> dict:
         tk["include_dirs"] = []
         tk["headers_version"] = None
         info["problems"].append(str(exc))
+    tk["cubin_cache"] = str(arch_specific.cache_path())    # where sm_90a kernels are kept
+    problem = arch_specific.cache_setting_problem()
+    if problem:
+        info["problems"].append(problem)
     try:
         tk["cupy_caches_name_expressions"] = bool(cupy_caches_name_expressions())
     except Exception:
@@ -158,6 +163,7 @@ def info(json_out):
             ("CUDA include dirs", "\n".join(tk.get("include_dirs") or []) or "MISSING"),
             ("headers version", tk.get("headers_version")),
             ("CuPy caches name expressions", tk.get("cupy_caches_name_expressions")),
+            ("sm_90a cubin cache", tk.get("cubin_cache")),
         ]))
         dev = data["device"]
         if dev:

@@ -37,6 +37,13 @@ def _params(values) -> dict:
             eq = ""
         if not eq or not name.strip():
             bad_input(f"--params {item!r}: expected NAME=v1,v2 (integers)")
+        name = name.strip()
+        twice = sorted({v for v in out[name] if out[name].count(v) > 1})
+        if twice:
+            bad_input(f"--params {item!r}: {name}={twice[0]} is given twice")
+        if sum(1 for v in values if v.partition("=")[0].strip() == name) > 1:
+            bad_input(f"--params {name} is given more than once: list its values in one "
+                      f"--params {name}=v1,v2")
     return out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from . import toolkit
 
 __all__ = ["is_arch_specific", "base_arch", "check_device_arch", "compile_cubin",
-           "load_function", "cache_dir"]
+           "load_function", "cache_dir", "cache_path", "cache_setting_problem"]
 
 
 def is_arch_specific(arch: str) -> bool:
@@ -42,13 +42,63 @@ def check_device_arch(name: str, target: str, device_arch: str, device_name: str
                          f"{device_arch}: pick another variant (mma16, mma32)")
 
 
+ENV_CACHE = "MLASANDBOX_CUBIN_CACHE"
+
+
+def _default_cache() -> Path:
+    # per user: another user's folder of the same name in a shared temp dir is not writable
+    uid = getattr(os, "getuid", lambda: None)()
+    return Path(tempfile.gettempdir()) / ("mlasandbox-cubins" + ("" if uid is None
+                                                                 else f"-{uid}"))
+
+
+def _folder_problem(path: Path) -> str | None:
+    """Why cubins cannot be kept in `path` (created where missing), or None."""
+    if path.exists() and not path.is_dir():
+        return f"{str(path)!r} exists and is not a directory"
+    probe = path
+    while not probe.exists():          # the deepest existing folder must take the new ones
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{str(probe)!r} is not a directory"
+    if not os.access(probe, os.W_OK | os.X_OK):
+        return f"{str(probe)!r} is not writable"
+    return None
+
+
+def cache_setting_problem() -> str | None:
+    """What is wrong with the user's MLASANDBOX_CUBIN_CACHE (None where it is unset or
+    usable): a setting the user gave, so the CLI refuses it as bad input."""
+    value = os.environ.get(ENV_CACHE)
+    problem = _folder_problem(Path(value)) if value else None
+    return None if problem is None else (f"{ENV_CACHE}={value!r}: {problem}; point it at a "
+                                         "writable directory, or unset it to use the temp "
+                                         "directory")
+
+
+def cache_path() -> Path:
+    """The folder cache_dir() keeps cubins in, neither checked nor created."""
+    return Path(os.environ.get(ENV_CACHE) or _default_cache())
+
+
 def cache_dir() -> Path:
-    """Where cubins are kept: $MLASANDBOX_CUBIN_CACHE, else mlasandbox-cubins in the temp
-    directory."""
-    d = os.environ.get("MLASANDBOX_CUBIN_CACHE") or os.path.join(tempfile.gettempdir(),
-                                                                 "mlasandbox-cubins")
-    path = Path(d)
-    path.mkdir(parents=True, exist_ok=True)
+    """Where cubins are kept: $MLASANDBOX_CUBIN_CACHE, else mlasandbox-cubins-<uid> in the
+    temp directory. ValueError naming the folder where it cannot hold them."""
+    problem = cache_setting_problem()
+    if problem:
+        raise ValueError(problem)
+    path = cache_path()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"cannot keep cubins in {str(path)!r} ({exc.strerror}); set "
+                         f"{ENV_CACHE} to a writable directory") from None
+    problem = _folder_problem(path)
+    if problem:
+        raise ValueError(f"cannot keep cubins in {str(path)!r}: {problem}; set {ENV_CACHE} "
+                         "to a writable directory")
     return path
 
 
@@ -83,14 +133,33 @@ def load_function(source: str, expression: str, arch: str, options=(),
     key = "\0".join([source, expression, arch, *map(str, options),
                      repr(toolkit.nvrtc_version()), *toolkit.compile_options(arch)])
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-    cubin_path = cache_dir() / f"{digest}.cubin"
-    name_path = cache_dir() / f"{digest}.name"
-    if not (cubin_path.is_file() and name_path.is_file()):
+    folder = cache_dir()
+    cubin_path, name_path = folder / f"{digest}.cubin", folder / f"{digest}.name"
+
+    def build():
         cubin, lowered = compile_cubin(source, expression, arch, options, filename)
         # write then rename: a reader never sees half a file
         for path, data in ((cubin_path, cubin), (name_path, lowered.encode())):
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_bytes(data)
             os.replace(tmp, path)
-    module = cupy.RawModule(path=str(cubin_path))
-    return module.get_function(name_path.read_text())
+
+    def load():
+        module = cupy.RawModule(path=str(cubin_path))
+        return module.get_function(name_path.read_text(errors="replace"))
+
+    if not (cubin_path.is_file() and name_path.is_file()):
+        build()
+        return load()
+    try:
+        return load()
+    except cupy.cuda.driver.CUDADriverError as exc:
+        if getattr(exc, "status", None) not in _DAMAGED_FILE:
+            raise
+    build()    # a cached file that does not load (damaged, or not this name's): once afresh
+    return load()
+
+
+# cuModuleLoad / cuModuleGetFunction on a file that is not a loadable cubin holding the name
+_DAMAGED_FILE = {200, 209, 218, 301, 500}   # INVALID_IMAGE, NO_BINARY_FOR_GPU,
+#                                             INVALID_PTX, FILE_NOT_FOUND, NOT_FOUND

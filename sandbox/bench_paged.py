@@ -235,6 +235,31 @@ def _asked(name: str, pick: dict | None) -> str:
     return pick["asked"] if pick and pick["variant"] == name else name
 
 
+def _plan_facts(v, cache: str, q: str, blocks_per_sm) -> tuple:
+    """(instance, blocks/SM, how it was had) of variant `v` for the no-GPU plan: a user
+    kernel's from its own header and compile (user_kernel.compile_report), a built-in's from
+    the registry and the occupancy model of its batch-1 instance."""
+    if v.family == "user":
+        from .user_kernel import compile_report
+
+        inst = v.instance(cache, q)
+        if blocks_per_sm is not None:
+            return inst, blocks_per_sm, f"{blocks_per_sm} blocks/SM (given)"
+        row = compile_report(v, params_override={k: [x] for k, x in v.params.items()},
+                             cache=cache, q=q)[0]
+        if row.blocks_per_sm < 1:
+            raise ValueError(f"{row.name} does not fit on an SM of sm_90 "
+                             f"(limiter: {row.limiter})")
+        return inst, row.blocks_per_sm, (f"{row.blocks_per_sm} blocks/SM from its compile: "
+                                         f"{row.registers} registers x {row.threads} threads, "
+                                         f"limiter {row.limiter}")
+    inst = registry.attention_instance(v, cache, q)
+    if blocks_per_sm is not None:
+        return inst, blocks_per_sm, f"{blocks_per_sm} blocks/SM (given)"
+    bps = theoretical_blocks_per_sm(v, cache, q)["blocks_per_sm"]
+    return inst, bps, f"{bps} blocks/SM from the occupancy model of the batch-1 instance"
+
+
 def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None) -> dict:
     """What runs without a GPU: per variant its instance's rows per block and tile (from the
     registry), the chunk plan of the batch (chunks.plan_chunks with `num_sms` and the
@@ -248,12 +273,7 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
     for name in names:
         v = paged_variant(name, cfg.s_q, cfg.dims.n_head)
         try:
-            inst = registry.attention_instance(v, cfg.cache_dtype, qd)
-            bps = blocks_per_sm
-            how = f"{bps} blocks/SM (given)"
-            if bps is None:
-                bps = theoretical_blocks_per_sm(v, cfg.cache_dtype, qd)["blocks_per_sm"]
-                how = f"{bps} blocks/SM from the occupancy model of the batch-1 instance"
+            inst, bps, how = _plan_facts(v, cfg.cache_dtype, qd, blocks_per_sm)
             plan = plan_chunks(cfg.batch, -(-n_rows // inst.heads), num_sms=num_sms,
                                blocks_per_sm=max(1, bps), tile=inst.tile_rows,
                                chunks=None if cfg.splits == "auto" else cfg.splits)

@@ -458,6 +458,75 @@ def test_a_header_directory_without_the_headers_is_bad_input(tmp_path, monkeypat
     assert run("regs", "--help").exit_code == 0
 
 
+def test_a_cubin_cache_that_cannot_hold_cubins_is_bad_input(tmp_path, monkeypatch):
+    # MLASANDBOX_CUBIN_CACHE (where the sm_90a kernels are kept) is a setting too: a file,
+    # or a path through one, is refused by every command, exit 2, naming it; info lists it
+    from mlasandbox import arch_specific
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for value, said in ((afile, "exists and is not a directory"),
+                        (afile / "sub", f"{str(afile)!r} is not a directory")):
+        monkeypatch.setenv(arch_specific.ENV_CACHE, str(value))
+        res = run("regs")
+        assert res.exit_code == 2, res.output
+        assert f"{arch_specific.ENV_CACHE}={str(value)!r}: " in words(res) and said in words(res)
+        with pytest.raises(ValueError, match=arch_specific.ENV_CACHE):
+            arch_specific.cache_dir()
+    res = run("info")
+    assert res.exit_code == 1 and arch_specific.ENV_CACHE in res.output
+    monkeypatch.setenv(arch_specific.ENV_CACHE, str(tmp_path / "new" / "deep"))
+    assert arch_specific.cache_setting_problem() is None     # a missing folder is made
+    assert arch_specific.cache_dir() == tmp_path / "new" / "deep" and (tmp_path / "new").is_dir()
+
+
+def test_a_damaged_cached_cubin_is_compiled_afresh_once(tmp_path, monkeypatch):
+    # the cache is keyed on the source: a file there that does not load (a damaged cubin) is
+    # rebuilt, not an error; a kernel whose fresh build does not load either still raises
+    import cupy
+
+    from mlasandbox import arch_specific
+
+    class DriverError(Exception):
+        def __init__(self, status):
+            self.status = status
+
+    loads = []
+
+    class Module:
+        def __init__(self, path):
+            self.data = open(path, "rb").read()
+
+        def get_function(self, name):
+            loads.append(self.data)
+            if self.data != b"CUBIN":
+                raise DriverError(200)       # CUDA_ERROR_INVALID_IMAGE
+            return ("fn", name)
+
+    built = []
+
+    def compile_cubin(*a):
+        built.append(a)
+        return b"CUBIN", "lowered"
+
+    monkeypatch.setenv(arch_specific.ENV_CACHE, str(tmp_path))
+    monkeypatch.setattr(cupy.cuda.driver, "CUDADriverError", DriverError, raising=False)
+    monkeypatch.setattr(cupy, "RawModule", Module)
+    monkeypatch.setattr(arch_specific, "compile_cubin", compile_cubin)
+    assert arch_specific.load_function("src", "k", "sm_90a") == ("fn", "lowered")
+    assert len(built) == 1
+    assert arch_specific.load_function("src", "k", "sm_90a") == ("fn", "lowered")
+    assert len(built) == 1                  # from the cache
+    (cubin,) = tmp_path.glob("*.cubin")
+    cubin.write_bytes(b"CUB")               # damaged
+    assert arch_specific.load_function("src", "k", "sm_90a") == ("fn", "lowered")
+    assert len(built) == 2 and cubin.read_bytes() == b"CUBIN" and loads[-2:] == [b"CUB",
+                                                                                 b"CUBIN"]
+    monkeypatch.setattr(arch_specific, "compile_cubin", lambda *a: (b"BAD", "lowered"))
+    with pytest.raises(DriverError):
+        arch_specific.load_function("other", "k", "sm_90a")
+
+
 def test_repro_refuses_a_case_its_script_could_not_hold(tmp_path, monkeypatch):
     # the script draws its inputs and runs the float64 reference on the host, by the rules
     # check and make_paged_inputs apply: 2e6 rows x (6 x 576 + 12 x 16) B = 7.3 GB, and a

@@ -205,6 +205,29 @@ def test_plan_report_runs_the_chunk_rule_per_variant():
     assert mma16["merge"] == "merge kernel"    # 176 chunk slots a request: past 16
 
 
+def test_plan_report_plans_a_user_kernel_from_its_own_header_and_compile():
+    # rows a block and blocks/SM are the user file's (ROWS=4: 4 rows, 128 threads), not
+    # those of a built-in kernel; a value outside the built-ins' instances (3) is planned too
+    from pathlib import Path
+
+    from mlasandbox.geometry import theoretical_blocks_per_sm
+    from mlasandbox.registry import resolve_variant
+    from mlasandbox.user_kernel import compile_report, load_kernel
+
+    src = Path(__file__).parent / "data" / "byok_warp_rows.cu"
+    cfg = make_paged_config(batch=4, lengths="4096", heads=16,
+                            variants=(f"{src}:ROWS=4", f"{src}:ROWS=3"))
+    rep = plan_report(cfg, num_sms=132)
+    assert not rep["problems"], rep["problems"]
+    four, three = rep["plans"]
+    want = compile_report(load_kernel(f"{src}:ROWS=4"), params_override={"ROWS": [4]})[0]
+    builtin = theoretical_blocks_per_sm(resolve_variant("batched", 4), "f16", "f32")
+    assert want.blocks_per_sm != builtin["blocks_per_sm"]    # so the test can tell them apart
+    assert four["rows_per_block"] == 4 and four["grid"][0] == 4
+    assert four["blocks_per_sm"].startswith(f"{want.blocks_per_sm} blocks/SM from its compile")
+    assert three["rows_per_block"] == 3 and three["grid"][0] == 6     # ceil(16 / 3)
+
+
 def test_plan_report_resolves_auto_as_on_the_h200_and_plans_each_variant_once():
     # 128 rows x 4096 of room x 4 requests: a large step, q f16: wgmma64 on the sm_90 modelled
     cfg = make_paged_config(batch=4, lengths="4096", heads=128,

@@ -401,6 +401,11 @@ def test_try_bad_params_are_usage_errors():
         assert res.exit_code == 2 and bad[0] in res.output, (bad, res.output)
     res = cli("try", CORRECT, "--params", "HPB=4")
     assert res.exit_code == 2 and "declares no parameter HPB" in res.output
+    # one name twice would keep only its last values; a value twice would compile twice
+    res = cli("try", CORRECT, "--params", "ROWS=4", "--params", "ROWS=8")
+    assert res.exit_code == 2 and "--params ROWS is given more than once" in res.output
+    res = cli("try", CORRECT, "--params", "ROWS=8,4,8")
+    assert res.exit_code == 2 and "ROWS=8 is given twice" in res.output
 
 
 def test_watch_reruns_on_a_save(tmp_path):
