@@ -16,8 +16,8 @@ from mlasandbox.repro import (REPRO_CONTEXTS, default_filename, default_paged_fi
 from . import render
 from .tp_cmd import band_heads, tp_option
 from .options import (OutputFile, arch_option, blocks_per_sm, cache_option, ctx_option,
-                      deliver_json, heads_option, json_option, lengths_file, paged_options,
-                      output_problem, preset_option, q_option, refuse_overwrites,
+                      deliver_json, given_options, heads_option, json_option, lengths_file,
+                      paged_options, output_problem, preset_option, q_option, refuse_overwrites,
                       refuse_paged_options, seed_option, sms_option, splits_option,
                       stderr_console)
 
@@ -91,6 +91,10 @@ def repro(variant_name, preset, heads, contexts, cache, q_dtype, splits, seed,
                             heads, cache, q_dtype, splits, seed, negative_control, sms, bps,
                             arch, output, json_out, command)
     refuse_paged_options(lengths_spec, s_q, causal, needs="--batch B (the batched paged case)")
+    planners = given_options(click.get_current_context(), ("sms", "bps", "arch"))
+    if splits != "auto" and planners:
+        raise click.UsageError(f"{', '.join(planners)} plan 'auto' splits; with --splits "
+                               f"{splits} they change nothing: drop them, or use --splits auto")
     try:
         case = make_case(variant_name, preset=preset, heads=heads, contexts=contexts,
                          cache=cache, q=q_dtype, splits=splits, seed=seed,

@@ -282,6 +282,13 @@ def try_(file, params, heads, ctx, batch, lengths, sanitize, repro, watch, no_ti
             lens = [int(x) for x in parse_lengths(lengths, batch, 0)]
         except ValueError as exc:
             bad_input(f"--lengths: {exc}")
+    if repro:   # the script's case (its default batch, --heads' first) sized before any compile
+        from mlasandbox.user_repro import check_user_case
+
+        try:
+            check_user_case(heads=(heads or (16,))[0])
+        except ValueError as exc:
+            bad_input(f"--repro: {exc}")
     if sanitize:
         _sanitizer_ready()
     opts = {"params": _params(params), "heads": heads, "ctx": ctx, "batch": batch,

@@ -261,6 +261,18 @@ def decode(q, cache, wv_b, n_ctx=None, variant="split", splits=None, heads_per_b
                       min_ctx=min_ctx, sync_check=sync_check).run()
 
 
+def _weights_dtype(wk_b) -> str:
+    """'f16' | 'bf16' of wk_b (bf16 also as uint16 words), else TypeError naming wk_b."""
+    try:
+        dt = dtype_name(wk_b)
+    except TypeError:
+        dt = None
+    if dt not in ("f16", "bf16"):
+        raise TypeError(f"wk_b must be float16 or bfloat16 (uint16 words of bf16), got "
+                        f"{wk_b.dtype}")
+    return dt
+
+
 class QAbsorb:
     """The q_absorb phase, prepared: q[h] = (q_nope[h] @ wk_b[h]) || q_rope[h]."""
 
@@ -268,19 +280,33 @@ class QAbsorb:
                  sync_check: bool = False):
         import cupy
 
-        for name, arr in (("q_nope", q_nope), ("q_rope", q_rope), ("wk_b", wk_b)):
-            check_device_array(name, arr)
+        named = (("q_nope", q_nope), ("q_rope", q_rope), ("wk_b", wk_b))
+        # the host's facts first (shapes, dtypes), so each error names its parameter
+        for name, arr in named:
+            if not hasattr(arr, "shape") or not hasattr(arr, "dtype"):
+                raise TypeError(f"{name} must be a CuPy array, got {type(arr).__name__}")
+        if q_nope.ndim != 2 or q_nope.shape[0] < 1:
+            raise ValueError(f"q_nope must be [n_head >= 1, nope], got {list(q_nope.shape)}")
         h = int(q_nope.shape[0])
         dims = dims or Dims(n_head=h)
         want = {"q_nope": (h, dims.nope), "q_rope": (h, dims.rope),
                 "wk_b": (h, dims.nope, dims.kv_lora)}
-        for name, arr in (("q_nope", q_nope), ("q_rope", q_rope), ("wk_b", wk_b)):
+        for name, arr in named:
             if tuple(arr.shape) != want[name]:
                 raise ValueError(f"{name} must be {list(want[name])}, got {list(arr.shape)}")
-        in_dt = dtype_name(wk_b)
-        for name, arr in (("q_nope", q_nope), ("q_rope", q_rope)):
-            if dtype_name(arr) != in_dt:
-                raise TypeError(f"{name} must have wk_b's dtype ({in_dt})")
+        in_dt = _weights_dtype(wk_b)
+        for name, arr in named[:2]:
+            try:
+                same = dtype_name(arr) == in_dt
+            except TypeError:
+                same = False
+            if not same:
+                raise TypeError(f"{name} must have wk_b's dtype ({wk_b.dtype}), got {arr.dtype}")
+        if q_dtype not in ("f32", "cache", in_dt):
+            raise ValueError(f"q_dtype must be 'f32' or 'cache' (the weights' {in_dt}), got "
+                             f"{q_dtype!r}")
+        for name, arr in named:
+            check_device_array(name, arr)
         q_dt = in_dt if q_dtype == "cache" else q_dtype
         self.inst = registry.q_absorb_instance(in_dt, q_dt)
         self.kernel = get_kernel(self.inst)

@@ -109,8 +109,9 @@ def make_config(*, preset: str | None = "h96", heads: int | None = None,
     if cfg.aa_rounds < 2:
         raise ValueError(f"the A/A needs at least 2 rounds, got {cfg.aa_rounds}")
     if not 1 <= cfg.aa_context < cfg.min_ctx:
-        raise ValueError(f"the A/A context must be below the split gate ({cfg.min_ctx}), got "
-                         f"{cfg.aa_context}: above it split and per_head run different code")
+        raise ValueError(f"the A/A context (aa_context, --aa-ctx) must be below the split "
+                         f"gate ({cfg.min_ctx}), got {cfg.aa_context}: above it split and "
+                         "per_head run different code")
     if cfg.target_ms <= 0 or cfg.budget_s <= 0:
         raise ValueError("target_ms and budget_s must be > 0")
     return cfg

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .dims import Dims, dtype_name
-from .limits import check_int, check_scale
+from .limits import INT32_MAX, check_int, check_scale
 
 __all__ = ["PagedShape", "PagedResult", "check_paged_inputs", "check_paged_values",
            "visible_lengths", "pages_needed", "INVALID_PAGE", "MAX_SEQLEN"]
@@ -117,6 +117,9 @@ def check_paged_inputs(q, kv_cache, block_table, cache_seqlens, wv_b=None, *,
     if max_pages < 1:
         raise ValueError(f"block_table must have at least one column, got "
                          f"{tuple(block_table.shape)}")
+    if max_pages > INT32_MAX:   # the kernels take max_pages as an int
+        raise ValueError(f"block_table may have at most {INT32_MAX:,} columns (max_pages, an "
+                         f"int32 of the kernels), got {tuple(block_table.shape)}")
     _int_dtype("block_table", block_table)
     _int_dtype("cache_seqlens", cache_seqlens)
     v_head = _shape("wv_b", wv_b, (3,))[1] if wv_b is not None else Dims().v_head
@@ -171,14 +174,17 @@ def check_paged_values(block_table, cache_seqlens, shape: PagedShape) -> None:
     ceil(len/page_size)) in 0..num_pages-1; NumPy arrays. Raises naming the request and entry.
     Entries past a request's length are never read, so they may hold anything."""
     lengths = np.asarray(cache_seqlens, dtype=np.int64)
-    table = np.asarray(block_table, dtype=np.int64)
+    table = np.asarray(block_table)
     bad = np.flatnonzero((lengths < 0) | (lengths > shape.max_len))
     if bad.size:
         b = int(bad[0])
         raise ValueError(
             f"cache_seqlens[{b}] = {int(lengths[b])} is outside 0..{shape.max_len} "
             f"(max_pages={shape.max_pages} x page_size={shape.page_size})")
-    used = np.arange(shape.max_pages)[None, :] < pages_needed(lengths, shape.page_size)[:, None]
+    needed = pages_needed(lengths, shape.page_size)
+    cols = int(needed.max(initial=0))   # the columns any request reads; past them, anything
+    used = np.arange(cols)[None, :] < needed[:, None]
+    table = table[:, :cols].astype(np.int64)
     wrong = used & ((table < 0) | (table >= shape.num_pages))
     if wrong.any():
         b, j = (int(x) for x in np.argwhere(wrong)[0])

@@ -113,20 +113,22 @@ def parse_lengths(spec, batch: int, seed: int = 0) -> np.ndarray:
             _, mean, std = spec.split(":")
             mean, std = float(mean), float(std)
         except ValueError:
-            raise ValueError(f"lengths spec {spec!r}: expected normal:MEAN:STD") from None
+            raise ValueError(f"lengths (--lengths) {spec!r}: expected "
+                             "normal:MEAN:STD") from None
         if not (math.isfinite(mean) and math.isfinite(std) and mean >= 0 and std >= 0):
-            raise ValueError(f"lengths spec {spec!r}: MEAN and STD must be finite and >= 0")
+            raise ValueError(f"lengths (--lengths) {spec!r}: MEAN and STD must be finite "
+                             "and >= 0")
         draw = np.maximum(np.rint(np.random.default_rng(seed).normal(mean, std, batch)), 0)
         if draw.max() > MAX_SEQLEN:
-            raise ValueError(f"lengths spec {spec!r} drew a length of {draw.max():,.0f}, past "
-                             f"{MAX_SEQLEN:,} (cache_seqlens is int32)")
+            raise ValueError(f"lengths (--lengths) {spec!r} drew a length of "
+                             f"{draw.max():,.0f}, past {MAX_SEQLEN:,} (cache_seqlens is int32)")
         return draw.astype(np.int64)
     if isinstance(spec, str):
         try:
             spec = [int(x) for x in spec.split(",")]
         except ValueError:
-            raise ValueError(f"lengths spec {spec!r}: expected N, N,N,..., normal:MEAN:STD "
-                             "or @FILE") from None
+            raise ValueError(f"lengths (--lengths) {spec!r}: expected N, N,N,..., "
+                             "normal:MEAN:STD or @FILE") from None
     return _to_batch(as_lengths(spec), batch, "lengths")
 
 

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from .limits import (MAX_CTX, MAX_SMS, MAX_SPLITS, check_bool, check_int, check_int_at_most,
-                     check_problem, is_int_in)
+                     check_problem, check_real, is_int_in)
 from .registry import ATTN_TILE
 
 __all__ = ["SPLIT_MIN_CTX", "SPLIT_CAP", "MIN_TILES_PER_SPLIT", "FIXED_TILES", "MERGE_TILES",
@@ -214,6 +214,10 @@ def latency_model(family: str, heads_per_block: int) -> LatencyModel:
 def predict_us(plan: SplitPlan, family: str, cache_bytes: int = 2, key_dim: int = 576,
                bandwidth: float = H200_BANDWIDTH) -> dict:
     """{"attn", "combine"} in microseconds for `plan` on kernel family `family`."""
+    if check_real("bandwidth", bandwidth) <= 0:
+        raise ValueError(f"bandwidth must be > 0 (bytes/s), got {bandwidth}")
+    check_int("cache_bytes", cache_bytes, 1)
+    check_int("key_dim", key_dim, 1)
     m = latency_model(family, plan.heads_per_block)
     waves = math.ceil(plan.blocks / plan.slots)
     active = min(plan.blocks, plan.slots)

@@ -12,7 +12,7 @@ from .paged_api import check_page_size
 from .paged_inputs import check_inputs_fit, parse_lengths
 from .repro import PAGED_SPARE_PAGES, PagedReproCase, write_paged_script
 
-__all__ = ["UserReproCase", "make_user_case", "write_user_script"]
+__all__ = ["UserReproCase", "check_user_case", "make_user_case", "write_user_script"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,18 @@ class UserReproCase(PagedReproCase):
         return False   # a user kernel may write partials only: every request is merged
 
 
+def check_user_case(*, batch: int = 4, lengths="0,20,4097,1000", s_q: int = 1,
+                    page_size: int = 64, heads: int = 16, seed: int = 0) -> tuple:
+    """(dims, lengths) of the case make_user_case builds with these arguments, or the
+    ValueError it would raise: a case its script could not hold is refused as `repro`
+    refuses it, before any compile."""
+    dims = PRESETS["dsv3"].with_heads(heads)
+    lens = tuple(int(n) for n in parse_lengths(lengths, batch, seed))
+    check_page_size(page_size)
+    check_inputs_fit(lens, s_q, page_size, dims, PAGED_SPARE_PAGES)  # as `repro` does
+    return dims, lens
+
+
 def make_user_case(kernel, *, batch: int = 4, lengths="0,20,4097,1000", s_q: int = 1,
                    causal: bool = False, page_size: int = 64, heads: int = 16,
                    cache: str = "f16", q: str = "f32", seed: int = 0, num_sms: int = 132,
@@ -36,10 +48,8 @@ def make_user_case(kernel, *, batch: int = 4, lengths="0,20,4097,1000", s_q: int
     if kernel.kind != "attn":
         raise ValueError(f"{kernel.path}: the repro script replays the attention phase and the "
                          "built-in combine; a kind=step kernel has no repro script yet")
-    dims = PRESETS["dsv3"].with_heads(heads)
-    lens = tuple(int(n) for n in parse_lengths(lengths, batch, seed))
-    check_page_size(page_size)
-    check_inputs_fit(lens, s_q, page_size, dims, PAGED_SPARE_PAGES)  # as `repro` does
+    dims, lens = check_user_case(batch=batch, lengths=lengths, s_q=s_q, page_size=page_size,
+                                 heads=heads, seed=seed)
     inst = kernel.instance(cache, q)
     n_rows = s_q * dims.n_head
     plan = plan_chunks(len(lens), -(-n_rows // inst.heads), num_sms=num_sms,

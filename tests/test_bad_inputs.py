@@ -551,6 +551,43 @@ def test_try_repro_sizes_its_case_as_repro_does(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run("new", "k").exit_code == 0
     monkeypatch.setattr(limits, "host_memory_bytes", lambda: 1 << 30)
+    from mlasandbox.cli import try_cmd
+
+    compiled = []   # refused before the compile (seconds of NVRTC), not after it
+    monkeypatch.setattr(try_cmd, "_compile", lambda *a: compiled.append(a) or 1 / 0)
     res = run("try", "k.cu", "--repro", "r.py", "--heads", "100000", "--no-time")
     assert res.exit_code == 2 and "--repro: the paged inputs need about 50.6 GiB" in words(res)
-    assert not (tmp_path / "r.py").exists()
+    assert not (tmp_path / "r.py").exists() and not compiled
+
+
+def _q_absorb_args(**change):
+    h = 4
+    args = {"q_nope": np.zeros((h, 128), np.float16), "q_rope": np.zeros((h, 64), np.float16),
+            "wk_b": np.zeros((h, 128, 512), np.float16)}
+    return args | change
+
+
+@pytest.mark.parametrize("change, kind, said", [
+    ({"wk_b": np.zeros((4, 128, 512), np.float32)}, TypeError,
+     "wk_b must be float16 or bfloat16 (uint16 words of bf16), got float32"),
+    ({"wk_b": np.zeros((4, 128, 512), np.int8)}, TypeError, "wk_b must be float16 or bfloat16"),
+    ({"q_rope": np.zeros((4, 64), ml_dtypes.bfloat16)}, TypeError,
+     "q_rope must have wk_b's dtype (float16), got bfloat16"),
+    ({"q_dtype": "f64"}, ValueError, "q_dtype must be 'f32' or 'cache' (the weights' f16)"),
+    ({"q_dtype": "bf16"}, ValueError, "q_dtype must be 'f32' or 'cache'"),
+    ({"q_nope": np.zeros(3, np.float16)}, ValueError, "q_nope must be [n_head >= 1, nope]"),
+    ({"q_nope": np.zeros((0, 128), np.float16)}, ValueError, "q_nope must be [n_head >= 1"),
+    ({"wk_b": np.zeros((4, 128, 64), np.float16)}, ValueError, "wk_b must be [4, 128, 512]"),
+    ({"q_rope": [1, 2]}, TypeError, "q_rope must be a CuPy array, got list"),
+])
+def test_q_absorb_names_the_parameter_before_touching_the_device(change, kind, said):
+    # q_absorb's shapes and dtypes are host facts: each error names its parameter, before
+    # the device is asked (so no GPU is needed to see them); a right set of host arrays
+    # gets as far as the device check
+    import mlasandbox as mla
+
+    with pytest.raises(kind) as err:
+        mla.q_absorb(**_q_absorb_args(**change))
+    assert said in str(err.value)
+    with pytest.raises(TypeError, match="q_nope must be a CuPy array on the device"):
+        mla.q_absorb(**_q_absorb_args())

@@ -382,7 +382,7 @@ def test_an_integer_too_long_for_python_is_named_briefly():
 def test_repro_refuses_an_empty_lengths_spec():
     # an empty --lengths is a spec like any other (bench refuses it), not "use the default"
     res = run("repro", "--variant", "split", "--batch", "4", "--lengths", "", "-o", "r.py")
-    assert res.exit_code == 2 and "lengths spec ''" in words(res), res.output
+    assert res.exit_code == 2 and "lengths (--lengths) ''" in words(res), res.output
     assert not os.path.exists("r.py")
 
 
@@ -502,3 +502,10 @@ def test_a_columns_too_narrow_to_print_in_is_ignored(columns):
                                                            "--heads", "16", "--ctx", "4096",
                                                            "--blocks-per-sm", "2"])
     assert res.exit_code == 0 and "tile-steps (critical path)" in res.stdout, res.output
+
+
+def test_an_aa_context_past_the_split_gate_names_the_option():
+    # click bounds --aa-ctx below (>= 1); the split gate above it is the library's rule
+    res = run("bench", "--aa-ctx", "99999")
+    assert res.exit_code == 2, res.output
+    assert "the A/A context (aa_context, --aa-ctx) must be below the split gate" in words(res)

@@ -175,6 +175,26 @@ def test_a_bad_table_entry_names_the_request_and_the_entry():
     decode_paged(**(args | {"block_table": table}), kv_lora=SMALL.kv_lora)
 
 
+def test_a_table_is_read_only_as_far_as_the_lengths_reach():
+    # max_pages is an int of the kernels: a wider table is refused by name. A table of
+    # 2^31 - 1 columns (a zero-stride view: no memory) whose requests use two pages is
+    # checked and gathered over those two, never widened in full (17 GB at int64)
+    args = _args()
+    wide = np.broadcast_to(args["block_table"][:, :1], (2, 2**31))
+    with pytest.raises(ValueError, match=r"block_table may have at most 2,147,483,647 columns"):
+        decode_paged(**(args | {"block_table": wide}), kv_lora=SMALL.kv_lora)
+    table = np.broadcast_to(args["block_table"][:, :1], (2, 2**31 - 1))
+    lengths = np.array([3, 4], np.int32)        # one page each: column 0 of each row
+    got = decode_paged(**(args | {"block_table": table, "cache_seqlens": lengths}),
+                       kv_lora=SMALL.kv_lora)
+    want = decode_paged(**(args | {"cache_seqlens": lengths}), kv_lora=SMALL.kv_lora)
+    np.testing.assert_array_equal(got.latent, want.latent)
+    bad = np.broadcast_to(np.array([[999], [0]], np.int32), (2, 2**31 - 1))
+    with pytest.raises(ValueError, match=r"block_table\[0, 0\] = 999 is not a page id"):
+        decode_paged(**(args | {"block_table": bad, "cache_seqlens": lengths}),
+                     kv_lora=SMALL.kv_lora)
+
+
 def test_host_checks_take_any_array_by_shape_and_dtype():
     shape, scale = check_paged_inputs(*(_args()[k] for k in ("q", "kv_cache", "block_table",
                                                               "cache_seqlens", "wv_b")),

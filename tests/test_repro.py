@@ -871,3 +871,17 @@ def test_a_case_that_does_not_fit_is_an_error_line_not_a_traceback(tmp_path, mon
     assert rc == 2, out
     assert f"ERROR: {case} does not fit in this machine's {kind} memory" in out, out
     assert "PASS" not in out and "FAIL" not in out
+
+
+def test_pinned_splits_refuse_the_options_that_only_plan_auto(tmp_path):
+    # at batch 1, --sms, --blocks-per-sm and --arch feed the split rule; with --splits S the
+    # script is the same without them, so giving them is a mistake to name, not to ignore
+    out = tmp_path / "r.py"
+    base = ["repro", "--variant", "split", "-o", str(out)]
+    for extra in (["--sms", "66"], ["--blocks-per-sm", "2"], ["--arch", "sm_80"]):
+        r = CliRunner().invoke(main, [*base, "--splits", "4", *extra])
+        assert r.exit_code == 2 and f"{extra[0]} plan 'auto' splits" in r.output, r.output
+        assert not out.exists()
+        r = CliRunner().invoke(main, [*base, *extra])       # --splits auto: they plan it
+        assert r.exit_code == 0, r.output
+        out.unlink()

@@ -400,3 +400,19 @@ def test_predict_us_pays_each_wave_in_full():
     assert past_launch(64) == pytest.approx(one_wave)
     for num_sms, waves in ((16, 4), (8, 8), (4, 16)):
         assert past_launch(num_sms) == pytest.approx(waves * one_wave), num_sms
+
+
+@pytest.mark.parametrize("kw, kind, said", [
+    ({"bandwidth": 0}, ValueError, "bandwidth must be > 0"),
+    ({"bandwidth": float("nan")}, ValueError, "bandwidth must be finite"),
+    ({"bandwidth": "fast"}, TypeError, "bandwidth must be a real number"),
+    ({"cache_bytes": 0}, ValueError, "cache_bytes"),
+    ({"key_dim": 2.5}, (TypeError, ValueError), "key_dim"),
+])
+def test_the_latency_model_refuses_what_would_divide_by_zero(kw, kind, said):
+    from mlasandbox.splits import predict_us
+
+    plan = plan_splits(4096, 16, 16, num_sms=132, blocks_per_sm=1)
+    assert predict_us(plan, "split")["attn"] > 0
+    with pytest.raises(kind, match=said):
+        predict_us(plan, "split", **kw)
