@@ -120,6 +120,13 @@ class ChunkPlan:
     waves: int = 1       # 2: the grid offers a second wave, which the lengths may take
 
     def __post_init__(self):
+        # a hand-made plan (run_paged_schedule takes one) is held to what plan_chunks makes
+        for name in ("batch", "head_blocks", "max_chunks", "slots", "tile", "min_chunk"):
+            object.__setattr__(self, name, check_int(f"ChunkPlan {name}", getattr(self, name),
+                                                     1))
+        object.__setattr__(self, "target", check_int("ChunkPlan target", self.target, 0))
+        if self.waves not in (1, 2) or isinstance(self.waves, bool):
+            raise ValueError(f"ChunkPlan waves must be 1 or 2, got {self.waves!r}")
         if self.target == 0:
             object.__setattr__(self, "target", max(1, self.slots // self.head_blocks))
 

@@ -62,6 +62,13 @@ class SplitPlan:
     reason: str
     tile: int = ATTN_TILE  # cache rows per step of the kernel the plan is for
 
+    def __post_init__(self):
+        # a hand-made plan (run_schedule and predict_us take one): what plan_splits makes
+        for name in ("n_ctx", "n_head", "heads_per_block", "splits", "slice_len",
+                     "head_blocks", "slots", "num_sms", "tile"):
+            object.__setattr__(self, name, check_int(f"SplitPlan {name}", getattr(self, name),
+                                                     1))
+
     @property
     def grid(self) -> tuple[int, int]:
         return (self.head_blocks, self.splits)

@@ -416,3 +416,26 @@ def test_the_latency_model_refuses_what_would_divide_by_zero(kw, kind, said):
     assert predict_us(plan, "split")["attn"] > 0
     with pytest.raises(kind, match=said):
         predict_us(plan, "split", **kw)
+
+
+def test_hand_made_plans_are_held_to_what_the_planners_make():
+    # run_schedule, run_paged_schedule and predict_us take a plan object: a zero count in a
+    # hand-made one was a ZeroDivisionError (ChunkPlan's target) or a wrong model, now named
+    from dataclasses import replace
+
+    from mlasandbox.chunks import ChunkPlan, plan_chunks
+    from mlasandbox.splits import SplitPlan
+
+    split = plan_splits(4096, 16, 16, num_sms=132, blocks_per_sm=1)
+    chunk = plan_chunks(4, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    assert replace(split, reason="same") == replace(split, reason="same")
+    for field in ("slots", "splits", "num_sms", "head_blocks"):
+        with pytest.raises(ValueError, match=f"SplitPlan {field} must be an integer >= 1"):
+            replace(split, **{field: 0})
+    for field in ("head_blocks", "slots", "max_chunks", "tile"):
+        with pytest.raises(ValueError, match=f"ChunkPlan {field} must be an integer >= 1"):
+            replace(chunk, **{field: 0})
+    with pytest.raises(ValueError, match="ChunkPlan waves must be 1 or 2"):
+        replace(chunk, waves=3)
+    assert isinstance(replace(chunk, target=0).target, int) and replace(chunk, target=0).target
+    assert isinstance(chunk, ChunkPlan) and isinstance(split, SplitPlan)
