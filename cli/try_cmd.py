@@ -31,19 +31,20 @@ def _params(values) -> dict:
     out = {}
     for item in values or ():
         name, eq, vals = item.partition("=")
+        name = name.strip()
         try:
-            out[name.strip()] = tuple(int(v) for v in vals.split(","))
+            ints = tuple(int(v) for v in vals.split(","))
         except ValueError:
             eq = ""
-        if not eq or not name.strip():
+        if not eq or not name:
             bad_input(f"--params {item!r}: expected NAME=v1,v2 (integers)")
-        name = name.strip()
-        twice = sorted({v for v in out[name] if out[name].count(v) > 1})
-        if twice:
-            bad_input(f"--params {item!r}: {name}={twice[0]} is given twice")
-        if sum(1 for v in values if v.partition("=")[0].strip() == name) > 1:
+        if name in out:
             bad_input(f"--params {name} is given more than once: list its values in one "
                       f"--params {name}=v1,v2")
+        twice = [v for v in ints if ints.count(v) > 1]
+        if twice:
+            bad_input(f"--params {item!r}: {name}={twice[0]} is given twice")
+        out[name] = ints
     return out
 
 

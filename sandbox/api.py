@@ -261,16 +261,12 @@ def decode(q, cache, wv_b, n_ctx=None, variant="split", splits=None, heads_per_b
                       min_ctx=min_ctx, sync_check=sync_check).run()
 
 
-def _weights_dtype(wk_b) -> str:
-    """'f16' | 'bf16' of wk_b (bf16 also as uint16 words), else TypeError naming wk_b."""
+def _dtype_or_none(arr) -> str | None:
+    """dims.dtype_name of `arr`, None for a dtype the kernels do not take."""
     try:
-        dt = dtype_name(wk_b)
+        return dtype_name(arr)
     except TypeError:
-        dt = None
-    if dt not in ("f16", "bf16"):
-        raise TypeError(f"wk_b must be float16 or bfloat16 (uint16 words of bf16), got "
-                        f"{wk_b.dtype}")
-    return dt
+        return None
 
 
 class QAbsorb:
@@ -294,13 +290,12 @@ class QAbsorb:
         for name, arr in named:
             if tuple(arr.shape) != want[name]:
                 raise ValueError(f"{name} must be {list(want[name])}, got {list(arr.shape)}")
-        in_dt = _weights_dtype(wk_b)
+        in_dt = _dtype_or_none(wk_b)
+        if in_dt not in ("f16", "bf16"):
+            raise TypeError(f"wk_b must be float16 or bfloat16 (uint16 words of bf16), got "
+                            f"{wk_b.dtype}")
         for name, arr in named[:2]:
-            try:
-                same = dtype_name(arr) == in_dt
-            except TypeError:
-                same = False
-            if not same:
+            if _dtype_or_none(arr) != in_dt:
                 raise TypeError(f"{name} must have wk_b's dtype ({wk_b.dtype}), got {arr.dtype}")
         if q_dtype not in ("f32", "cache", in_dt):
             raise ValueError(f"q_dtype must be 'f32' or 'cache' (the weights' {in_dt}), got "

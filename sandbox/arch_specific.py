@@ -86,19 +86,12 @@ def cache_path() -> Path:
 def cache_dir() -> Path:
     """Where cubins are kept: $MLASANDBOX_CUBIN_CACHE, else mlasandbox-cubins-<uid> in the
     temp directory. ValueError naming the folder where it cannot hold them."""
-    problem = cache_setting_problem()
-    if problem:
-        raise ValueError(problem)
     path = cache_path()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ValueError(f"cannot keep cubins in {str(path)!r} ({exc.strerror}); set "
-                         f"{ENV_CACHE} to a writable directory") from None
     problem = _folder_problem(path)
     if problem:
-        raise ValueError(f"cannot keep cubins in {str(path)!r}: {problem}; set {ENV_CACHE} "
-                         "to a writable directory")
+        raise ValueError(cache_setting_problem() or f"cannot keep cubins in {str(path)!r}: "
+                         f"{problem}; set {ENV_CACHE} to a writable directory")
+    path.mkdir(parents=True, exist_ok=True)
     return path
 
 

@@ -239,12 +239,13 @@ def _plan_facts(v, cache: str, q: str, blocks_per_sm) -> tuple:
     """(instance, blocks/SM, how it was had) of variant `v` for the no-GPU plan: a user
     kernel's from its own header and compile (user_kernel.compile_report), a built-in's from
     the registry and the occupancy model of its batch-1 instance."""
-    if v.family == "user":
+    user = v.family == "user"
+    inst = v.instance(cache, q) if user else registry.attention_instance(v, cache, q)
+    if blocks_per_sm is not None:
+        return inst, blocks_per_sm, f"{blocks_per_sm} blocks/SM (given)"
+    if user:
         from .user_kernel import compile_report
 
-        inst = v.instance(cache, q)
-        if blocks_per_sm is not None:
-            return inst, blocks_per_sm, f"{blocks_per_sm} blocks/SM (given)"
         row = compile_report(v, params_override={k: [x] for k, x in v.params.items()},
                              cache=cache, q=q)[0]
         if row.blocks_per_sm < 1:
@@ -253,9 +254,6 @@ def _plan_facts(v, cache: str, q: str, blocks_per_sm) -> tuple:
         return inst, row.blocks_per_sm, (f"{row.blocks_per_sm} blocks/SM from its compile: "
                                          f"{row.registers} registers x {row.threads} threads, "
                                          f"limiter {row.limiter}")
-    inst = registry.attention_instance(v, cache, q)
-    if blocks_per_sm is not None:
-        return inst, blocks_per_sm, f"{blocks_per_sm} blocks/SM (given)"
     bps = theoretical_blocks_per_sm(v, cache, q)["blocks_per_sm"]
     return inst, bps, f"{bps} blocks/SM from the occupancy model of the batch-1 instance"
 

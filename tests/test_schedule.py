@@ -428,7 +428,8 @@ def test_hand_made_plans_are_held_to_what_the_planners_make():
 
     split = plan_splits(4096, 16, 16, num_sms=132, blocks_per_sm=1)
     chunk = plan_chunks(4, 1, num_sms=132, blocks_per_sm=1, tile=64)
-    assert replace(split, reason="same") == replace(split, reason="same")
+    assert replace(split, slots=264.0).slots == 264     # a whole float is kept as an int
+    assert type(replace(split, slots=264.0).slots) is int
     for field in ("slots", "splits", "num_sms", "head_blocks"):
         with pytest.raises(ValueError, match=f"SplitPlan {field} must be an integer >= 1"):
             replace(split, **{field: 0})
@@ -437,5 +438,8 @@ def test_hand_made_plans_are_held_to_what_the_planners_make():
             replace(chunk, **{field: 0})
     with pytest.raises(ValueError, match="ChunkPlan waves must be 1 or 2"):
         replace(chunk, waves=3)
-    assert isinstance(replace(chunk, target=0).target, int) and replace(chunk, target=0).target
-    assert isinstance(chunk, ChunkPlan) and isinstance(split, SplitPlan)
+    assert replace(chunk, target=0).target == 132      # 0: the slots a head block gets
+    with pytest.raises(ValueError, match="SplitPlan tile must be an integer >= 1"):
+        SplitPlan(**{**split.__dict__, "tile": True})
+    with pytest.raises(ValueError, match="ChunkPlan target must be an integer >= 0"):
+        ChunkPlan(**{**chunk.__dict__, "target": -1})
