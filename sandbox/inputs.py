@@ -163,8 +163,8 @@ def make_rising_inputs(dims, n_alloc: int, n_ctx: int | None = None, cache_dtype
     component 10 (q[h].u = 10 exactly, before rounding) and cache row t < n_ctx gets c_t u,
     c_t from -RISING_SPAN/slope to 8/slope, so s[h, t] ~ slope * c_t + N(0, ~2) with the same
     slope = 10 scale for every head. The last positions hold
-    the weight; lse stays ~10..20 as in make_inputs. q no longer comes from the q_absorb
-    inputs, so those are None here.
+    the weight; lse stays ~10..20 as in make_inputs. q is set here, not made by q_absorb
+    from q_nope and wk_b, so those inputs are None.
     """
     # Built on the host like make_inputs, then copied: the same values for xp=numpy and cupy.
     base = make_inputs(dims, n_alloc, n_ctx, cache_dtype, q_dtype, seed, nan_fill, np)
