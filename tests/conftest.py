@@ -90,6 +90,35 @@ def cupy_device():
     return cupy
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu_alone: has the GPU to itself while it runs "
+                            "(tests/gpu_support.gpu_turn)")
+
+
+def gpu_turn_of(item, have_gpu: bool):
+    """None where the run has no GPU (no lock at all), else "alone" for a test marked
+    gpu_alone and "shared" for every other: a test without the gpu mark may still launch
+    kernels (through the CLI, a subprocess), so on a GPU machine every test takes a turn."""
+    if not have_gpu:
+        return None
+    return "alone" if item.get_closest_marker("gpu_alone") is not None else "shared"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Tests marked gpu_alone have the GPU to themselves (gpu_support.gpu_turn). The turn
+    covers the whole protocol of a test, so the module and session fixtures it sets up or
+    tears down (compiled steps, device inputs) run inside it too."""
+    from gpu_support import HAVE_GPU, gpu_turn
+
+    turn = gpu_turn_of(item, HAVE_GPU)
+    if turn is None:
+        yield
+        return
+    with gpu_turn(alone=turn == "alone"):
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _no_terminal_width(monkeypatch):
     """The tables' layout in a test does not depend on the shell that runs it: without

@@ -8,8 +8,10 @@ write shows up as NaN instead of as last run's value.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
+import tempfile
 
 import pytest
 
@@ -17,6 +19,45 @@ from mlasandbox.toolkit import device_available
 
 HAVE_GPU, GPU_REASON = device_available()
 gpu = pytest.mark.skipif(not HAVE_GPU, reason=f"needs a CUDA GPU: {GPU_REASON}")
+# A test that must have the GPU to itself (ncu's profiles: with other workers of the suite
+# launching kernels beside them they failed with "Failed to prepare kernel for profiling ...
+# Unknown Error on device 0", twice in a row on an H100, 2026-12-06). conftest.py's
+# pytest_runtest_protocol gives it the GPU alone; every other test of a GPU run shares it.
+gpu_alone = pytest.mark.gpu_alone
+
+
+def lock_paths() -> tuple[str, str]:
+    """(gate, turn): the lock files the workers of one user's GPU runs share."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    base = os.path.join(tempfile.gettempdir(), f"mlasandbox-tests-gpu-{uid}")
+    return base + ".gate", base + ".turn"
+
+
+@contextlib.contextmanager
+def gpu_turn(alone: bool):
+    """Hold the GPU shared (alone=False) or alone, across processes (the suite's xdist workers)
+    by flock. A test that waits to be alone holds the gate while it waits, so tests that come
+    after it wait at the gate instead of taking the GPU turn by turn ahead of it (flock alone
+    would let a stream of shared holders starve it). Without fcntl (not POSIX), no lock."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    gate_path, turn_path = lock_paths()
+    with open(gate_path, "a") as gate, open(turn_path, "a") as turn:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(turn, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(turn, fcntl.LOCK_UN)
+            if alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 def fresh_seed() -> int:

@@ -31,6 +31,7 @@ def test_passes():
 
 def test_skips_are_counted_by_reason_and_the_closing_line_is_pytests(tmp_path):
     shutil.copy2(HERE / "conftest.py", tmp_path / "conftest.py")
+    shutil.copy2(HERE / "gpu_support.py", tmp_path / "gpu_support.py")  # conftest's turns
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # this run's own
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",

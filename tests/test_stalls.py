@@ -22,7 +22,7 @@ from click.testing import CliRunner
 from mlasandbox import ncu, registry, stalls
 from mlasandbox.cli.main import main
 
-from gpu_support import HAVE_GPU, gpu
+from gpu_support import HAVE_GPU, gpu, gpu_alone
 
 RECORDED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
                         "ncu_tiled16_sass.csv.gz")
@@ -496,11 +496,12 @@ def _have_ncu() -> bool:
 
 
 # What ncu prints when its kernel replay fails on the device rather than on the kernel. Under
-# pytest -n 16 the other workers share the GPU with the profiled process, and ncu's replay
-# (which saves and restores the memory the kernel touches) ended once in "LaunchFailed" after
-# all four passes and once in "Failed to prepare kernel for profiling ... Unknown Error on
-# device 0" (H200). Both GPU profiles here take one more try on these lines alone; a second
-# failure, or any other ncu failure, is reported as it is.
+# pytest -n 16 with the other workers sharing the GPU, ncu's replay (which saves and restores
+# the memory the kernel touches) ended once in "LaunchFailed" after all four passes and, on
+# an H200 and twice in a row on an H100, in "Failed to prepare kernel for profiling ...
+# Unknown Error on device 0". So these profiles have the GPU alone (gpu_alone), and take one
+# more try on these lines alone; a second failure, or any other ncu failure, is reported as
+# it is.
 # Once (H200, paged mma16 at 3 x (300, 0, 5000), 2026-12-03) the source page of a profile
 # taken under -n 16 came back without its stall_<reason> columns (no warp-state samples),
 # and the same test passed three times alone: that takes the one more try too.
@@ -601,6 +602,7 @@ def test_a_profile_without_stall_samples_is_taken_again_once(monkeypatch):
 
 @pytest.mark.skipif(not _have_ncu(), reason="needs ncu (Nsight Compute)")
 @gpu  # checked first: without a GPU, that is the reason to give
+@gpu_alone
 def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
     run_ = _profile_on_a_shared_gpu("tiled16", 16, 8192, save_dir=str(tmp_path))
     kernel, lines = stalls.read_source_csv(run_.source_csv)
@@ -619,6 +621,7 @@ def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
 
 @pytest.mark.skipif(not _have_ncu(), reason="needs ncu (Nsight Compute)")
 @gpu
+@gpu_alone
 @pytest.mark.parametrize("variant, spec, kernel, warm", [
     ("mma16", ncu.PagedSpec((300, 0, 5000), 16, 2, True), "mma_attn_paged", False),
     ("wgmma64", ncu.PagedSpec((4096, 70), 64, 1, False), "wgmma_attn_paged", False),
