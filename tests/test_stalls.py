@@ -510,7 +510,7 @@ _NCU_DEVICE_FAILURES = ("LaunchFailed", "Failed to prepare kernel for profiling"
 _NCU_NO_SAMPLES = "no stall_<reason> columns"
 
 
-def _profile_on_a_shared_gpu(*args, **kwargs):
+def _profile_with_one_retry(*args, **kwargs):
     try:
         run_ = ncu.profile_attention(*args, **kwargs)
         stalls.read_source_csv(run_.source_csv)
@@ -551,7 +551,7 @@ def test_ncu_profiles_one_process_at_a_time(monkeypatch, tmp_path):
 
 
 def test_an_ncu_failure_keeps_ncus_error_lines_ahead_of_the_tail():
-    """ncu's ==ERROR== line (what _profile_on_a_shared_gpu matches) survives a long traceback
+    """ncu's ==ERROR== line (what _profile_with_one_retry matches) survives a long traceback
     of the child after it."""
     out = "==PROF== Connected\n==ERROR== LaunchFailed\n" + "\n".join(
         f"  traceback line {i}" for i in range(40))
@@ -572,11 +572,11 @@ def test_only_ncus_device_failures_are_profiled_again(monkeypatch):
         return profile
 
     monkeypatch.setattr(ncu, "profile_attention", fails("ncu exited 9:\n==ERROR== LaunchFailed"))
-    assert _profile_on_a_shared_gpu("mma16") == "second" and len(calls) == 2
+    assert _profile_with_one_retry("mma16") == "second" and len(calls) == 2
     calls.clear()
     monkeypatch.setattr(ncu, "profile_attention", fails("ncu exited 1: bad option"))
     with pytest.raises(ncu.NcuError, match="bad option"):
-        _profile_on_a_shared_gpu("mma16")
+        _profile_with_one_retry("mma16")
     assert len(calls) == 1
 
 
@@ -592,11 +592,11 @@ def test_a_profile_without_stall_samples_is_taken_again_once(monkeypatch):
         return SimpleNamespace(source_csv=pages.get(len(calls), "nothing"))
 
     monkeypatch.setattr(ncu, "profile_attention", profile)
-    assert "stall_wait" in _profile_on_a_shared_gpu("mma16").source_csv and len(calls) == 2
+    assert "stall_wait" in _profile_with_one_retry("mma16").source_csv and len(calls) == 2
     calls.clear()
     pages = {}
     with pytest.raises(stalls.NcuFormatError, match="no per-SASS table"):
-        _profile_on_a_shared_gpu("mma16")
+        _profile_with_one_retry("mma16")
     assert len(calls) == 1
 
 
@@ -604,7 +604,7 @@ def test_a_profile_without_stall_samples_is_taken_again_once(monkeypatch):
 @gpu  # checked first: without a GPU, that is the reason to give
 @gpu_alone
 def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
-    run_ = _profile_on_a_shared_gpu("tiled16", 16, 8192, save_dir=str(tmp_path))
+    run_ = _profile_with_one_retry("tiled16", 16, 8192, save_dir=str(tmp_path))
     kernel, lines = stalls.read_source_csv(run_.source_csv)
     report = stalls.summarize(kernel, lines)
     # 8192 rows over S slices of 32-row tiles: whatever S is, the score loop's 295-ish
@@ -629,7 +629,7 @@ def test_on_the_gpu_ncu_profiles_tiled16_and_its_score_loop_is_found(tmp_path):
 def test_on_the_gpu_ncu_profiles_a_paged_step_and_finds_its_tile_loop(variant, spec, kernel,
                                                                        warm):
     q = "f16" if variant == "wgmma64" else "f32"
-    run_ = _profile_on_a_shared_gpu(variant, 16, 0, q=q, paged=spec, warm=warm)
+    run_ = _profile_with_one_retry(variant, 16, 0, q=q, paged=spec, warm=warm)
     name, lines = stalls.read_source_csv(run_.source_csv)
     assert kernel in name
     report = stalls.summarize(name, lines)
