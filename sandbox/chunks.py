@@ -190,9 +190,17 @@ class ChunkPlan:
 
 def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: int, tile: int,
                 min_tiles: int = MIN_TILES_PER_CHUNK, cap: int = CHUNK_CAP,
-                chunks: int | None = None, skew: int = CHUNK_SKEW) -> ChunkPlan:
+                chunks: int | None = None, skew: int = CHUNK_SKEW,
+                max_len: int | None = None) -> ChunkPlan:
     """The chunk plan of a batch. `chunks` overrides the chunk slots: every request may take
-    up to that many chunks (still balanced on the wave target and cut by its length)."""
+    up to that many chunks (still balanced on the wave target and cut by its length).
+    `max_len`: the longest request the step can hold (its block table's max_pages x
+    page_size). No request of at most max_len positions takes more than
+    ceil(ceil(max_len / tile) / min_tiles) chunks (the rule's unit is at least min_tiles
+    tiles), so the chunk slots are bounded by that too: every valid set of lengths runs the
+    same chunks as without the bound (count(u) never reaches it), in less partial scratch.
+    A step sized for a short cache then runs one pass, or merges its few chunks in the
+    attention kernel (registry.attn_merges), instead of launching a merge."""
     batch, head_blocks = _positive_int("batch", batch), _positive_int("head_blocks", head_blocks)
     num_sms, blocks_per_sm = (_positive_int("num_sms", num_sms),
                               _positive_int("blocks_per_sm", blocks_per_sm))
@@ -213,6 +221,13 @@ def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: in
         why = (f"balanced: {head_blocks} head blocks x {target} chunk programs on {slots} "
                f"slots ({blocks_per_sm}/SM x {num_sms} SMs), up to {max_chunks} chunks a "
                f"request ({skew}x the mean of {batch} requests)")
+    if max_len is not None:
+        tiles = -(-check_int("max_len", max_len, 1) // tile)
+        most = -(-tiles // min_tiles)
+        if most < max_chunks:
+            max_chunks = most
+            why += (f"; at most {most}: a request holds at most max_len = {max_len} "
+                    f"positions ({tiles} tiles of {tile}), chunks of at least {min_tiles}")
     waves = waves if max_chunks > 1 else 1
     if waves == 2:
         why += ("; a second wave of as many programs where one wave's chunks would be over "

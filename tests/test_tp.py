@@ -9,8 +9,8 @@ import pytest
 
 from mlasandbox import geometry
 from mlasandbox.chunks import plan_chunks
-from mlasandbox.tp import (check_tp, fixed_facts, head_bands, rank_grids, rank_plans,
-                           unsharded_chunks)
+from mlasandbox.tp import (as_unsharded, check_tp, fixed_facts, head_bands, rank_grids,
+                           rank_plans, unsharded_chunks)
 from mlasandbox.tp_bench import check_y, out_tolerance, summarize_tp
 from mlasandbox.tp_comm import (NO_MULTICAST_ENV, FakeCommunicator, make_communicator,
                                 resolve_engine, start_method)
@@ -330,3 +330,17 @@ def test_a_band_is_planned_with_its_own_instance_and_every_query_row():
     budget = unsharded_chunks(4, 4, 16, fixed_facts(16, 64, 1), num_sms=132)
     kw = dict(num_sms=132, blocks_per_sm=1, tile=64)
     assert budget == plan_chunks(4, 4, **kw).max_chunks != plan_chunks(4, 1, **kw).max_chunks
+
+
+def test_the_unsharded_reason_keeps_the_table_bound_and_the_second_wave():
+    """as_unsharded names the budget in place of the override's clause and keeps what else
+    shaped the plan: 20 inherited chunks cut to 10 by a table of 10 tiles, on a grid that
+    offers a second wave (40 requests, 132 programs)."""
+    plan = plan_chunks(40, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=20, max_len=640)
+    assert plan.max_chunks == 10 and plan.waves == 2
+    why = as_unsharded(plan, 20, 128, 40).reason
+    assert why.startswith("as if not sharded: the 20 chunks a request takes with all 128 ")
+    assert "at most 10: a request holds at most max_len = 640" in why
+    assert "second wave" in why and "override" not in why
+    free = plan_chunks(40, 1, num_sms=132, blocks_per_sm=1, tile=64, chunks=20)
+    assert "at most" not in as_unsharded(free, 20, 128, 40).reason
