@@ -176,6 +176,12 @@ def tight_max_pages(lengths, page_size: int) -> int:
     return max(1, int(need.max())) if need.size else 1
 
 
+def tight_max_len(lengths, page_size: int) -> int:
+    """The longest request that table holds (PagedShape.max_len of its step): what a plan
+    made without the step (bench, sweep, repro) bounds its chunk slots by."""
+    return tight_max_pages(lengths, page_size) * int(page_size)
+
+
 def check_paged_values(block_table, cache_seqlens, shape: PagedShape) -> None:
     """Lengths in 0..max_pages*page_size and every table entry a request uses (its first
     ceil(len/page_size)) in 0..num_pages-1; NumPy arrays. Raises naming the request and entry.
