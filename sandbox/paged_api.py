@@ -123,8 +123,8 @@ def check_capturable(variant: registry.Variant) -> None:
 def plan_for(shape: PagedShape, inst, *, num_sms: int, blocks_per_sm: int,
              splits=None) -> ChunkPlan:
     """The chunk plan of a paged step on attention instance `inst`: head blocks of
-    inst.heads query rows, its tile, splits=N as every request's chunk cap, and the chunk
-    slots no more than a request of the table's max_len can take."""
+    inst.heads query rows, its tile, splits=N as every request's chunk cap, and one pass
+    where the table's max_len fits in one chunk."""
     n_rows = shape.s_q * shape.n_head
     chunks = None if isinstance(splits, str) and splits == "auto" else splits
     if chunks is not None and (isinstance(chunks, (bool, np.bool_, str))
@@ -159,8 +159,8 @@ class PagedDecodeStep:
     torch inputs). Scratch (the partials) is per device and shared with DecodeStep: steps
     on one device must run on one stream, as api.scratch_for_device says. A captured graph
     refers to this step's buffers: keep the step alive while the graph is replayed.
-    The plan serves every length block_table can hold (max_pages x page_size), and no more
-    chunk slots than such a request takes (plan_for): a table of one tile runs one pass.
+    The plan serves every length block_table can hold (max_pages x page_size); a table
+    whose requests fit in one chunk runs one pass (plan_for).
     """
 
     def __init__(self, q, kv_cache, block_table, cache_seqlens, wv_b=None, *,

@@ -14,7 +14,7 @@ import pytest
 import mlasandbox as mla
 from mlasandbox import interop, paged_api, registry
 from mlasandbox.bf16 import as_f64
-from mlasandbox.chunks import CHUNK_CAP, plan_chunks
+from mlasandbox.chunks import CHUNK_CAP
 from mlasandbox.dims import Dims
 from mlasandbox.paged import check_paged_inputs, pages_needed, visible_lengths
 from mlasandbox.paged_api import (PagedDecodeStep, check_capturable, check_page_size,
@@ -130,8 +130,7 @@ def _shape(**kw):
 
 
 def test_the_plan_budgets_batch_by_row_blocks_by_chunks_on_the_slots():
-    # 32 query rows a request; a table of 131072 positions, too long to bound the slots
-    shape = _shape(batch=8, s_q=2, heads=16, max_pages=2048)
+    shape = _shape(batch=8, s_q=2, heads=16)         # 32 query rows a request
     plan = plan_for(shape, FakeInstance(16, 64), num_sms=132, blocks_per_sm=2)
     assert plan.head_blocks == 2 and plan.tile == 64 and plan.min_chunk == 64
     assert plan.target == (132 * 2) // 2              # 132 chunk programs a row block
@@ -144,7 +143,7 @@ def test_the_plan_budgets_batch_by_row_blocks_by_chunks_on_the_slots():
 
 
 def test_splits_caps_every_request_and_auto_is_the_budget():
-    shape = _shape(batch=4, heads=16, max_pages=2048)   # room for 4096 tiles of 32
+    shape = _shape(batch=4, heads=16)
     inst = FakeInstance(1, 32)
     auto = plan_for(shape, inst, num_sms=132, blocks_per_sm=3)
     assert plan_for(shape, inst, num_sms=132, blocks_per_sm=3, splits="auto") == auto
@@ -170,9 +169,8 @@ def _bare_step(causal=True, wv_b=True, family="mma"):
         kw["wv_b"] = None
     step.shape, step.scale = check_paged_inputs(**kw, causal=causal)
     step.causal, step.page_shift = causal, 4
-    # 5 chunk slots, a value no other argument has (the 7 pages of 16 would bound a plan_for
-    # at 2, plan_chunks's max_len): this is about the arguments' order
-    step.plan = plan_chunks(3, 1, num_sms=132, blocks_per_sm=2, tile=64, chunks=5)
+    step.plan = plan_for(step.shape, FakeInstance(16, 64), num_sms=132, blocks_per_sm=2,
+                         splits=5)
     for name in ("q", "kv_cache", "block_table", "cache_seqlens", "part_acc", "part_m",
                  "part_l", "latent", "lse", "chunk_counts"):
         setattr(step, name, name)
@@ -554,8 +552,8 @@ def test_the_merge_skips_one_chunk_requests_only_for_families_that_write_them(fa
     assert step.single_pass == bool(writes)
 
 
-def _host_step_inputs(seed, q_dtype="f32", lengths=(0, 300, 1000)):
-    inp = make_paged_inputs(Dims(n_head=16), list(lengths), s_q=2, page_size=16, seed=seed,
+def _host_step_inputs(seed, q_dtype="f32"):
+    inp = make_paged_inputs(Dims(n_head=16), [0, 300, 1000], s_q=2, page_size=16, seed=seed,
                             q_dtype=q_dtype)
     args = inp.decode_args()
     for k in ("q", "kv_cache", "block_table", "cache_seqlens", "wv_b"):
@@ -661,8 +659,7 @@ def test_the_mma_kernel_merges_its_own_chunks_and_no_merge_is_launched(fake_devi
     ("mma16", registry.ATTN_MERGE_MAX_CHUNKS + 1, "f16", False),  # one block would read too much
     ("split", 4, "f16", False), ("batched16", 4, "f16", False)])  # families that do not merge
 def test_the_rule_for_the_kernels_own_merge(fake_device, seeds, variant, splits, q, want):
-    # 1100 positions: a table of 18 tiles of 64, room for 17 chunk slots
-    _, args = _host_step_inputs(seeds.one(), q_dtype=q, lengths=(0, 300, 1100))
+    _, args = _host_step_inputs(seeds.one(), q_dtype=q)
     assert PagedDecodeStep(**args, variant=variant, splits=splits).merges_in_attn == want
     assert not PagedDecodeStep(**args, variant=variant, splits=splits,
                                merge_in_attn=False).merges_in_attn

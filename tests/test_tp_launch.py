@@ -125,8 +125,7 @@ def test_without_the_fault_the_same_job_passes(seeds):
 
 
 def test_the_unsharded_budget_computes_the_same_step(seeds):
-    # 5000 positions: a table of 79 tiles, long enough that neither budget meets its bound
-    j = job(seeds.one(), lengths=(0, 5000), budgets=("band", "unsharded"))
+    j = job(seeds.one(), lengths=SHORT, budgets=("band", "unsharded"))
     run = launch(j, 3, mode="thread")
     assert run.ok
     p = run.reports[0]["plans"]

@@ -9,7 +9,8 @@ import sys, json
 import numpy as np
 import cupy as cp
 from mlasandbox import paged_api, chunks
-from mlasandbox.bench_paged import make_paged_config
+import dataclasses
+from mlasandbox.bench_paged import make_paged_config, resolve_auto
 from mlasandbox.bench_gpu import PagedBackend
 from mlasandbox.paged_api import PagedDecodeStep
 from mlasandbox.timing import time_gpu
@@ -48,6 +49,7 @@ def main():
     for tag in tags:
         shape = dict(SHAPES[tag])
         cfg = make_paged_config(variants=["auto"], peers=[], **shape)
+        cfg = dataclasses.replace(cfg, variants=resolve_auto(cfg)[0])
         be = PagedBackend(); be.prepare_paged(cfg)
         ref = decode_paged(**{**be.paged_host.decode_args(), "wv_b": None})
         rl, rs = np.asarray(ref.latent), np.asarray(ref.lse)
