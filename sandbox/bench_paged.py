@@ -44,6 +44,7 @@ from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .limits import check_s_q
 from .noise import control_report, verdict
+from .paged import tight_max_len
 from .paged_api import PAGE_SIZES, paged_variant
 from .paged_inputs import parse_lengths
 from .peers import PEER_NAMES, PeerUnavailable
@@ -274,7 +275,8 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
             inst, bps, how = _plan_facts(v, cfg.cache_dtype, qd, blocks_per_sm)
             plan = plan_chunks(cfg.batch, -(-n_rows // inst.heads), num_sms=num_sms,
                                blocks_per_sm=max(1, bps), tile=inst.tile_rows,
-                               chunks=None if cfg.splits == "auto" else cfg.splits)
+                               chunks=None if cfg.splits == "auto" else cfg.splits,
+                               max_len=tight_max_len(cfg.lengths, cfg.page_size))
             n_chunks, chunk_len = plan.for_lengths(cfg.lengths)
             cost = metrics.paged_step_cost(v.name, cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
                                            cfg.cache_dtype, qd, n_chunks, plan.head_blocks)

@@ -190,9 +190,17 @@ class ChunkPlan:
 
 def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: int, tile: int,
                 min_tiles: int = MIN_TILES_PER_CHUNK, cap: int = CHUNK_CAP,
-                chunks: int | None = None, skew: int = CHUNK_SKEW) -> ChunkPlan:
+                chunks: int | None = None, skew: int = CHUNK_SKEW,
+                max_len: int | None = None) -> ChunkPlan:
     """The chunk plan of a batch. `chunks` overrides the chunk slots: every request may take
-    up to that many chunks (still balanced on the wave target and cut by its length)."""
+    up to that many chunks (still balanced on the wave target and cut by its length).
+    `max_len`: the longest request the step can hold (its block table's max_pages x
+    page_size). Where no such request fills more than one chunk (max_len within min_tiles
+    tiles), the plan is a single pass: one program a request, no partials, no merge launch.
+    Every valid set of lengths runs the same chunks (one) as without the bound. A bound of
+    two or more slots is not taken: it would hand a few chunks' merge to the attention
+    kernel (registry.attn_merges), slower than the merge launch where the head blocks are
+    few (docs/schedule.md, "A table of one chunk runs one pass")."""
     batch, head_blocks = _positive_int("batch", batch), _positive_int("head_blocks", head_blocks)
     num_sms, blocks_per_sm = (_positive_int("num_sms", num_sms),
                               _positive_int("blocks_per_sm", blocks_per_sm))
@@ -213,6 +221,13 @@ def plan_chunks(batch: int, head_blocks: int, *, num_sms: int, blocks_per_sm: in
         why = (f"balanced: {head_blocks} head blocks x {target} chunk programs on {slots} "
                f"slots ({blocks_per_sm}/SM x {num_sms} SMs), up to {max_chunks} chunks a "
                f"request ({skew}x the mean of {batch} requests)")
+    if max_len is not None:
+        tiles = -(-check_int("max_len", max_len, 1) // tile)
+        if tiles <= min_tiles and max_chunks > 1:
+            max_chunks = 1
+            why += (f"; one pass: a request holds at most max_len = {max_len} positions "
+                    f"({tiles} tile{'s' if tiles > 1 else ''} of {tile}), within one chunk of "
+                    f"at least {min_tiles}")
     waves = waves if max_chunks > 1 else 1
     if waves == 2:
         why += ("; a second wave of as many programs where one wave's chunks would be over "

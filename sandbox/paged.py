@@ -169,6 +169,19 @@ def pages_needed(lengths, page_size: int):
     return -(-np.asarray(lengths, dtype=np.int64) // int(page_size))
 
 
+def tight_max_pages(lengths, page_size: int) -> int:
+    """The block table's width that just holds these lengths (at least one page): what
+    make_paged_inputs builds, so the bench plans its steps for the capacity they run with."""
+    need = pages_needed(lengths, page_size)
+    return max(1, int(need.max())) if need.size else 1
+
+
+def tight_max_len(lengths, page_size: int) -> int:
+    """The longest request that table holds (PagedShape.max_len of its step): what a plan
+    made without the step (bench, sweep, repro) bounds its chunk slots by."""
+    return tight_max_pages(lengths, page_size) * int(page_size)
+
+
 def check_paged_values(block_table, cache_seqlens, shape: PagedShape) -> None:
     """Lengths in 0..max_pages*page_size and every table entry a request uses (its first
     ceil(len/page_size)) in 0..num_pages-1; NumPy arrays. Raises naming the request and entry.

@@ -123,7 +123,8 @@ def check_capturable(variant: registry.Variant) -> None:
 def plan_for(shape: PagedShape, inst, *, num_sms: int, blocks_per_sm: int,
              splits=None) -> ChunkPlan:
     """The chunk plan of a paged step on attention instance `inst`: head blocks of
-    inst.heads query rows, its tile, and splits=N as every request's chunk cap."""
+    inst.heads query rows, its tile, splits=N as every request's chunk cap, and one pass
+    where the table's max_len fits in one chunk."""
     n_rows = shape.s_q * shape.n_head
     chunks = None if isinstance(splits, str) and splits == "auto" else splits
     if chunks is not None and (isinstance(chunks, (bool, np.bool_, str))
@@ -132,7 +133,8 @@ def plan_for(shape: PagedShape, inst, *, num_sms: int, blocks_per_sm: int,
         raise ValueError(f"splits must be None, 'auto' or an integer 1..{CHUNK_CAP} (the "
                          f"chunks a request may take), got {splits!r}")
     return plan_chunks(shape.batch, -(-n_rows // inst.heads), num_sms=num_sms,
-                       blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows, chunks=chunks)
+                       blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows, chunks=chunks,
+                       max_len=shape.max_len)
 
 
 def raise_for_index_report(report, block_table, cache_seqlens, shape: PagedShape) -> None:
@@ -157,6 +159,8 @@ class PagedDecodeStep:
     torch inputs). Scratch (the partials) is per device and shared with DecodeStep: steps
     on one device must run on one stream, as api.scratch_for_device says. A captured graph
     refers to this step's buffers: keep the step alive while the graph is replayed.
+    The plan serves every length block_table can hold (max_pages x page_size); a table
+    whose requests fit in one chunk runs one pass (plan_for).
     """
 
     def __init__(self, q, kv_cache, block_table, cache_seqlens, wv_b=None, *,

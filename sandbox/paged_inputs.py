@@ -24,7 +24,7 @@ from .bf16 import BF16_NAN_BITS, to_storage
 from .dims import Dims, preset
 from .limits import (GRID_Z_MAX, check_host_bytes, check_int, check_int_at_most,
                      read_input_text)
-from .paged import INVALID_PAGE, MAX_SEQLEN, pages_needed
+from .paged import INVALID_PAGE, MAX_SEQLEN, pages_needed, tight_max_pages
 
 __all__ = ["PagedInputs", "make_paged_inputs", "check_inputs_fit", "parse_lengths", "as_lengths",
            "MAX_LENGTHS_FILE_BYTES"]
@@ -173,7 +173,7 @@ def make_paged_inputs(dims, lengths, *, s_q: int = 1, page_size: int = 64,
         ("s_q", s_q, 1), ("page_size", page_size, 1), ("spare_pages", spare_pages, 0)))
     batch, H, D = lengths.size, dims.n_head, dims.key_dim
     need = pages_needed(lengths, page_size)
-    max_pages = max(1, int(need.max()))
+    max_pages = tight_max_pages(lengths, page_size)
     num_pages = int(need.sum()) + int(spare_pages) + 1   # never zero pages
     _check_inputs_fit(batch, s_q, H, D, num_pages, page_size, dims)
     rng = np.random.default_rng(seed)

@@ -49,6 +49,7 @@ from .kernels import blocks_per_sm, device_info
 from .limits import check_host_memory, check_problem, check_s_q
 from .chunks import CHUNK_CAP, plan_chunks
 from .auto_variant import AutoFacts, auto_choice
+from .paged import tight_max_len
 from .paged_api import check_page_size, paged_variant
 from .paged_inputs import check_inputs_fit, parse_lengths
 from .repro_template import (ENGINE_WRAPPER, HELPERS, NO_ENGINE, PAGED_TEMPLATE, TEMPLATE,
@@ -496,7 +497,8 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
         how = f"plan_chunks with {sms} SMs and {bps} blocks/SM (given)"
     n_rows = s_q * dims.n_head
     plan = plan_chunks(len(lens), -(-n_rows // attn.heads), num_sms=sms,
-                       blocks_per_sm=max(1, bps), tile=attn.tile_rows, chunks=chunks)
+                       blocks_per_sm=max(1, bps), tile=attn.tile_rows, chunks=chunks,
+                       max_len=tight_max_len(lens, page_size))
     n_chunks, _ = plan.for_lengths(lens)
     if negative_control and int(max(n_chunks)) < 2:
         raise ValueError("the negative control needs a request cut into at least 2 chunks, "

@@ -21,6 +21,7 @@ from .bench_config import q_dtype_of
 from .chunks import plan_chunks
 from .geometry import occupancy_of
 from .limits import check_s_q
+from .paged import tight_max_len
 from .paged_api import paged_variant
 from .ptxas import ptxas_report
 from .sweep import run_defaults
@@ -57,7 +58,8 @@ def _plan_row(cfg, inst, bps: int, num_sms: int) -> dict:
     n_rows = cfg.s_q * cfg.dims.n_head
     plan = plan_chunks(cfg.batch, -(-n_rows // inst.heads), num_sms=num_sms,
                        blocks_per_sm=max(1, bps), tile=inst.tile_rows,
-                       chunks=None if cfg.splits == "auto" else cfg.splits)
+                       chunks=None if cfg.splits == "auto" else cfg.splits,
+                       max_len=tight_max_len(cfg.lengths, cfg.page_size))
     n_chunks, chunk_len = plan.for_lengths(cfg.lengths)
     return {"head_blocks": plan.head_blocks, "grid": list(plan.grid),
             "max_chunks": plan.max_chunks, "n_chunks": [int(c) for c in n_chunks],

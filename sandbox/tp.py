@@ -122,8 +122,19 @@ def unsharded_chunks(batch: int, s_q: int, n_head: int, facts, *, num_sms: int) 
                        blocks_per_sm=max(1, bps), tile=tile).max_chunks
 
 
+def as_unsharded(plan: ChunkPlan, chunks: int, n_head: int, batch: int) -> ChunkPlan:
+    """`plan` (made with chunks=`chunks`, the unsharded budget), its reason saying so in
+    place of plan_chunks's first clause (the override), its others kept (the table's bound,
+    the second wave)."""
+    why = (f"as if not sharded: the {chunks} chunks a request takes with all {n_head} heads "
+           f"on one GPU, on {batch} requests x {plan.head_blocks} head blocks")
+    rest = plan.reason.partition("; ")[2]
+    return replace(plan, reason=f"{why}; {rest}" if rest else why)
+
+
 def rank_plans(batch: int, s_q: int, n_head: int, tp: int, facts, *, num_sms: int,
-               budget: str = "band", splits: int | None = None) -> list[RankPlan]:
+               budget: str = "band", splits: int | None = None,
+               max_len: int | None = None) -> list[RankPlan]:
     """Every rank's chunk plan. `facts(heads)` -> (rows per block, tile, blocks/SM) of the
     attention instance a step of that many heads runs ("auto" picks by the rows as well as
     the step's facts, so a band may run another instance than all heads would). `splits`
@@ -138,12 +149,10 @@ def rank_plans(batch: int, s_q: int, n_head: int, tp: int, facts, *, num_sms: in
     for band in head_bands(n_head, tp):
         rows, tile, bps = facts(band.heads)
         hb = _head_blocks(s_q, band.heads, rows)
-        kw = dict(num_sms=num_sms, blocks_per_sm=max(1, bps), tile=tile)
+        kw = dict(num_sms=num_sms, blocks_per_sm=max(1, bps), tile=tile, max_len=max_len)
         if inherited is not None:
-            plan = plan_chunks(batch, hb, chunks=inherited, **kw)
-            plan = replace(plan, reason=f"as if not sharded: the {inherited} chunks a request "
-                                        f"takes with all {n_head} heads on one GPU, on "
-                                        f"{batch} requests x {hb} head blocks")
+            plan = as_unsharded(plan_chunks(batch, hb, chunks=inherited, **kw), inherited,
+                                n_head, batch)
         else:
             plan = plan_chunks(batch, hb, chunks=splits, **kw)
         out.append(RankPlan(band, plan, budget))

@@ -59,11 +59,13 @@ def tp_plan_report(cfg, tp: int, *, num_sms: int = 132, blocks_per_sm=None) -> d
     from . import registry
     from .auto_variant import AutoFacts
     from .geometry import theoretical_blocks_per_sm
+    from .paged import tight_max_len
     from .paged_api import paged_variant
 
     tp = check_tp(tp, cfg.dims.n_head)
     qd = q_dtype_of(cfg.q_dtype, cfg.cache_dtype)
     auto = AutoFacts.of_lengths(cfg.lengths, cfg.page_size, qd, cfg.cache_dtype)
+    max_len = tight_max_len(cfg.lengths, cfg.page_size)  # the run's table
     out, problems = [], []
     known: dict = {}   # instance name -> its facts: one occupancy compile each
 
@@ -80,7 +82,8 @@ def tp_plan_report(cfg, tp: int, *, num_sms: int = 132, blocks_per_sm=None) -> d
             for budget in BUDGETS:
                 for rp in rank_plans(cfg.batch, cfg.s_q, cfg.dims.n_head, tp, facts,
                                      num_sms=num_sms, budget=budget,
-                                     splits=None if cfg.splits == "auto" else cfg.splits):
+                                     splits=None if cfg.splits == "auto" else cfg.splits,
+                                     max_len=max_len):
                     v = paged_variant(name, cfg.s_q, rp.band.heads, auto)
                     out.append({"variant": v.name, "asked": name, **rp.as_dict()})
         except Exception as exc:   # no compiler here: say so, keep the others

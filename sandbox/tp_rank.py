@@ -31,12 +31,11 @@ a single-GPU step of its heads would, and the unsharded budget the one of all he
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import replace
 
 import numpy as np
 
 from .guard import Launch, PhaseError, PhaseGuard
-from .tp import BUDGETS, Band, head_bands, unsharded_chunks
+from .tp import BUDGETS, Band, as_unsharded, head_bands, unsharded_chunks
 
 __all__ = ["TensorParallelStep", "PeerFailed", "HostGuard", "EXECUTORS", "band_view",
            "make_w_o", "assemble_gathered"]
@@ -147,9 +146,7 @@ class TensorParallelStep:
         """The plan, its reason naming the unsharded budget where that set the chunks."""
         if chunks is None or splits not in (None, "auto"):
             return plan
-        return replace(plan, reason=f"as if not sharded: the {chunks} chunks a request takes "
-                                    f"with all {self.n_head} heads on one GPU, on "
-                                    f"{self.batch} requests x {plan.head_blocks} head blocks")
+        return as_unsharded(plan, chunks, self.n_head, self.batch)
 
     def _facts(self, variant, shape, auto, blocks_per_sm):
         """facts(heads) of tp.rank_plans: the instance a step of that many heads runs, `auto`

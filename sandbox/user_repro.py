@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from . import registry
 from .chunks import plan_chunks
 from .dims import PRESETS
+from .paged import tight_max_len
 from .paged_api import check_page_size
 from .paged_inputs import check_inputs_fit, parse_lengths
 from .repro import PAGED_SPARE_PAGES, PagedReproCase, write_paged_script
@@ -53,7 +54,8 @@ def make_user_case(kernel, *, batch: int = 4, lengths="0,20,4097,1000", s_q: int
     inst = kernel.instance(cache, q)
     n_rows = s_q * dims.n_head
     plan = plan_chunks(len(lens), -(-n_rows // inst.heads), num_sms=num_sms,
-                       blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows)
+                       blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows,
+                       max_len=tight_max_len(lens, page_size))
     return UserReproCase(
         variant=kernel.stem, dims=dims, lengths=lens, lengths_spec=str(lengths), s_q=int(s_q),
         causal=bool(causal), page_size=int(page_size), cache_dtype=cache, q_dtype=q,

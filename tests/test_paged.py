@@ -7,11 +7,13 @@ import math
 import numpy as np
 import pytest
 
+from mlasandbox import registry
 from mlasandbox.chunks import (CHUNK_CAP, batch_chunk_unit, chunk_bounds, plan_chunks,
                                request_chunks, single_request_unit, two_waves)
 from mlasandbox.compare_paged import compare_paged
 from mlasandbox.dims import Dims
 from mlasandbox.paged import INVALID_PAGE, check_paged_inputs, visible_lengths
+from mlasandbox.paged_api import plan_for
 from mlasandbox.paged_inputs import make_paged_inputs, parse_lengths
 from mlasandbox.reference import decode, to_host
 from mlasandbox.reference import decode_paged
@@ -444,8 +446,84 @@ def test_combine_tile_is_the_cap_rounded_up_to_a_power_of_two():
     assert plan_chunks(64, 4, num_sms=132, blocks_per_sm=1, tile=64).combine_tile == 1
 
 
+def _bound_cases(rng):
+    """(batch, head_blocks, tile, min_tiles, chunks, max_len) plans where the table may hold
+    one chunk at most, or more: short and long capacities, overrides, two waves."""
+    for _ in range(300):
+        yield (int(rng.choice([1, 2, 3, 8, 40, 131])), int(rng.choice([1, 2, 8])),
+               int(rng.choice([16, 64])), int(rng.choice([1, 2, 4])),
+               None if rng.random() < 0.7 else int(rng.integers(1, CHUNK_CAP + 1)),
+               int(rng.choice([1, 20, 64, 65, 1024, 4096, 20000, 131072])))
+
+
+def test_a_table_of_one_chunk_is_one_pass_and_changes_no_chunk(module_seeds):
+    """plan_chunks(max_len=): one chunk slot where ceil(max_len / tile) <= min_tiles, the
+    free plan's slots otherwise; every set of lengths of at most max_len runs the same
+    chunks, program by program, as on the plan without max_len."""
+    rng = np.random.default_rng(module_seeds.one())
+    one_pass = 0
+    for batch, hb, tile, mt, chunks, max_len in _bound_cases(rng):
+        kw = dict(num_sms=132, blocks_per_sm=1, tile=tile, min_tiles=mt, chunks=chunks)
+        free, plan = plan_chunks(batch, hb, **kw), plan_chunks(batch, hb, max_len=max_len, **kw)
+        fits = -(-max_len // tile) <= mt
+        assert plan.max_chunks == (1 if fits else free.max_chunks)
+        assert plan == free or plan.single_pass
+        one_pass += plan.max_chunks < free.max_chunks
+        for lengths in (rng.integers(0, max_len + 1, batch), np.full(batch, max_len),
+                        np.r_[max_len, np.zeros(batch - 1, np.int64)]):
+            n, clen = plan.for_lengths(lengths)
+            n0, clen0 = free.for_lengths(lengths)
+            assert (n == n0).all() and (clen[n > 0] == clen0[n0 > 0]).all(), (batch, max_len)
+            if not plan.single_pass:
+                req, ch = plan.program_chunks(lengths)
+                req0, ch0 = free.program_chunks(lengths)
+                assert (req == req0).all() and (ch == ch0).all()
+    assert one_pass > 40   # the cases reach the one-pass plan, not only the free one
+
+
+def test_one_pass_is_tight_a_request_past_max_len_would_take_two_chunks():
+    """Negative control: a request one tile longer than the table holds (which the host and
+    device index checks refuse) would be cut into two chunks by the free plan, so the
+    comparison above has power."""
+    free = plan_chunks(1, 1, num_sms=132, blocks_per_sm=1, tile=64)
+    plan = plan_chunks(1, 1, num_sms=132, blocks_per_sm=1, tile=64, max_len=64)
+    assert plan.max_chunks == 1 and free.max_chunks == 132
+    assert tuple(plan.for_lengths([64])) == tuple(free.for_lengths([64])) == ([1], [64])
+    assert (tuple(plan.for_lengths([128])), tuple(free.for_lengths([128]))) == (
+        ([1], [128]), ([2], [64]))
+
+
+def test_only_a_table_of_one_chunk_changes_the_plan():
+    """One tile of capacity (or min_tiles tiles) runs one pass and says why; a table of 16
+    tiles keeps every slot, so the merge stays a launch: the mma kernel's own merge of 16
+    chunks in one head block was slower than the launch (H100, 2026-12-07: 17.50 against
+    14.37 us at 1 x 1024 x 16, docs/schedule.md)."""
+    kw = dict(num_sms=132, blocks_per_sm=1, tile=64)
+    one = plan_chunks(1, 1, max_len=64, **kw)
+    assert one.single_pass and one.grid == (1, 1, 1) and "one pass" in one.reason
+    assert "max_len = 64 positions (1 tile of 64)" in one.reason
+    assert plan_chunks(1, 1, max_len=128, min_tiles=2, **kw).single_pass
+    assert not plan_chunks(1, 1, max_len=128, **kw).single_pass
+    short, free = plan_chunks(1, 1, max_len=1024, **kw), plan_chunks(1, 1, **kw)
+    assert short == free and short.max_chunks == 132 and "max_len" not in short.reason
+    assert not registry.attn_merges("mma", short.max_chunks, "f16", "f16")
+
+
+def test_plan_for_passes_the_shape_s_table():
+    dims = Dims(n_head=16)
+    inst = registry.paged_attention_instance("mma16", "f16", "f32")
+    free = plan_chunks(3, 1, num_sms=132, blocks_per_sm=1, tile=inst.tile_rows)
+    for lengths, max_len, single in (([64, 0, 30], 64, True), ([1000, 0, 300], 1024, False)):
+        inp = make_paged_inputs(dims, lengths, s_q=1, page_size=64, seed=0)
+        shape, _ = check_paged_inputs(**inp.decode_args())
+        assert shape.max_len == max_len
+        plan = plan_for(shape, inst, num_sms=132, blocks_per_sm=1)
+        assert plan.single_pass == single and (single or plan == free)
+
+
 @pytest.mark.parametrize("bad", [{"batch": 0}, {"head_blocks": 1.5}, {"chunks": 0},
-                                 {"chunks": CHUNK_CAP + 1}, {"tile": True}, {"skew": 0}])
+                                 {"chunks": CHUNK_CAP + 1}, {"tile": True}, {"skew": 0},
+                                 {"max_len": 0}, {"max_len": True}, {"max_len": 2.5}])
 def test_plan_chunks_rejects_bad_values(bad):
     kwargs = {"batch": 2, "head_blocks": 1, "num_sms": 132, "blocks_per_sm": 1, "tile": 64}
     with pytest.raises(ValueError, match=next(iter(bad))):

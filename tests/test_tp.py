@@ -9,8 +9,8 @@ import pytest
 
 from mlasandbox import geometry
 from mlasandbox.chunks import plan_chunks
-from mlasandbox.tp import (check_tp, fixed_facts, head_bands, rank_grids, rank_plans,
-                           unsharded_chunks)
+from mlasandbox.tp import (as_unsharded, check_tp, fixed_facts, head_bands, rank_grids,
+                           rank_plans, unsharded_chunks)
 from mlasandbox.tp_bench import check_y, out_tolerance, summarize_tp
 from mlasandbox.tp_comm import (NO_MULTICAST_ENV, FakeCommunicator, make_communicator,
                                 resolve_engine, start_method)
@@ -330,3 +330,19 @@ def test_a_band_is_planned_with_its_own_instance_and_every_query_row():
     budget = unsharded_chunks(4, 4, 16, fixed_facts(16, 64, 1), num_sms=132)
     kw = dict(num_sms=132, blocks_per_sm=1, tile=64)
     assert budget == plan_chunks(4, 4, **kw).max_chunks != plan_chunks(4, 1, **kw).max_chunks
+
+
+def test_the_unsharded_reason_keeps_the_one_pass_and_the_second_wave_clauses():
+    """as_unsharded names the budget in place of the override's clause and keeps what else
+    shaped the plan: 20 inherited chunks made one pass by a table of one tile; 20 on a grid
+    that offers a second wave (40 requests, 132 programs)."""
+    kw = dict(num_sms=132, blocks_per_sm=1, tile=64, chunks=20)
+    one = plan_chunks(40, 1, max_len=64, **kw)
+    assert one.max_chunks == 1
+    why = as_unsharded(one, 20, 128, 40).reason
+    assert why.startswith("as if not sharded: the 20 chunks a request takes with all 128 ")
+    assert "one pass: a request holds at most max_len = 64" in why and "override" not in why
+    two = plan_chunks(40, 1, max_len=4096, **kw)
+    assert two.max_chunks == 20 and two.waves == 2
+    why = as_unsharded(two, 20, 128, 40).reason
+    assert "second wave" in why and "one pass" not in why and "override" not in why
