@@ -178,7 +178,7 @@ def tight_max_pages(lengths, page_size: int) -> int:
 
 def tight_max_len(lengths, page_size: int) -> int:
     """The longest request that table holds (PagedShape.max_len of its step): what a plan
-    made without the step (bench, sweep, repro) bounds its chunk slots by."""
+    made without the step (bench, sweep, repro) passes as plan_chunks's max_len."""
     return tight_max_pages(lengths, page_size) * int(page_size)
 
 

@@ -124,8 +124,8 @@ def unsharded_chunks(batch: int, s_q: int, n_head: int, facts, *, num_sms: int) 
 
 def as_unsharded(plan: ChunkPlan, chunks: int, n_head: int, batch: int) -> ChunkPlan:
     """`plan` (made with chunks=`chunks`, the unsharded budget), its reason saying so in
-    place of plan_chunks's first clause (the override), its others kept (the table's bound,
-    the second wave)."""
+    place of plan_chunks's first clause (the override), its others kept (one pass for a
+    table of one chunk, the second wave)."""
     why = (f"as if not sharded: the {chunks} chunks a request takes with all {n_head} heads "
            f"on one GPU, on {batch} requests x {plan.head_blocks} head blocks")
     rest = plan.reason.partition("; ")[2]
