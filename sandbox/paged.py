@@ -172,8 +172,7 @@ def pages_needed(lengths, page_size: int):
 def tight_max_pages(lengths, page_size: int) -> int:
     """The block table's width that just holds these lengths (at least one page): what
     make_paged_inputs builds, so the bench plans its steps for the capacity they run with."""
-    need = pages_needed(lengths, page_size)
-    return max(1, int(need.max())) if need.size else 1
+    return max(1, int(pages_needed(lengths, page_size).max()))
 
 
 def tight_max_len(lengths, page_size: int) -> int:

@@ -267,6 +267,16 @@ def test_plan_report_says_where_the_chunks_are_merged(batch, q, merge):
     assert row["merge"] == merge, row
 
 
+@pytest.mark.parametrize("lengths,merge", [("64", "none: one chunk a request"),
+                                           ("65", "merge kernel")])
+def test_plan_report_plans_for_the_table_the_run_builds(lengths, merge):
+    # the bench's tight table: 64 positions at page 64 hold one tile, a single pass as the
+    # step would plan it (plan_for); 65 take two pages, room for two chunks: the free plan
+    cfg = make_paged_config(batch=1, lengths=lengths, heads=16, variants=["mma16"])
+    (row,) = plan_report(cfg, num_sms=132, blocks_per_sm=1)["plans"]
+    assert row["merge"] == merge and (row["grid"] == [1, 1, 1]) == (lengths == "64"), row
+
+
 @pytest.mark.parametrize("lengths,waves", [("4096", [1, 2]), ("normal:4096:2048", [2, 2])])
 def test_plan_report_says_which_waves_the_lengths_take(lengths, waves):
     # B = 128 on 132 slots: the grid offers a second wave; equal requests keep one, varied
