@@ -34,6 +34,11 @@ def test_skips_are_counted_by_reason_and_the_closing_line_is_pytests(tmp_path):
     shutil.copy2(HERE / "gpu_support.py", tmp_path / "gpu_support.py")  # conftest's turns
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}  # this run's own
+    # On a GPU machine the copied conftest takes a GPU turn per sample test. With the suite's
+    # lock files it would wait at the gate behind a gpu_alone test of another worker, which
+    # waits for this test's own shared turn to end: both stuck until the timeout (seen in
+    # the GPU suite, -n 16, on an H100). A TMPDIR of its own gives the child its own locks.
+    env["TMPDIR"] = str(tmp_path)
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
                           "test_sample.py"], cwd=tmp_path, env=env, capture_output=True,
                          text=True, timeout=120)
