@@ -39,13 +39,12 @@ from .auto_variant import WGMMA_ARCH, AutoFacts, auto_choice
 from .bench import SCHEMA as _DEPTH_SCHEMA
 from .bench import ControlPhase, aa_floor
 from .bench_config import check_dtypes_and_splits, q_dtype_of
-from .chunks import CHUNK_CAP, plan_chunks
+from .chunks import CHUNK_CAP
 from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .limits import check_s_q
 from .noise import control_report, verdict
-from .paged import tight_max_len
-from .paged_api import PAGE_SIZES, paged_variant
+from .paged_api import PAGE_SIZES, paged_variant, plan_for_lengths
 from .paged_inputs import parse_lengths
 from .peers import PEER_NAMES, PeerUnavailable
 from .timing import Timing
@@ -261,7 +260,7 @@ def _plan_facts(v, cache: str, q: str, blocks_per_sm) -> tuple:
 
 def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None) -> dict:
     """What runs without a GPU: per variant its instance's rows per block and tile (from the
-    registry), the chunk plan of the batch (chunks.plan_chunks with `num_sms` and the
+    registry), the chunk plan of the batch (paged_api.plan_for_lengths with `num_sms` and the
     occupancy model's blocks/SM, or `blocks_per_sm`), and the chunks each request runs.
     A variant whose facts cannot be had (no compiler, no paged instance) says why. `auto`
     is resolved as on the device this report models (an H200: sm_90, num_sms SMs)."""
@@ -273,10 +272,8 @@ def plan_report(cfg: PagedBenchConfig, *, num_sms: int = 132, blocks_per_sm=None
         v = paged_variant(name, cfg.s_q, cfg.dims.n_head)
         try:
             inst, bps, how = _plan_facts(v, cfg.cache_dtype, qd, blocks_per_sm)
-            plan = plan_chunks(cfg.batch, -(-n_rows // inst.heads), num_sms=num_sms,
-                               blocks_per_sm=max(1, bps), tile=inst.tile_rows,
-                               chunks=None if cfg.splits == "auto" else cfg.splits,
-                               max_len=tight_max_len(cfg.lengths, cfg.page_size))
+            plan = plan_for_lengths(cfg.lengths, cfg.page_size, n_rows, inst,
+                                    num_sms=num_sms, blocks_per_sm=bps, splits=cfg.splits)
             n_chunks, chunk_len = plan.for_lengths(cfg.lengths)
             cost = metrics.paged_step_cost(v.name, cfg.dims, cfg.lengths, cfg.s_q, cfg.causal,
                                            cfg.cache_dtype, qd, n_chunks, plan.head_blocks)

@@ -176,8 +176,8 @@ def tight_max_pages(lengths, page_size: int) -> int:
 
 
 def tight_max_len(lengths, page_size: int) -> int:
-    """The longest request that table holds (PagedShape.max_len of its step): what a plan
-    made without the step (bench, sweep, repro) passes as plan_chunks's max_len."""
+    """The longest request that table holds (PagedShape.max_len of its step): the max_len
+    of a plan made without the step (paged_api.plan_for_lengths, tp_bench)."""
     return tight_max_pages(lengths, page_size) * int(page_size)
 
 

@@ -52,12 +52,12 @@ from .limits import LOG2E as _LOG2E
 from .limits import check_flags, check_s_q
 from .pdl import supported as pdl_supported
 from .paged import (PagedResult, PagedShape, check_paged_inputs, check_paged_values,
-                    pages_needed, visible_lengths)
+                    pages_needed, tight_max_len, visible_lengths)
 from .timing import capture_graph
 
 __all__ = ["decode_paged", "PagedDecodeStep", "StepGraph", "PagedResult", "PAGE_SIZES",
-           "paged_variant", "paged_variant_names", "plan_for", "check_page_size",
-           "check_capturable", "raise_for_index_report"]
+           "paged_variant", "paged_variant_names", "plan_for", "plan_for_lengths",
+           "check_page_size", "check_capturable", "raise_for_index_report"]
 
 # The page sizes the CUDA kernels address by a shift (FlashMLA's is 64).
 PAGE_SIZES = (1, 16, 64)
@@ -125,16 +125,31 @@ def plan_for(shape: PagedShape, inst, *, num_sms: int, blocks_per_sm: int,
     """The chunk plan of a paged step on attention instance `inst`: head blocks of
     inst.heads query rows, its tile, splits=N as every request's chunk cap, and one pass
     where the table's max_len fits in one chunk."""
-    n_rows = shape.s_q * shape.n_head
+    return _plan(shape.batch, shape.s_q * shape.n_head, inst, max_len=shape.max_len,
+                 num_sms=num_sms, blocks_per_sm=blocks_per_sm, splits=splits)
+
+
+def plan_for_lengths(lengths, page_size: int, n_rows: int, inst, *, num_sms: int,
+                     blocks_per_sm: int, splits=None) -> ChunkPlan:
+    """plan_for of the step whose block table just holds `lengths` (paged.tight_max_len: the
+    table make_paged_inputs builds), for n_rows = s_q x heads query rows a request. What
+    the bench, the sweep and the repro scripts plan without a step in hand, so that each
+    reports the plan its run launches."""
+    return _plan(len(lengths), n_rows, inst, max_len=tight_max_len(lengths, page_size),
+                 num_sms=num_sms, blocks_per_sm=blocks_per_sm, splits=splits)
+
+
+def _plan(batch: int, n_rows: int, inst, *, max_len: int, num_sms: int, blocks_per_sm: int,
+          splits) -> ChunkPlan:
     chunks = None if isinstance(splits, str) and splits == "auto" else splits
     if chunks is not None and (isinstance(chunks, (bool, np.bool_, str))
                                or not isinstance(chunks, (int, np.integer))
                                or not 1 <= chunks <= CHUNK_CAP):
         raise ValueError(f"splits must be None, 'auto' or an integer 1..{CHUNK_CAP} (the "
                          f"chunks a request may take), got {splits!r}")
-    return plan_chunks(shape.batch, -(-n_rows // inst.heads), num_sms=num_sms,
+    return plan_chunks(batch, -(-n_rows // inst.heads), num_sms=num_sms,
                        blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows, chunks=chunks,
-                       max_len=shape.max_len)
+                       max_len=max_len)
 
 
 def raise_for_index_report(report, block_table, cache_seqlens, shape: PagedShape) -> None:

@@ -47,10 +47,9 @@ from .dims import PRESETS, Dims
 from .geometry import theoretical_blocks_per_sm
 from .kernels import blocks_per_sm, device_info
 from .limits import check_host_memory, check_problem, check_s_q
-from .chunks import CHUNK_CAP, plan_chunks
+from .chunks import CHUNK_CAP
 from .auto_variant import AutoFacts, auto_choice
-from .paged import tight_max_len
-from .paged_api import check_page_size, paged_variant
+from .paged_api import check_page_size, paged_variant, plan_for_lengths
 from .paged_inputs import check_inputs_fit, parse_lengths
 from .repro_template import (ENGINE_WRAPPER, HELPERS, NO_ENGINE, PAGED_TEMPLATE, TEMPLATE,
                              TENSOR_MAP)
@@ -448,7 +447,7 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
                     num_sms: int | None = None, blocks_per_sm="auto", arch: str | None = None,
                     command: str = "") -> PagedReproCase:
     """Resolve a batched paged case (ValueError naming any bad value). The chunk plan is
-    fixed now (chunks.plan_chunks with the device's, or the given / modelled, SMs and
+    fixed now (paged_api.plan_for_lengths with the device's, or the given / modelled, SMs and
     blocks/SM) and pinned in the script: the result does not depend on it, the launch does.
     So is `variant` "auto": resolved for the case on `arch` (else this GPU's, else sm_90),
     the variant it names pinned, what and why in `chosen`."""
@@ -496,9 +495,8 @@ def make_paged_case(variant: str, *, batch: int, lengths="4096", s_q: int = 1,
         sms, bps = num_sms or 132, int(blocks_per_sm)
         how = f"plan_chunks with {sms} SMs and {bps} blocks/SM (given)"
     n_rows = s_q * dims.n_head
-    plan = plan_chunks(len(lens), -(-n_rows // attn.heads), num_sms=sms,
-                       blocks_per_sm=max(1, bps), tile=attn.tile_rows, chunks=chunks,
-                       max_len=tight_max_len(lens, page_size))
+    plan = plan_for_lengths(lens, page_size, n_rows, attn, num_sms=sms, blocks_per_sm=bps,
+                            splits=chunks)
     n_chunks, _ = plan.for_lengths(lens)
     if negative_control and int(max(n_chunks)) < 2:
         raise ValueError("the negative control needs a request cut into at least 2 chunks, "

@@ -18,11 +18,9 @@ from dataclasses import replace
 
 from . import registry, toolkit
 from .bench_config import q_dtype_of
-from .chunks import plan_chunks
 from .geometry import occupancy_of
 from .limits import check_s_q
-from .paged import tight_max_len
-from .paged_api import paged_variant
+from .paged_api import paged_variant, plan_for_lengths
 from .ptxas import ptxas_report
 from .sweep import run_defaults
 
@@ -56,10 +54,8 @@ def paged_sweep_variants(hpbs, tensor_cores: bool, cache: str, q: str, s_q: int,
 def _plan_row(cfg, inst, bps: int, num_sms: int) -> dict:
     """The chunk plan of the batch at `bps` blocks/SM (no GPU: the occupancy model's)."""
     n_rows = cfg.s_q * cfg.dims.n_head
-    plan = plan_chunks(cfg.batch, -(-n_rows // inst.heads), num_sms=num_sms,
-                       blocks_per_sm=max(1, bps), tile=inst.tile_rows,
-                       chunks=None if cfg.splits == "auto" else cfg.splits,
-                       max_len=tight_max_len(cfg.lengths, cfg.page_size))
+    plan = plan_for_lengths(cfg.lengths, cfg.page_size, n_rows, inst, num_sms=num_sms,
+                            blocks_per_sm=bps, splits=cfg.splits)
     n_chunks, chunk_len = plan.for_lengths(cfg.lengths)
     return {"head_blocks": plan.head_blocks, "grid": list(plan.grid),
             "max_chunks": plan.max_chunks, "n_chunks": [int(c) for c in n_chunks],

@@ -6,10 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import registry
-from .chunks import plan_chunks
 from .dims import PRESETS
-from .paged import tight_max_len
-from .paged_api import check_page_size
+from .paged_api import check_page_size, plan_for_lengths
 from .paged_inputs import check_inputs_fit, parse_lengths
 from .repro import PAGED_SPARE_PAGES, PagedReproCase, write_paged_script
 
@@ -45,7 +43,8 @@ def make_user_case(kernel, *, batch: int = 4, lengths="0,20,4097,1000", s_q: int
                    cache: str = "f16", q: str = "f32", seed: int = 0, num_sms: int = 132,
                    blocks_per_sm: int = 1, command: str = "") -> UserReproCase:
     """A batched paged case of `kernel` (a UserKernel of kind attn), its chunk plan pinned
-    (plan_chunks with `num_sms` and `blocks_per_sm`: the result does not depend on it)."""
+    (paged_api.plan_for_lengths with `num_sms` and `blocks_per_sm`: the result does not
+    depend on it)."""
     if kernel.kind != "attn":
         raise ValueError(f"{kernel.path}: the repro script replays the attention phase and the "
                          "built-in combine; a kind=step kernel has no repro script yet")
@@ -53,9 +52,8 @@ def make_user_case(kernel, *, batch: int = 4, lengths="0,20,4097,1000", s_q: int
                                  heads=heads, seed=seed)
     inst = kernel.instance(cache, q)
     n_rows = s_q * dims.n_head
-    plan = plan_chunks(len(lens), -(-n_rows // inst.heads), num_sms=num_sms,
-                       blocks_per_sm=max(1, blocks_per_sm), tile=inst.tile_rows,
-                       max_len=tight_max_len(lens, page_size))
+    plan = plan_for_lengths(lens, page_size, n_rows, inst, num_sms=num_sms,
+                            blocks_per_sm=blocks_per_sm)
     return UserReproCase(
         variant=kernel.stem, dims=dims, lengths=lens, lengths_spec=str(lengths), s_q=int(s_q),
         causal=bool(causal), page_size=int(page_size), cache_dtype=cache, q_dtype=q,

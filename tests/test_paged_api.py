@@ -7,6 +7,7 @@ import subprocess
 import sys
 import types
 from contextlib import nullcontext
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -785,3 +786,66 @@ def test_a_plan_past_the_grids_y_limit_is_refused_naming_it(fake_device, monkeyp
                 PagedDecodeStep(**args, variant="mma16", splits=4, merge_in_attn=False)
         else:
             PagedDecodeStep(**args, variant="mma16", splits=4, merge_in_attn=False)
+
+
+# ---- the plans made without a step: each the plan of the step its run builds --------------
+PLAN_KEYS = ("max_chunks", "min_chunk", "tile", "target")
+
+
+def _step_plan(lengths, page_size, inst, heads=16, extra_pages=0):
+    """plan_for over the table make_paged_inputs builds for `lengths` (one page wider with
+    extra_pages=1: the negative control), at 132 SMs and one block an SM."""
+    dims = mla.PRESETS["dsv3"].with_heads(heads)
+    inp = make_paged_inputs(dims, lengths, page_size=page_size, cache_dtype="f16")
+    table = np.zeros((len(lengths), inp.block_table.shape[1] + extra_pages), np.int32)
+    shape = check_paged_inputs(inp.q, inp.kv_cache, table, inp.cache_seqlens)[0]
+    return plan_for(shape, inst, num_sms=132, blocks_per_sm=1)
+
+
+def _site_plans(lengths, page_size):
+    """{site: (its plan's PLAN_KEYS, the instance it planned for)} of the four places that
+    plan a paged step from lengths and a page size: bench, sweep, repro, a user kernel's."""
+    from mlasandbox import user_kernel, user_repro
+    from mlasandbox.bench_paged import make_paged_config, plan_report
+    from mlasandbox.repro import make_paged_case
+    from mlasandbox.sweep_paged import _plan_row
+
+    spec = ",".join(map(str, lengths))
+    mma16 = registry.paged_attention_instance(paged_variant("mma16", 1, 16), "f16", "f32")
+    cfg = make_paged_config(batch=len(lengths), lengths=spec, heads=16, page_size=page_size,
+                            variants=["mma16"], q_dtype="f32")
+    (row,) = plan_report(cfg, num_sms=132, blocks_per_sm=1)["plans"]
+    bench = {"max_chunks": row["max_chunks"], "min_chunk": row["min_chunk"],
+             "tile": row["tile"], "target": row["target"]}
+    sweep = dict(_plan_row(cfg, mma16, 1, 132), tile=mma16.tile_rows, min_chunk=None,
+                 target=None)
+    repro = make_paged_case("mma16", batch=len(lengths), lengths=spec, page_size=page_size,
+                            heads=16, num_sms=132, blocks_per_sm=1).plan
+    kernel = user_kernel.load_kernel(str(Path(__file__).parent / "data" / "byok_warp_rows.cu"))
+    user = user_repro.make_user_case(kernel, batch=len(lengths), lengths=spec,
+                                     page_size=page_size, heads=16, num_sms=132,
+                                     blocks_per_sm=1).plan
+    return {"bench": (bench, mma16), "sweep": (sweep, mma16), "repro": (repro, mma16),
+            "user": (user, kernel.instance("f16", "f32"))}
+
+
+def _agrees(site_plan: dict, plan) -> bool:
+    return all(site_plan[k] in (None, getattr(plan, k)) for k in PLAN_KEYS)
+
+
+@pytest.mark.parametrize("lengths,page_size", [((64,), 64), ((64,), 16), ((65,), 64),
+                                               ((0, 1, 63, 4097), 16), ((3000, 200, 0, 700), 64),
+                                               ((20,), 1)])
+def test_each_site_plans_the_step_its_run_builds(lengths, page_size):
+    # bench, sweep, repro and the user repro each plan without a step in hand
+    # (plan_for_lengths); the step make_paged_inputs' table feeds plans with plan_for. A
+    # site planning for another table width drifts at one chunk (one pass or not).
+    for site, (got, inst) in _site_plans(lengths, page_size).items():
+        want = _step_plan(lengths, page_size, inst)
+        assert _agrees(got, want), (site, got, want)
+        # negative control: one page wider, a table of 64 positions holds two 64-row tiles
+        # and leaves the one-pass plan; the comparison must tell that plan from the site's
+        wider = _step_plan(lengths, page_size, inst, extra_pages=1)
+        moved = any(getattr(wider, k) != getattr(want, k) for k in PLAN_KEYS)
+        assert moved == (lengths == (64,) and inst.tile_rows == 64), (site, wider, want)
+        assert not moved or not _agrees(got, wider), (site, got, wider)
