@@ -113,6 +113,9 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
+__device__ __forceinline__ void cp_async_wait_all() {
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
 
 // ---- mbarriers: arrive -> wait orderings compute-sanitizer's racecheck models (try_wait:
 // sm_90 and later; the kernels that use them are built for sm_90 or sm_90a) ----

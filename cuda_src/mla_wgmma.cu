@@ -193,11 +193,6 @@ __device__ __forceinline__ void tma_blocks(void* dst, const void* map, int block
         ::"r"(smem_u32(dst)), "l"(map), "r"(0), "r"(row), "r"(block), "r"(smem_u32(bar))
         : "memory");
 }
-// Arrives on `bar` once this thread's earlier cp.async copies have landed, adding the arrival
-// to the phase's count first (on a barrier of one counted arrival: the TMA path's).
-__device__ __forceinline__ void mbar_arrive_after_copies_counted(unsigned long long* bar) {
-    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
-}
 // The 128 threads of warpgroup wg (named barriers 1 and 2; 0 is __syncthreads').
 // Immediate ids: a register id makes ptxas reserve all 16 barriers.
 __device__ __forceinline__ void warpgroup_sync(int wg) {
@@ -394,9 +389,12 @@ __device__ __noinline__ void seesaw_copy_async(unsigned char* stage, const Cache
 // tensor copy: once every warp of the warpgroup is past the products that read the blocks,
 // thread 0 expects the bytes and issues one 3-D box of the four blocks (and a 2-D box of the
 // rope block); `landed` counts that one arrival. A tile with rows past row_end goes by
-// cp.async (the copy engine would read those rows, which the cache need not hold valid),
-// each thread's arrival added to the count as its copies land and thread 0's counted
-// arrival after all of them are added.
+// cp.async (the copy engine would read those rows, which the cache need not hold valid):
+// each thread waits for its own copies, then thread 0 makes the phase's one counted arrival.
+// Not cp.async.mbarrier.arrive without .noinc (each thread adding its own arrival to the
+// count as its copies land): right by the PTX manual, but compute-sanitizer's synccheck
+// reports it as a barrier overflow and stops the kernel. Only a chunk's last pair holds such
+// tiles, so a warpgroup waits at most once a chunk (docs/wgmma-deep-dive.md, measured).
 // Without a map, cp.async by every thread, `landed` counting the 128 threads' arrivals.
 template <typename W>
 __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk, const void* map,
@@ -425,8 +423,8 @@ __device__ __forceinline__ void seesaw_copy(unsigned char* stage, const W& walk,
         if (copies)
             seesaw_copy_async(stage, walk.cache, walk.page_shift, true, row0, row_end, wt, pg[0],
                               pg[0], pg[0], pg[0], four, rope);
-        mbar_arrive_after_copies_counted(landed);
-        warpgroup_sync(wg);  // every thread's arrival is added before the counted one
+        cp_async_wait_all();  // this thread's copies have landed
+        warpgroup_sync(wg);   // and every thread's of the warpgroup
         if (wt == 0) mbar_arrive(landed);
         return;
     }
