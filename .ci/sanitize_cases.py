@@ -46,13 +46,16 @@ CASES = ((16, 100, 3, "f16", "f32"), (13, 777, 5, "f16", "f32"), (12, 70, 100, "
 # one chunk a request (splits 1), where wgmma64 runs its instance without partials. With a
 # 16-bit q under splits 3 and 5 the mma family merges in its own kernel
 # (PagedDecodeStep.merges_in_attn); with an f32 q, or under the auto plan of 3 requests (88
-# chunk slots), the combine merges.
+# chunk slots), the merge kernel does, in the form registry.merge_form picks for its rows
+# (each line prints it): the deep merge at 52 rows (13 heads x 4 requests), the warp merge at
+# 512 (128 heads x 4, f32 q, 3 chunk slots) on 132 SMs.
 PAGED_CASES = ((13, (0, 1, 70, 300), 1, 1, False, 3, "f16", "f32"),
                (16, (0, 17, 129, 64), 16, 2, True, 5, "bf16", "bf16"),
                (5, (200, 0, 5), 64, 2, True, None, "f16", "f32"),
                (64, (0, 700, 65, 2000), 16, 1, False, 3, "f16", "f16"),
                (32, (200, 0, 129), 64, 2, True, 3, "bf16", "bf16"),
-               (128, (0, 700, 65, 200), 64, 1, False, 1, "f16", "f16"))
+               (128, (0, 700, 65, 200), 64, 1, False, 1, "f16", "f16"),
+               (128, (0, 700, 65, 200), 64, 1, False, 3, "f16", "f32"))
 PAGED_VARIANTS = ("split", "batched4", "mma16", "mma32", "mma16r", "mma32r")
 # wgmma64 takes q in the cache dtype only (and runs on sm_90a): the cases whose q is 16-bit
 WGMMA_VARIANTS = ("wgmma64",)
@@ -140,9 +143,20 @@ def paged_cases() -> int:
             ok = compare_paged(step.run(), ref, tolerance_for(name, cache)).ok
             failed += not ok
             print(f"{'ok  ' if ok else 'FAIL'} paged {name:8s} H={heads:3d} lengths={lengths} "
-                  f"page={page} s_q={s_q} causal={causal} splits={splits} cache={cache} q={q}",
-                  flush=True)
+                  f"page={page} s_q={s_q} causal={causal} splits={splits} cache={cache} q={q} "
+                  f"merge={merge_label(step)}", flush=True)
     return failed
+
+
+def merge_label(step) -> str:
+    """Which merge the step ran: none (one pass), the attention kernel's own, the combine in
+    one kernel, or the merge kernel's form (kind, column blocks, prefetch)."""
+    if not step.launches_merge:
+        return "in-attn" if step.merges_in_attn else "none"
+    if step.fused_combine:
+        return "fused"
+    m = step.merge
+    return f"{m.kind}/{m.col_blocks}/{m.prefetch}"
 
 
 def projection_cases() -> int:
