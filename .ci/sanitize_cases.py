@@ -34,6 +34,7 @@ from mlasandbox.dims import Dims
 from mlasandbox.inputs import make_inputs
 from mlasandbox.paged_api import PagedDecodeStep
 from mlasandbox.paged_inputs import make_paged_inputs
+from mlasandbox.toolkit import device_available
 
 # (heads, n_ctx, splits, cache, q): several slices; a partial head group and uneven slices;
 # more slices than rows; 16-bit storage for both.
@@ -187,7 +188,23 @@ def projection_cases() -> int:
     return failed
 
 
+PLANTED_TOOLS = ("memcheck", "racecheck", "synccheck", "initcheck")
+
+
+def _refuse(message: str) -> int:
+    print(message, file=sys.stderr)
+    return 2
+
+
+def cli(args: list[str]) -> int:
+    if args and not (len(args) == 2 and args[0] == "--planted" and args[1] in PLANTED_TOOLS):
+        return _refuse(f"usage: sanitize_cases.py [--planted {{{','.join(PLANTED_TOOLS)}}}] "
+                       f"(got: {' '.join(args)})")
+    ok, why = device_available()
+    if not ok:
+        return _refuse(f"sanitize_cases.py needs a CUDA device: {why}")
+    return planted(args[1]) if args else main()
+
+
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--planted":
-        sys.exit(planted(sys.argv[2]))
-    sys.exit(main())
+    sys.exit(cli(sys.argv[1:]))
