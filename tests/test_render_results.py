@@ -319,3 +319,47 @@ def test_a_cited_run_that_is_no_folder_is_named(tmp_path):
     page.write_text("kept: runs/h200-2026-01-01-aaaaaaa; gone: runs/h200-2026-01-02-bbbbbbb/"
                     "x.txt; moved: history: h200-2026-01-03-ccccccc\n")
     assert rr.missing_citations([page], runs) == ["p.md: h200-2026-01-02-bbbbbbb"]
+
+
+def _peer_row(text: str) -> str:
+    return _row(text, "32 x normal:8192:4096 x 16 heads, page 64", "## Against FlashMLA")
+
+
+def test_the_peer_table_divides_our_latent_by_the_peers_call(run):
+    text = _render(run)
+    head = text[text.index("## Against FlashMLA"):].splitlines()[4]
+    assert head == "| shape | fixture 01-02 abc1234 |"  # the run: first word, date, commit
+    # the fixture's mma16 latent 149.71 over flashmla's 85.936; no floor in the file: no tie
+    assert _peer_row(text) == f"| 32 x normal:8192:4096 x 16 heads, page 64 | " \
+        f"{149.71 / 85.93599870800972:.3f} mma16 |"
+    assert _peer_row(text).endswith("| 1.742 mma16 |")
+
+
+def test_the_peer_table_marks_a_tie_and_skips_failed_checks(run):
+    path = run / "serving.json"
+    doc = json.loads(path.read_text())
+    for r in doc["rows"]:
+        if r["variant"] == "mma16" and r["phase"] == "latent":
+            r["median_us"] = 86.2   # 0.31% slower than the peer
+    doc["noise_floor"] = {"floor": 0.004}
+    path.write_text(json.dumps(doc))
+    assert _peer_row(_render(run)).endswith("| 1.003 = mma16 |")
+    doc["noise_floor"] = {"floor": 0.002}   # the floor under the difference: no tie
+    path.write_text(json.dumps(doc))
+    assert _peer_row(_render(run)).endswith("| 1.003 mma16 |")
+    # a latent whose check failed is not ours to compare; without one there is no row
+    for r in doc["rows"]:
+        if r["variant"] == "mma16":
+            r["check_ok"] = False
+    path.write_text(json.dumps(doc))
+    assert "## Against FlashMLA" not in _render(run)
+
+
+def test_a_run_without_the_peer_has_no_peer_table(run):
+    path = run / "serving.json"
+    doc = json.loads(path.read_text())
+    doc["rows"] = [r for r in doc["rows"] if r["variant"] != "flashmla"]
+    path.write_text(json.dumps(doc))
+    text = _render(run)
+    assert "## Against FlashMLA" not in text
+    assert "| 32 x normal:8192:4096 x 16 heads, page 64 | mma16 |" in text  # the run's own

@@ -16,7 +16,9 @@ Which table a file feeds follows from its content, not its name: a bench JSON
 depth curve, with a "vs" block the before/after table; "mlasandbox.sweep/1" the
 heads-per-block sweep, "mlasandbox.sweep-paged/1" the rows-per-block sweep of a paged step,
 "mlasandbox.bench-paged/1" the serving steps; rows with "real_us" / "ablated_us" the memory
-ablation.
+ablation. Above the runs, one table reads every serving file that timed FlashMLA beside the
+sandbox: our latent over its call, a row a shape and a column a run, so a kernel change shows
+as a ratio that moves across runs on different machines.
 """
 from __future__ import annotations
 
@@ -288,6 +290,58 @@ def serving_section(files: list, out_dir: Path) -> list[str]:
                         right_from=2) + [""]
 
 
+PEER = "flashmla"
+
+
+def peer_ratio(doc: dict):
+    """(our latent / the peer's call, our variant, tie) of a serving bench that timed both, or
+    None. Ours: the fastest `latent` (the step without wv_b, the peer's work) among the
+    sandbox's variants that passed their check; tie: within the run's A/A floor, |a - b| / b."""
+    rows = [r for r in doc.get("rows", []) if r.get("check_ok") is not False
+            and r.get("median_us")]
+    peer = [r for r in rows if r["variant"] == PEER and r["phase"] == "step"]
+    ours = [r for r in rows if r["phase"] == "latent" and r.get("kind") != "peer"
+            and r["variant"] not in ("-", PEER)]
+    if not peer or not ours:
+        return None
+    best = min(ours, key=lambda r: r["median_us"])
+    ratio = best["median_us"] / peer[0]["median_us"]
+    floor = (doc.get("noise_floor") or {}).get("floor")
+    return ratio, best["variant"], floor is not None and abs(ratio - 1) <= floor
+
+
+def _short_run(name: str) -> str:
+    """`h100-80gb-hbm3-2026-12-07-f195197` -> `h100 12-07 f195197`: a column head."""
+    m = re.fullmatch(r"([a-z0-9]+)(?:-[a-z0-9]+)*-\d{4}-(\d\d-\d\d)-([0-9a-f]{7})", name)
+    return f"{m.group(1)} {m.group(2)} {m.group(3)}" if m else name
+
+
+def peer_section(runs: list[dict]) -> list[str]:
+    """One row a serving shape, one column a run that timed FlashMLA beside the sandbox."""
+    columns, order = [], []
+    for run in runs:
+        got = {}
+        for _, doc in run["files"].get("serving", []):
+            r = peer_ratio(doc)
+            if r is not None:
+                shape = _shape(doc["config"])
+                got[shape] = r
+                order += [] if shape in order else [shape]
+        if got:
+            columns.append((_short_run(run["dir"].name), got))
+    if not columns:
+        return []
+    out = ["## Against FlashMLA, run by run", "",
+           "Our latent (attn + merge, no wv_b: the peer's work; the fastest variant that passed "
+           "its check) over FlashMLA's call, timed in the same process; under 1 is ahead. "
+           "`=`: within that run's A/A floor, a tie. A column is a run (device, date, "
+           "commit); its own section below has the microseconds; compare ratios across runs, not microseconds (the runs are on "
+           "different machines).", ""]
+    rows = [[shape] + [(f"{got[shape][0]:.3f}{' =' if got[shape][2] else ''} {got[shape][1]}"
+                        if shape in got else "-") for _, got in columns] for shape in order]
+    return out + _table(["shape"] + [name for name, _ in columns], rows) + [""]
+
+
 def _predicted(plan: dict, doc: dict):
     """(attn, combine) us the split rule's latency model (splits.predict_us) gives the plan
     of one bench row, or None where the row has no batch-1 split plan."""
@@ -387,6 +441,7 @@ def render(run_dirs: list[Path], out_dir: Path) -> str:
              "Tables rendered from the JSON each run wrote; the manifest of each run names its "
              "device, software and commands. Method: [measurement.md](measurement.md). "
              "Regenerate with `python tools/render_results.py`.", ""]
+    lines += peer_section(runs)
     for run in runs:
         lines += run_section(run, out_dir)
     return "\n".join(lines).rstrip() + "\n"
