@@ -330,9 +330,7 @@ def test_the_peer_table_divides_our_latent_by_the_peers_call(run):
     head = text[text.index("## Against FlashMLA"):].splitlines()[4]
     assert head == "| shape | fixture 01-02 abc1234 |"  # the run: first word, date, commit
     # the fixture's mma16 latent 149.71 over flashmla's 85.936; no floor in the file: no tie
-    assert _peer_row(text) == f"| 32 x normal:8192:4096 x 16 heads, page 64 | " \
-        f"{149.71 / 85.93599870800972:.3f} mma16 |"
-    assert _peer_row(text).endswith("| 1.742 mma16 |")
+    assert _peer_row(text) == "| 32 x normal:8192:4096 x 16 heads, page 64 | 1.742 mma16 |"
 
 
 def test_the_peer_table_marks_a_tie_and_skips_failed_checks(run):
@@ -344,9 +342,16 @@ def test_the_peer_table_marks_a_tie_and_skips_failed_checks(run):
     doc["noise_floor"] = {"floor": 0.004}
     path.write_text(json.dumps(doc))
     assert _peer_row(_render(run)).endswith("| 1.003 = mma16 |")
-    doc["noise_floor"] = {"floor": 0.002}   # the floor under the difference: no tie
+    # the bench's rule (noise.verdict): under a floor of 0.1% the event timer's 0.5 us
+    # resolution (0.58% of 85.9 us) still makes 0.31% a tie; 1.1% is not one
+    doc["noise_floor"] = {"floor": 0.001}
     path.write_text(json.dumps(doc))
-    assert _peer_row(_render(run)).endswith("| 1.003 mma16 |")
+    assert _peer_row(_render(run)).endswith("| 1.003 = mma16 |")
+    for r in doc["rows"]:
+        if r["variant"] == "mma16" and r["phase"] == "latent":
+            r["median_us"] = 86.9
+    path.write_text(json.dumps(doc))
+    assert _peer_row(_render(run)).endswith("| 1.011 mma16 |")
     # a latent whose check failed is not ours to compare; without one there is no row
     for r in doc["rows"]:
         if r["variant"] == "mma16":

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from mlasandbox.cli.lab_render import fmt_us
 from mlasandbox.clocks import clock_cell
+from mlasandbox.noise import verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH, SWEEP = "mlasandbox.bench/1", "mlasandbox.sweep/1"
@@ -296,7 +297,8 @@ PEER = "flashmla"
 def peer_ratio(doc: dict):
     """(our latent / the peer's call, our variant, tie) of a serving bench that timed both, or
     None. Ours: the fastest `latent` (the step without wv_b, the peer's work) among the
-    sandbox's variants that passed their check; tie: within the run's A/A floor, |a - b| / b."""
+    sandbox's variants that passed their check; tie: no measurable difference by the bench's
+    own rule (noise.verdict: the run's A/A floor, or the event timer's resolution)."""
     rows = [r for r in doc.get("rows", []) if r.get("check_ok") is not False
             and r.get("median_us")]
     peer = [r for r in rows if r["variant"] == PEER and r["phase"] == "step"]
@@ -307,7 +309,9 @@ def peer_ratio(doc: dict):
     best = min(ours, key=lambda r: r["median_us"])
     ratio = best["median_us"] / peer[0]["median_us"]
     floor = (doc.get("noise_floor") or {}).get("floor")
-    return ratio, best["variant"], floor is not None and abs(ratio - 1) <= floor
+    tie = floor is not None and not verdict(best["median_us"], peer[0]["median_us"],
+                                            floor).measurable
+    return ratio, best["variant"], tie
 
 
 def _short_run(name: str) -> str:
@@ -334,9 +338,10 @@ def peer_section(runs: list[dict]) -> list[str]:
     out = ["## Against FlashMLA, run by run", "",
            "Our latent (attn + merge, no wv_b: the peer's work; the fastest variant that passed "
            "its check) over FlashMLA's call, timed in the same process; under 1 is ahead. "
-           "`=`: within that run's A/A floor, a tie. A column is a run (device, date, "
-           "commit); its own section below has the microseconds; compare ratios across runs, not microseconds (the runs are on "
-           "different machines).", ""]
+           "`=`: no measurable difference by the bench's rule (the run's A/A floor, or the event "
+           "timer's 0.5 us resolution), a tie. A column is a run (device, date, commit); its "
+           "own section below has the microseconds; compare ratios across runs, not "
+           "microseconds (the runs are on different machines).", ""]
     rows = [[shape] + [(f"{got[shape][0]:.3f}{' =' if got[shape][2] else ''} {got[shape][1]}"
                         if shape in got else "-") for _, got in columns] for shape in order]
     return out + _table(["shape"] + [name for name, _ in columns], rows) + [""]
