@@ -9,7 +9,6 @@ the sanitizer run that prints it has no host-side check of its own.
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
@@ -25,9 +24,8 @@ CASES = ROOT / ".ci" / "sanitize_cases.py"
 no_gpu = pytest.mark.skipif(HAVE_GPU, reason="checks the refusal where no CUDA device is")
 
 
-def _run(*cmd: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+def _run(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def _cases_module():
