@@ -360,6 +360,20 @@ def test_the_peer_table_marks_a_tie_and_skips_failed_checks(run):
     assert "## Against FlashMLA" not in _render(run)
 
 
+def test_a_shape_benched_twice_in_a_run_shows_both_ratios(run):
+    # a second bench of the same shape in the run: both ratios in the cell, lowest first,
+    # with the count of ties; keeping only one file's (the last read) would drop a bench
+    doc = json.loads((run / "serving.json").read_text())
+    for r in doc["rows"]:
+        if r["variant"] == "mma16" and r["phase"] == "latent":
+            r["median_us"] = 86.2   # a tie under the floor below; the fixture's is 1.742
+    doc["noise_floor"] = {"floor": 0.004}
+    (run / "serving_r2.json").write_text(json.dumps(doc))
+    assert _peer_row(_render(run)).endswith("| 1.003..1.742 (2 benches, 1 =) mma16 |")
+    (run / "serving_r2.json").unlink()
+    assert _peer_row(_render(run)).endswith("| 1.742 mma16 |")
+
+
 def test_a_run_without_the_peer_has_no_peer_table(run):
     path = run / "serving.json"
     doc = json.loads(path.read_text())

@@ -329,7 +329,7 @@ def peer_section(runs: list[dict]) -> list[str]:
             r = peer_ratio(doc)
             if r is not None:
                 shape = _shape(doc["config"])
-                got[shape] = r
+                got.setdefault(shape, []).append(r)
                 order += [] if shape in order else [shape]
         if got:
             columns.append((_short_run(run["dir"].name), got))
@@ -341,10 +341,25 @@ def peer_section(runs: list[dict]) -> list[str]:
            "`=`: no measurable difference by the bench's rule (the run's A/A floor, or the event "
            "timer's 0.5 us resolution), a tie. A column is a run (device, date, commit); its "
            "own section below has the microseconds; compare ratios across runs, not "
-           "microseconds (the runs are on different machines).", ""]
-    rows = [[shape] + [(f"{got[shape][0]:.3f}{' =' if got[shape][2] else ''} {got[shape][1]}"
-                        if shape in got else "-") for _, got in columns] for shape in order]
+           "microseconds (the runs are on different machines). Where a run benched a shape "
+           "several times, its cell gives the range of their ratios and how many were ties.", ""]
+    rows = [[shape] + [_peer_cell(got[shape]) if shape in got else "-" for _, got in columns]
+            for shape in order]
     return out + _table(["shape"] + [name for name, _ in columns], rows) + [""]
+
+
+def _peer_cell(results: list) -> str:
+    """One run's cell of a shape: its ratio, `=` for a tie and the variant; where the run
+    benched the shape n times, the range of the n ratios, how many were ties and the
+    variants, so that no bench of the run is dropped."""
+    if len(results) == 1:
+        ratio, variant, tie = results[0]
+        return f"{ratio:.3f}{' =' if tie else ''} {variant}"
+    ratios = sorted(r for r, _, _ in results)
+    ties = sum(t for _, _, t in results)
+    variants = "/".join(sorted({v for _, v, _ in results}))
+    return (f"{ratios[0]:.3f}..{ratios[-1]:.3f} ({len(results)} benches"
+            f"{f', {ties} =' if ties else ''}) {variants}")
 
 
 def _predicted(plan: dict, doc: dict):
