@@ -374,6 +374,28 @@ def test_a_shape_benched_twice_in_a_run_shows_both_ratios(run):
     assert _peer_row(_render(run)).endswith("| 1.742 mma16 |")
 
 
+def test_peer_rows_keep_their_order_as_runs_come_and_group_cache_dtypes(run):
+    # an older run benched the fixture's shape in f16; a newer one benches a new shape, then
+    # the same shape in bf16: the rows stay in the older run's order, bf16 under its f16 row
+    doc = json.loads((run / "serving.json").read_text())
+    newer = run.parent / "fixture-gpu-2026-01-03-def5678"
+    shutil.copytree(run, newer)
+    (newer / "serving.json").unlink()
+    new_shape = json.loads(json.dumps(doc))
+    new_shape["config"]["batch"] = 8
+    (newer / "a_serving.json").write_text(json.dumps(new_shape))
+    bf16 = json.loads(json.dumps(doc))
+    bf16["config"]["cache_dtype"] = "bf16"
+    (newer / "b_serving.json").write_text(json.dumps(bf16))
+    text = rr.render([newer, run], run.parent.parent / "docs")
+    table = text[text.index("## Against FlashMLA"):].split("\n\n")[2].splitlines()
+    assert [line.split(" | ")[0] for line in table[2:]] == [
+        "| 32 x normal:8192:4096 x 16 heads, page 64",
+        "| 32 x normal:8192:4096 x 16 heads, page 64, bf16 cache",
+        "| 8 x normal:8192:4096 x 16 heads, page 64"]
+    assert table[0] == "| shape | fixture 01-03 def5678 | fixture 01-02 abc1234 |"
+
+
 def test_a_run_without_the_peer_has_no_peer_table(run):
     path = run / "serving.json"
     doc = json.loads(path.read_text())

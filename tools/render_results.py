@@ -322,7 +322,7 @@ def _short_run(name: str) -> str:
 
 def peer_section(runs: list[dict]) -> list[str]:
     """One row a serving shape, one column a run that timed FlashMLA beside the sandbox."""
-    columns, order = [], []
+    columns = []
     for run in runs:
         got = {}
         for _, doc in run["files"].get("serving", []):
@@ -330,7 +330,6 @@ def peer_section(runs: list[dict]) -> list[str]:
             if r is not None:
                 shape = _shape(doc["config"])
                 got.setdefault(shape, []).append(r)
-                order += [] if shape in order else [shape]
         if got:
             columns.append((_short_run(run["dir"].name), got))
     if not columns:
@@ -343,9 +342,20 @@ def peer_section(runs: list[dict]) -> list[str]:
            "own section below has the microseconds; compare ratios across runs, not "
            "microseconds (the runs are on different machines). Where a run benched a shape "
            "several times, its cell gives the range of their ratios and how many were ties.", ""]
+    # A row's place: where its shape first appears, reading the runs oldest first, so that a
+    # new run's column does not reorder the rows; each cache dtype's row under its f16 row.
+    seen = [shape for _, got in reversed(columns) for shape in got]
+    f16 = [_f16_shape(shape) for shape in seen]
+    order = sorted(set(seen), key=lambda shape: (
+        f16.index(_f16_shape(shape)), shape != _f16_shape(shape), seen.index(shape)))
     rows = [[shape] + [_peer_cell(got[shape]) if shape in got else "-" for _, got in columns]
             for shape in order]
     return out + _table(["shape"] + [name for name, _ in columns], rows) + [""]
+
+
+def _f16_shape(shape: str) -> str:
+    """A row's shape with its cache dtype taken off (_shape names any but f16)."""
+    return re.sub(r", \w+ cache$", "", shape)
 
 
 def _peer_cell(results: list) -> str:
