@@ -322,13 +322,14 @@ def _short_run(name: str) -> str:
 
 def peer_section(runs: list[dict]) -> list[str]:
     """One row a serving shape, one column a run that timed FlashMLA beside the sandbox."""
-    columns = []
+    columns, f16 = [], {}  # f16: each row's shape with an f16 cache, the row it goes under
     for run in runs:
         got = {}
         for _, doc in run["files"].get("serving", []):
             r = peer_ratio(doc)
             if r is not None:
                 shape = _shape(doc["config"])
+                f16[shape] = _shape({**doc["config"], "cache_dtype": "f16"})
                 got.setdefault(shape, []).append(r)
         if got:
             columns.append((_short_run(run["dir"].name), got))
@@ -345,17 +346,12 @@ def peer_section(runs: list[dict]) -> list[str]:
     # A row's place: where its shape first appears, reading the runs oldest first, so that a
     # new run's column does not reorder the rows; each cache dtype's row under its f16 row.
     seen = [shape for _, got in reversed(columns) for shape in got]
-    f16 = [_f16_shape(shape) for shape in seen]
+    first = [f16[shape] for shape in seen]
     order = sorted(set(seen), key=lambda shape: (
-        f16.index(_f16_shape(shape)), shape != _f16_shape(shape), seen.index(shape)))
+        first.index(f16[shape]), shape != f16[shape], seen.index(shape)))
     rows = [[shape] + [_peer_cell(got[shape]) if shape in got else "-" for _, got in columns]
             for shape in order]
     return out + _table(["shape"] + [name for name, _ in columns], rows) + [""]
-
-
-def _f16_shape(shape: str) -> str:
-    """A row's shape with its cache dtype taken off (_shape names any but f16)."""
-    return re.sub(r", \w+ cache$", "", shape)
 
 
 def _peer_cell(results: list) -> str:
